@@ -1,0 +1,38 @@
+"""MTP head families, one module each, resolved by ``model_type``.
+
+A family module provides:
+
+- ``MODEL_TYPES``: the ``model_type`` values it serves;
+- ``num_layers(config)``: MTP layers the config declares;
+- ``prefix(config, j)``: where layer ``j``'s tensors live in a checkpoint;
+- ``is_mtp_key(key, config)``: whether a checkpoint tensor belongs to the head;
+- ``build(args, config, backbone, weights)``: an unloaded ``MTPHead``.
+"""
+
+import importlib
+from types import ModuleType
+from typing import Optional
+
+from .base import MTPHead, load_head_weights
+
+FAMILY_MODULES = ("deepseek", "mimo")
+
+
+def family_for(model_type: str) -> Optional[ModuleType]:
+    """The head family serving ``model_type``, or None when MTP is unsupported."""
+    for name in FAMILY_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        if model_type in module.MODEL_TYPES:
+            return module
+    return None
+
+
+def supported_model_types():
+    return [
+        t
+        for name in FAMILY_MODULES
+        for t in importlib.import_module(f"{__name__}.{name}").MODEL_TYPES
+    ]
+
+
+__all__ = ["MTPHead", "family_for", "load_head_weights", "supported_model_types"]

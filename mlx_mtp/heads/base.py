@@ -1,0 +1,121 @@
+"""What every MTP head shares: the forward skeleton and weight loading.
+
+A head is one MTP ("NextN") layer. At position ``i`` it pairs the trunk's hidden
+state ``h_i`` with the embedding of the next token ``t_{i+1}``, runs one
+decoder block of the trunk's own type, and predicts ``t_{i+2}``. A family
+says how the two inputs are fused, which norm closes the block, where its
+tensors live in a checkpoint, and whether it has its own embedding and
+output head (it falls back to the trunk's otherwise).
+"""
+
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+
+class MTPHead(nn.Module):
+    """One MTP layer. Subclasses define ``fuse``, ``final_norm`` and naming."""
+
+    # Top-level module names that belong to the head itself; every other
+    # tensor under the layer's prefix belongs to the decoder block.
+    OWN: Tuple[str, ...] = ()
+    # vLLM's DeepSeek-style and MiMo heads zero the embedding at position 0.
+    zero_first_embedding: bool = True
+
+    def __init__(self):
+        super().__init__()
+        self._shared = SimpleNamespace(embed=None, lm_head=None)
+
+    def bind(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]):
+        """Share the trunk's embedding and output head (used where the head has none)."""
+        self._shared = SimpleNamespace(embed=embed, lm_head=lm_head)
+
+    # -- family hooks ------------------------------------------------------
+    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def final_norm(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self._shared.embed(tokens)
+
+    def logits(self, h: mx.array) -> mx.array:
+        return self._shared.lm_head(h)
+
+    # -- forward -----------------------------------------------------------
+    def __call__(
+        self, hidden: mx.array, tokens: mx.array, cache: List[Any]
+    ) -> Tuple[mx.array, mx.array]:
+        """Logits for ``t_{i+2}`` and the normed output hidden state.
+
+        ``hidden``: [B, L, D] hidden states ``h_i..h_{i+L-1}``; ``tokens``:
+        [B, L] the tokens ``t_{i+1}..t_{i+L}``. The output hidden state is what
+        the next draft in a chain feeds back in place of ``h``.
+        """
+        e = self.embed(tokens)
+        if self.zero_first_embedding and cache[0].offset == 0:
+            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+        x = self.fuse(e, hidden.astype(e.dtype))
+        mask = create_attention_mask(x, cache[0], return_array=True)
+        x = self.block(x, mask, cache[0])
+        h = self.final_norm(x)
+        return self.logits(h), h
+
+    def make_cache(self) -> List[Any]:
+        return [KVCache()]
+
+    # -- checkpoint naming -------------------------------------------------
+    def module_path(self, rel: str) -> str:
+        """Map a tensor name relative to the layer's prefix to this module's path."""
+        top = rel.split(".", 1)[0]
+        return rel if top in self.OWN else f"block.{rel}"
+
+
+def load_head_weights(
+    head: MTPHead,
+    prefix: str,
+    weights: Dict[str, mx.array],
+    sanitize_block: Callable[[Dict[str, mx.array]], Dict[str, mx.array]],
+    quantization: Optional[Dict[str, Any]],
+) -> None:
+    """Load the tensors under ``prefix`` into ``head``, quantizing as the config says.
+
+    ``sanitize_block`` turns raw block tensors (names relative to the block)
+    into the form the trunk's block class expects (stacked experts, split
+    MLA projections); it is the trunk's own ``sanitize``.
+    """
+    rel = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    own = {k: v for k, v in rel.items() if k.split(".", 1)[0] in head.OWN}
+    block = sanitize_block({k: v for k, v in rel.items() if k not in own})
+    params = {**own, **{f"block.{k}": v for k, v in block.items()}}
+
+    if quantization is not None or any(k.endswith(".scales") for k in params):
+        from mlx_lm.utils import infer_quant_config
+
+        per_module = {}
+        for key, value in (quantization or {}).items():
+            if isinstance(value, dict) and key.startswith(prefix):
+                per_module[head.module_path(key[len(prefix) :])] = value
+
+        def predicate(path, module):
+            if path in per_module:
+                return per_module[path]
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in params:
+                return False
+            return infer_quant_config(path, module, params)
+
+        defaults = quantization or {"group_size": 64, "bits": 4}
+        nn.quantize(
+            head,
+            group_size=defaults.get("group_size", 64),
+            bits=defaults.get("bits", 4),
+            mode=defaults.get("mode", "affine"),
+            class_predicate=predicate,
+        )
+    head.load_weights(list(params.items()), strict=True)
+    mx.eval(head.parameters())

@@ -1,0 +1,92 @@
+"""DeepSeek-style MTP head: DeepSeek-V3/R1, GLM-4.5/4.6/4.7 and GLM-4.7-Flash.
+
+Checkpoint layout (``N = num_hidden_layers``)::
+
+    model.layers.{N}.enorm / hnorm / eh_proj          fuse, embedding FIRST
+    model.layers.{N}.embed_tokens                     optional (GLM-4.6 omits it)
+    model.layers.{N}.shared_head.norm / .head         head optional likewise
+    model.layers.{N}.input_layernorm, self_attn.*, post_attention_layernorm, mlp.*
+
+The block is the trunk's own decoder layer class built at index ``N``, so it
+is MoE exactly where the trunk's layer ``N`` would be.
+"""
+
+from typing import Any, Dict
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import MTPHead
+
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+
+
+class SharedHead(nn.Module):
+    def __init__(self, dims: int, vocab_size: int, eps: float, has_head: bool):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims, eps=eps)
+        if has_head:
+            self.head = nn.Linear(dims, vocab_size, bias=False)
+
+
+class DeepSeekMTP(MTPHead):
+    OWN = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head")
+
+    def __init__(self, args: Any, block: nn.Module, has_embed: bool, has_head: bool):
+        super().__init__()
+        dims, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(dims, eps=eps)
+        self.hnorm = nn.RMSNorm(dims, eps=eps)
+        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+        self.shared_head = SharedHead(dims, args.vocab_size, eps, has_head)
+        if has_embed:
+            self.embed_tokens = nn.Embedding(args.vocab_size, dims)
+        self.block = block
+
+    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
+        return self.eh_proj(x)
+
+    def final_norm(self, x: mx.array) -> mx.array:
+        return self.shared_head.norm(x)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        if "embed_tokens" in self:
+            return self.embed_tokens(tokens)
+        return super().embed(tokens)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if "head" in self.shared_head:
+            return self.shared_head.head(h)
+        return super().logits(h)
+
+
+def num_layers(config: Dict[str, Any]) -> int:
+    return int(config.get("num_nextn_predict_layers", 0) or 0)
+
+
+def prefix(config: Dict[str, Any], j: int = 0) -> str:
+    return f"model.layers.{config['num_hidden_layers'] + j}."
+
+
+def is_mtp_key(key: str, config: Dict[str, Any]) -> bool:
+    parts = key.split(".")
+    return (
+        len(parts) > 3
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and int(parts[2]) >= config["num_hidden_layers"]
+    )
+
+
+def build(
+    args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
+) -> MTPHead:
+    pre = prefix(config)
+    block = type(backbone.layers[0])(args, args.num_hidden_layers)
+    return DeepSeekMTP(
+        args,
+        block,
+        has_embed=f"{pre}embed_tokens.weight" in weights,
+        has_head=any(k.startswith(f"{pre}shared_head.head.") for k in weights),
+    )

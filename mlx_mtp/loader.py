@@ -1,0 +1,218 @@
+"""Load an MLX (or Hugging Face) model folder as a trunk plus its MTP head.
+
+mlx-lm's ``sanitize`` drops MTP tensors and its strict load rejects unknown
+ones, so we hand mlx-lm a subclass of its own model class whose ``sanitize``
+first moves the MTP tensors aside. Everything else (quantization, legacy
+configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
+``mtp*.safetensors`` files beside the model, the place where ``convert`` and
+``train-head`` put them so that plain mlx-lm still loads the folder.
+"""
+
+import glob
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import MTPCache, can_rollback
+from .errors import MTPError
+from .heads import MTPHead, family_for, load_head_weights
+from .trunk import Trunk, output_head
+
+HEAD_FILE_GLOB = "mtp*.safetensors"
+
+
+@dataclass
+class MTPModel:
+    """A trunk (mlx-lm's model) and, when the checkpoint has one, its MTP head."""
+
+    trunk: Trunk
+    head: Optional[MTPHead]
+    config: Dict[str, Any]
+    notice: Optional[str] = None  # why there is no head, when there is none
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.head is not None and can_rollback(self.trunk.make_cache())
+
+    def make_cache(self) -> MTPCache:
+        head_cache = self.head.make_cache() if self.head is not None else []
+        return MTPCache(trunk=self.trunk.make_cache(), head=head_cache)
+
+
+def read_config(path: Path) -> Dict[str, Any]:
+    if not path.exists():
+        raise MTPError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise MTPError(f"{path}: not a model folder")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise MTPError(f"{path}: no config.json (not a model folder)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MTPError(f"{config_file}: not valid JSON ({e})") from None
+    if "model_type" not in config:
+        raise MTPError(f"{config_file}: no model_type")
+    return config
+
+
+def read_safetensors(files) -> Dict[str, mx.array]:
+    weights = {}
+    for f in sorted(files):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mx.load raises bare RuntimeError/ValueError
+            raise MTPError(f"{f}: cannot read safetensors ({_first_line(e)})") from None
+    return weights
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
+    """mlx-lm's model classes, with MTP tensors moved into ``sink`` on sanitize."""
+    from mlx_lm.utils import _get_classes
+
+    def get_classes(config):
+        cfg = config
+        model_class, args_class = _get_classes(cfg)
+        if family is None:
+            return model_class, args_class
+
+        class SplitMTP(model_class):
+            def sanitize(self, weights):
+                for key in [k for k in weights if family.is_mtp_key(k, cfg)]:
+                    sink[key] = weights.pop(key)
+                if hasattr(model_class, "sanitize"):
+                    return model_class.sanitize(self, weights)
+                return weights
+
+        SplitMTP.__name__ = SplitMTP.__qualname__ = model_class.__name__
+        SplitMTP.__module__ = model_class.__module__
+        return SplitMTP, args_class
+
+    return get_classes
+
+
+def _check_model_type(config: Dict[str, Any]) -> None:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except ValueError:
+        raise MTPError(
+            f"unknown model_type {config['model_type']!r} (mlx-lm has no such model)"
+        ) from None
+
+
+def _sanitize_block(model: nn.Module, family, weights):
+    """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
+    layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
+    sanitize = getattr(model, "sanitize", lambda w: w)
+    out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
+    return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}
+
+
+def load_model(
+    path: Union[str, Path],
+    mtp: Optional[Union[str, Path]] = None,
+    hidden_tap: Optional[str] = None,
+    lazy: bool = False,
+) -> MTPModel:
+    """Load the trunk and MTP head of the model folder ``path``.
+
+    ``mtp`` names a separate head (a folder holding ``mtp*.safetensors`` or a
+    ``.safetensors`` file) to attach instead of the one in the folder.
+    ``hidden_tap`` ("post" or "pre") overrides the family's hidden-state tap.
+    """
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    path = Path(path)
+    config = read_config(path)
+    model_type = config["model_type"]
+    _check_model_type(config)
+    family = family_for(model_type)
+    split: Dict[str, mx.array] = {}
+    if not glob.glob(str(path / "model*.safetensors")):
+        raise MTPError(f"{path}: no model*.safetensors weights")
+    try:
+        model, config = mlx_lm_load_model(
+            path, lazy=True, get_model_classes=_model_classes(config, family, split)
+        )
+    except MTPError:
+        raise
+    except Exception as e:
+        raise MTPError(f"{path}: cannot load the model ({_first_line(e)})") from None
+
+    tap = hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post")
+    trunk = Trunk(model, tap)
+    if mtp is not None:
+        mtp = Path(mtp)
+        files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
+        if not files:
+            raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
+        head_weights = read_safetensors(files)
+    else:
+        head_weights = {**split, **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB)))}
+
+    head, notice = None, None
+    if family is None:
+        notice = f"{model_type}: no MTP support for this family, generating without MTP"
+    elif not any(family.is_mtp_key(k, config) for k in head_weights):
+        notice = f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"
+    else:
+        head = _build_head(model, trunk, family, config, head_weights)
+    if head is not None and not can_rollback(trunk.make_cache()):
+        notice = f"{model_type}: its caches cannot roll back, generating without MTP"
+        head = None
+    if not lazy:
+        mx.eval(model.parameters())
+    return MTPModel(trunk=trunk, head=head, config=config, notice=notice)
+
+
+def _build_head(model, trunk, family, config, weights) -> MTPHead:
+    args = model.args if hasattr(model, "args") else None
+    head = family.build(args, config, trunk.backbone, weights)
+    try:
+        load_head_weights(
+            head,
+            family.prefix(config, 0),
+            weights,
+            lambda w: _sanitize_block(model, family, w),
+            config.get("quantization"),
+        )
+    except ValueError as e:
+        raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
+    head.bind(trunk.embed_tokens, output_head(model))
+    return head
+
+
+def load(
+    path: Union[str, Path],
+    mtp: Optional[Union[str, Path]] = None,
+    hidden_tap: Optional[str] = None,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+) -> Tuple[MTPModel, Any]:
+    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``."""
+    from mlx_lm.utils import load_tokenizer
+
+    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap)
+    try:
+        tokenizer = load_tokenizer(
+            Path(path),
+            tokenizer_config or {},
+            eos_token_ids=model.config.get("eos_token_id"),
+        )
+    except Exception as e:
+        raise MTPError(f"{path}: cannot load the tokenizer ({_first_line(e)})") from None
+    return model, tokenizer

@@ -1,0 +1,108 @@
+"""Speculative decoding statistics (definitions as in llama.cpp).
+
+- rounds: verify passes of the main model;
+- drafted / accepted: draft tokens the main model tested / kept. Drafts cut
+  off by a stop token or ``max_tokens`` are not counted (llama.cpp PR #14104);
+- acceptance rate = accepted / drafted;
+- mean accepted length = emitted tokens / rounds, in [1, draft_max + 1];
+- per-position acceptance j = P(draft j accepted | drafts 1..j-1 accepted).
+
+Invariant: emitted == rounds + accepted.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class DraftRound:
+    """One round of the draft trace: what was drafted and how much was kept."""
+
+    drafted: List[int]
+    accepted: int
+
+
+@dataclass
+class MTPStats:
+    draft_max: int = 0
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: List[int] = field(default_factory=list)
+    accepted_at: List[int] = field(default_factory=list)
+    peak_memory: float = 0.0  # GB
+    trace: Optional[List[DraftRound]] = None
+
+    def record_round(self, drafted: List[int], accepted: int) -> None:
+        """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
+        self.rounds += 1
+        self.drafted += len(drafted)
+        self.accepted += accepted
+        self.generation_tokens += accepted + 1
+        while len(self.drafted_at) < len(drafted):
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(len(drafted)):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < accepted
+        if self.trace is not None:
+            self.trace.append(DraftRound(list(drafted), accepted))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.generation_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def forwards_per_token(self) -> float:
+        """Main-model forward passes per emitted token (prefill excluded)."""
+        return self.rounds / self.generation_tokens if self.generation_tokens else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
+
+    def summary(self) -> str:
+        """The stats line, in llama.cpp's words."""
+        per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance)
+        return (
+            f"draft acceptance = {self.acceptance_rate:.2f} "
+            f"({self.accepted} accepted / {self.drafted} generated), "
+            f"mean acceptance length = {self.mean_accepted_length:.2f}, "
+            f"acceptance rate per position = ({per_pos})\n"
+            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
+            f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "
+            f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "draft_max": self.draft_max,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tps": self.prompt_tps,
+            "generation_tokens": self.generation_tokens,
+            "generation_tps": self.generation_tps,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "forwards_per_token": self.forwards_per_token,
+            "peak_memory_gb": self.peak_memory,
+        }

@@ -1,0 +1,95 @@
+"""The main model ("trunk"): mlx-lm's own model class, with its hidden state tapped.
+
+The MTP head reads the trunk's last hidden state. mlx-lm models return only
+logits, so we tap the final norm of the backbone: the tap records its output
+(post-norm, the default) or its input (pre-norm) on every forward. The norm
+keeps its parameter path, so the trunk's weights load and save unchanged.
+"""
+
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+HIDDEN_TAPS = ("post", "pre")
+
+
+def find_backbone(model: nn.Module) -> nn.Module:
+    """The module that owns ``embed_tokens``, ``layers`` and the final ``norm``."""
+    candidates = [model, getattr(model, "model", None)]
+    lm = getattr(model, "language_model", None)
+    if lm is not None:
+        candidates += [lm, getattr(lm, "model", None)]
+    for m in candidates:
+        if m is not None and all(
+            hasattr(m, name) for name in ("embed_tokens", "layers", "norm")
+        ):
+            return m
+    raise ValueError(f"cannot find the backbone of {type(model).__name__}")
+
+
+def output_head(model: nn.Module):
+    """The trunk's output projection as a callable from hidden states to logits."""
+    for m in (model, getattr(model, "language_model", None)):
+        if m is not None and "lm_head" in m:
+            return m.lm_head
+    return find_backbone(model).embed_tokens.as_linear
+
+
+class _Tap:
+    """Holds the hidden state recorded by a tapped norm."""
+
+    def __init__(self, where: str):
+        if where not in HIDDEN_TAPS:
+            raise ValueError(f"hidden tap must be one of {HIDDEN_TAPS}, not {where!r}")
+        self.where = where
+        self.value: Optional[mx.array] = None
+
+
+def _install_tap(norm: nn.Module, tap: _Tap) -> None:
+    base = type(norm)
+    if getattr(base, "_mtp_tapped", False):
+        base = base.__mro__[1]
+
+    class Tapped(base):
+        _mtp_tapped = True
+
+        def __call__(self, x, *args, **kwargs):
+            y = base.__call__(self, x, *args, **kwargs)
+            tap.value = y if tap.where == "post" else x
+            return y
+
+    Tapped.__name__ = base.__name__
+    norm.__class__ = Tapped
+
+
+class Trunk:
+    """Runs the main model and returns logits together with the tapped hidden state."""
+
+    def __init__(self, model: nn.Module, hidden_tap: str = "post"):
+        self.model = model
+        self.backbone = find_backbone(model)
+        self._tap = _Tap(hidden_tap)
+        _install_tap(self.backbone.norm, self._tap)
+
+    @property
+    def hidden_tap(self) -> str:
+        return self._tap.where
+
+    @hidden_tap.setter
+    def hidden_tap(self, where: str) -> None:
+        self._tap.where = _Tap(where).where
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.backbone.embed_tokens
+
+    def make_cache(self) -> List[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def __call__(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
+        logits = self.model(tokens, cache=cache)
+        hidden, self._tap.value = self._tap.value, None
+        return logits, hidden
