@@ -64,9 +64,31 @@ def read_config(path: Path) -> Dict[str, Any]:
     return config
 
 
+def check_safetensors(path: Path) -> None:
+    """Read only the header: a truncated or corrupt file fails here, by name."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(f.read(n))
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise MTPError(f"{path}: not a valid safetensors file ({_first_line(e)})") from None
+    if 8 + n + end > size:
+        raise MTPError(
+            f"{path}: truncated ({size} bytes, the header promises {8 + n + end})"
+        )
+
+
 def read_safetensors(files) -> Dict[str, mx.array]:
     weights = {}
     for f in sorted(files):
+        check_safetensors(Path(f))
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises bare RuntimeError/ValueError
@@ -143,8 +165,11 @@ def load_model(
     _check_model_type(config)
     family = family_for(model_type)
     split: Dict[str, mx.array] = {}
-    if not glob.glob(str(path / "model*.safetensors")):
+    weight_files = glob.glob(str(path / "model*.safetensors"))
+    if not weight_files:
         raise MTPError(f"{path}: no model*.safetensors weights")
+    for f in weight_files + glob.glob(str(path / HEAD_FILE_GLOB)):
+        check_safetensors(Path(f))
     try:
         model, config = mlx_lm_load_model(
             path, lazy=True, get_model_classes=_model_classes(config, family, split)

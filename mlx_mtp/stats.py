@@ -46,7 +46,8 @@ class MTPStats:
         while len(self.drafted_at) < len(drafted):
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for j in range(len(drafted)):
+        # position j is reached only when drafts 1..j-1 were all accepted
+        for j in range(min(accepted + 1, len(drafted))):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted
         if self.trace is not None:

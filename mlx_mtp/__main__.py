@@ -1,0 +1,3 @@
+from mlx_mtp.cli import main
+
+main()

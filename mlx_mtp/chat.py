@@ -1,0 +1,232 @@
+"""A multi-turn chat over the Python API, with the prompt cache kept across turns.
+
+Each turn templates the WHOLE conversation and feeds the model only what its
+cache does not already hold: the cache holds the tokens the trunk has read
+(``cached_tokens``), the new prompt is compared with them, and the cache is
+cut back to the common prefix before the rest is fed. When a template renders
+earlier turns the same way (the usual case) the whole history is reused; when
+it renders them differently (or the answer's text re-encodes to other tokens)
+only the common prefix is, so the output is always that of a fresh generation
+from the full conversation: cache reuse changes nothing but speed.
+
+An interrupted answer (``KeyboardInterrupt`` inside the stream, or a consumer
+that stops reading and closes it) drops the whole turn: the conversation and
+the cache go back to how they were after the last complete turn.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+from .cache import MTPCache, rollback
+from .generate import DEFAULT_MAX_TOKENS, GenerationResponse, _encode, stream_generate
+from .loader import MTPModel
+from .stats import MTPStats
+
+
+def _truncatable(cache: MTPCache) -> bool:
+    """Plain attention caches can be cut anywhere; recurrent states cannot."""
+    return all(
+        not hasattr(c, "rollback") and c.is_trimmable() for c in cache.state_list()
+    )
+
+
+def truncate(cache: MTPCache, keep: int) -> int:
+    """Cut ``cache`` back so the trunk holds at most its first ``keep`` tokens.
+
+    The head lags the trunk (see ``MTPCache``): it has read the pairs
+    ``(h_i, t_{i+1})`` for ``i < head_offset`` and the trunk's hidden states
+    after that wait in ``pending_hidden``. Cutting inside the pending states
+    just drops some of them. Cutting below ``head_offset`` would need the
+    hidden state at the cut, which is gone, so one more token is dropped and
+    both caches stop at the same position with nothing pending (the state of a
+    head that has read every pair it can, like a fresh cache). Returns how many
+    tokens the trunk still holds.
+    """
+    trunk_n, head_n = cache.offset, cache.head_offset
+    if keep >= trunk_n:
+        return trunk_n
+    if cache.pending_hidden is None and head_n == 0:  # the head never ran (no MTP)
+        rollback(cache.trunk, trunk_n - keep)
+        return keep
+    if cache.pending_hidden is not None and keep > head_n:
+        rollback(cache.trunk, trunk_n - keep)
+        cache.pending_hidden = cache.pending_hidden[:, : keep - head_n]
+        cache.pending_tokens = cache.pending_tokens[: keep - head_n - 1]
+        return keep
+    keep = max(0, keep - 1)
+    rollback(cache.trunk, trunk_n - keep)
+    rollback(cache.head, head_n - keep)
+    cache.pending_hidden, cache.pending_tokens = None, []
+    return keep
+
+
+def common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def merge_stats(total: MTPStats, turn: MTPStats) -> None:
+    """Add one turn's counts and times to the session's running ``total``."""
+    total.draft_max = turn.draft_max
+    for name in (
+        "prompt_tokens",
+        "prompt_time",
+        "generation_tokens",
+        "generation_time",
+        "rounds",
+        "drafted",
+        "accepted",
+    ):
+        setattr(total, name, getattr(total, name) + getattr(turn, name))
+    for name in ("drafted_at", "accepted_at"):
+        mine, theirs = getattr(total, name), getattr(turn, name)
+        mine.extend([0] * (len(theirs) - len(mine)))
+        for j, v in enumerate(theirs):
+            mine[j] += v
+    total.peak_memory = max(total.peak_memory, turn.peak_memory)
+
+
+@dataclass
+class _Saved:
+    """What a turn needs to be undone: the state after the last complete turn."""
+
+    messages: int
+    tokens: List[int]
+    offset: int
+    head_offset: int
+    pending_hidden: Any
+    pending_tokens: List[int]
+
+
+@dataclass
+class TurnInfo:
+    """The last turn's bookkeeping: tokens in its prompt, and how many came from the cache."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    rebuilt: bool = False  # the cache could not be cut back and was started afresh
+    interrupted: bool = False
+
+
+class ChatSession:
+    """A conversation with a model; ``send`` streams the answer to a user message.
+
+    ``generate_kwargs`` go to ``stream_generate`` on every turn (``draft_max``,
+    ``draft_p_min``, ``mtp``, ``sampler``, ``logits_processors``, ...).
+    """
+
+    def __init__(
+        self,
+        model: MTPModel,
+        tokenizer: Any,
+        system: Optional[str] = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        **generate_kwargs,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system
+        self.max_tokens = max_tokens
+        self.generate_kwargs = generate_kwargs
+        self.total = MTPStats()
+        self.last = TurnInfo()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache (the system prompt stays)."""
+        self.messages: List[Dict[str, str]] = []
+        if self.system:
+            self.messages.append({"role": "system", "content": self.system})
+        self.cache: MTPCache = self.model.make_cache()
+        self.cached_tokens: List[int] = []  # exactly what the trunk has read
+        self._open: Optional[_Saved] = None
+
+    def prompt_tokens(self, messages: List[Dict[str, str]]) -> List[int]:
+        """The templated conversation, encoded as ``generate`` encodes a prompt."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return _encode(self.tokenizer, text)
+
+    def send(self, text: str) -> Iterator[GenerationResponse]:
+        """Stream the answer to the user message ``text``.
+
+        The turn counts once its last token has been yielded; if the stream is
+        interrupted or closed before that, the turn is dropped.
+        """
+        if self._open is not None:  # an earlier stream was abandoned unclosed
+            self._undo()
+        n_messages = len(self.messages)
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.prompt_tokens(self.messages)
+        suffix = self._prepare(prompt)
+        # saved after the cut: the turn only writes past this point
+        self._open = self._save(n_messages)
+        tokens, pieces = [], []
+        try:
+            for response in stream_generate(
+                self.model,
+                self.tokenizer,
+                suffix,
+                self.max_tokens,
+                prompt_cache=self.cache,
+                **self.generate_kwargs,
+            ):
+                tokens.append(response.token)
+                pieces.append(response.text)
+                if response.finish_reason is not None:
+                    self._commit(prompt, tokens, "".join(pieces), response.stats)
+                yield response
+        finally:
+            if self._open is not None:
+                self.last.interrupted = True
+                self._undo()
+
+    def _prepare(self, prompt: List[int]) -> List[int]:
+        """Cut the cache back to what ``prompt`` shares with it; return the rest."""
+        keep = common_prefix(self.cached_tokens, prompt)
+        keep = min(keep, len(prompt) - 1)  # the last token must be fed to be read
+        rebuilt = False
+        if keep < len(self.cached_tokens):
+            if _truncatable(self.cache):
+                keep = truncate(self.cache, keep)
+            else:
+                self.cache, keep, rebuilt = self.model.make_cache(), 0, True
+        self.cached_tokens = prompt[:keep]
+        self.last = TurnInfo(len(prompt), keep, rebuilt)
+        return prompt[keep:]
+
+    def _commit(self, prompt, tokens, text, stats) -> None:
+        # the trunk has read the prompt and every answer token but the last
+        self.cached_tokens = prompt + tokens[:-1]
+        self.messages.append({"role": "assistant", "content": text})
+        merge_stats(self.total, stats)
+        self._open = None
+
+    def _save(self, n_messages: int) -> _Saved:
+        c = self.cache
+        return _Saved(
+            n_messages,
+            list(self.cached_tokens),
+            c.offset,
+            c.head_offset,
+            c.pending_hidden,
+            list(c.pending_tokens),
+        )
+
+    def _undo(self) -> None:
+        """Back to the saved turn boundary: a turn only writes past it, so cut there."""
+        saved, self._open = self._open, None
+        del self.messages[saved.messages :]
+        c = self.cache
+        if not _truncatable(c):
+            self.cache, self.cached_tokens = self.model.make_cache(), []
+            return
+        rollback(c.trunk, c.offset - saved.offset)
+        rollback(c.head, c.head_offset - saved.head_offset)
+        c.pending_hidden, c.pending_tokens = saved.pending_hidden, saved.pending_tokens
+        self.cached_tokens = saved.tokens
