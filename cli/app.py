@@ -33,7 +33,8 @@ def fail(message: str) -> "typer.Exit":
 
 def run_app(args=None) -> int:
     try:
-        app(args=args, standalone_mode=False)
+        # without standalone mode click hands typer.Exit's code back as a value
+        code = app(args=args, standalone_mode=False)
     except MTPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -50,4 +51,4 @@ def run_app(args=None) -> int:
             return 130
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
