@@ -1,0 +1,172 @@
+"""Source -> MLX folder: the trunk in mlx-lm's layout, the MTP layers in ``mtp.safetensors``.
+
+``mtp.safetensors`` keeps the checkpoint names (``model.layers.{N}.eh_proj.weight``,
+``model.mtp_layers.0.*``, ``mtp.*``) with the block in sanitized form (stacked
+experts, split MLA projections): plain ``mlx_lm.load`` never opens it, and
+``mlx_mtp.load`` finds it beside ``model*.safetensors``.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import mlx.core as mx
+
+from mlx_mtp.errors import MTPError
+
+from .model import (
+    build_heads,
+    build_trunk,
+    head_quantization,
+    head_tensors,
+    normalize_config,
+    split_mtp,
+    trunk_group_size,
+)
+from .output import atomic_folder, make_progress, materialize
+from .precision import Precision, apply_head, apply_trunk, quantization_config, quantized_modules
+from .source import Source
+
+HEAD_FILE = "mtp.safetensors"
+PathLike = Union[str, Path]
+
+
+def _save_config(config: Dict[str, Any], path: Path) -> None:
+    from mlx_lm.utils import save_config
+
+    save_config(dict(config), path)
+
+
+def convert_source(
+    source: Source,
+    out: PathLike,
+    precision: Optional[Precision] = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write ``source`` to the MLX folder ``out`` (atomically)."""
+    precision = precision or Precision()
+    precision.check()
+    out = Path(out)
+    if source.write_tokenizer is None:
+        raise MTPError(f"{source.path}: no tokenizer to write")
+    config = normalize_config(source.config)
+    trunk_w, mtp_w = split_mtp(config, source.weights)
+    model = build_trunk(config, trunk_w)
+    apply_trunk(model, precision)
+    heads, leftover = build_heads(model, config, mtp_w)
+
+    group = trunk_group_size(model)
+    head_w: Dict[str, mx.array] = {}
+    head_q: Dict[str, Dict[str, Any]] = {}
+    for prefix, head in heads:
+        apply_head(head, precision, group)
+        head_w.update(head_tensors(prefix, head))
+        head_q.update(head_quantization(prefix, head))
+    dtype = getattr(mx, precision.dtype) if precision.dtype else None
+    for k, v in leftover.items():  # MTP tensors no head module reads: kept as they are
+        head_w[k] = v.astype(dtype) if dtype and mx.issubdtype(v.dtype, mx.floating) else v
+
+    quant = quantization_config(quantized_modules(model), head_q)
+    if quant is not None:
+        config["quantization"] = quant
+    if precision.dtype:
+        config["torch_dtype"] = precision.dtype
+
+    with atomic_folder(out, force) as tmp, make_progress(progress) as bar:
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import save_model
+
+        materialize(dict(tree_flatten(model.parameters())), "trunk", bar if progress else None)
+        save_model(tmp, model, donate_model=True)
+        if head_w:
+            materialize(head_w, "MTP", bar if progress else None)
+            mx.save_safetensors(str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"})
+        _save_config(config, tmp / "config.json")
+        source.write_tokenizer(tmp)
+        _check_tokenizer(tmp, config)
+    return out
+
+
+def _check_tokenizer(folder: Path, config: Dict[str, Any]) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        load_tokenizer(folder, {}, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise MTPError(f"the tokenizer does not load ({first})") from None
+
+
+def is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None) -> Source:
+    """A Source for a HF folder, a GGUF file, or a Hugging Face Hub repo id."""
+    from .hub import resolve
+    from .source import read_hf_folder
+
+    path = Path(src)
+    if not path.exists():
+        path = resolve(str(src))
+    if path.is_file():
+        if not is_gguf(path):
+            raise MTPError(f"{path}: not a GGUF file or a model folder")
+        from .gguf_source import read_gguf
+
+        return read_gguf(path, Path(mtp_gguf) if mtp_gguf else None)
+    if mtp_gguf is not None:
+        raise MTPError("--mtp-gguf goes with a GGUF source")
+    return read_hf_folder(path)
+
+
+def convert(
+    src: PathLike,
+    out: PathLike,
+    *,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    mtp_bits: int = 8,
+    dequantize: bool = False,
+    mtp_gguf: Optional[PathLike] = None,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Convert a Hugging Face folder, Hub repo id or GGUF file into an MLX folder.
+
+    Returns the output folder. Options follow ``mlx_lm.convert``; ``mtp_bits``
+    (8 or 16) sets the MTP block's precision when the trunk is quantized.
+    """
+    precision = Precision(quantize, q_bits, q_group_size, dtype, mtp_bits, dequantize)
+    precision.check()
+    out = Path(out)
+    if out.exists() and not force:
+        raise MTPError(f"{out} exists (use --force to replace it)")
+    source = open_source(src, mtp_gguf)
+    if is_gguf(source.path) and precision.dtype is None:
+        # GGUF block scales are float16: keeping them so avoids a second rounding.
+        precision.dtype = "float16"
+    return convert_source(source, out, precision, force, progress)
+
+
+def convert_gguf(gguf_path: PathLike, out: PathLike, **options) -> Path:
+    """Convert a GGUF file (``mtp_gguf=`` for a separate MTP GGUF); see ``convert``."""
+    if not Path(gguf_path).is_file():
+        raise MTPError(f"{gguf_path}: no such file")
+    return convert(gguf_path, out, **options)
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MTPError(f"{path}: cannot read ({e})") from None

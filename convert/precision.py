@@ -1,0 +1,137 @@
+"""Precision policy: what the trunk and the MTP block are stored at.
+
+The trunk is quantized as the user asks (like ``mlx_lm.convert``). The MTP
+block is kept at higher precision because a quantized head loses acceptance
+(vLLM PR #38650 keeps Qwen's ``mtp.fc`` unquantized): with a quantized trunk
+it is stored at 8 bits by default, or as floats with ``mtp_bits=16``; with a
+float trunk it stays float. Tensors that arrive already quantized (GGUF
+Q4_0/Q4_1/Q8_0) keep their grid unless ``dequantize`` asks for floats.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from mlx_mtp.errors import MTPError
+
+DTYPES = ("float16", "bfloat16", "float32")
+MTP_BITS = (8, 16)
+DEFAULT_Q_BITS = 4
+DEFAULT_Q_GROUP_SIZE = 64
+DEFAULT_MTP_BITS = 8
+
+
+@dataclass
+class Precision:
+    quantize: bool = False
+    q_bits: int = DEFAULT_Q_BITS
+    q_group_size: int = DEFAULT_Q_GROUP_SIZE
+    dtype: Optional[str] = None  # None: keep the source's float dtype
+    mtp_bits: int = DEFAULT_MTP_BITS
+    dequantize: bool = False
+
+    def check(self) -> None:
+        if self.quantize and self.dequantize:
+            raise MTPError("choose either quantize or dequantize, not both")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise MTPError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype}")
+        if self.mtp_bits not in MTP_BITS:
+            raise MTPError(f"MTP bits must be 8 or 16, not {self.mtp_bits}")
+        if self.q_bits not in (2, 3, 4, 5, 6, 8):
+            raise MTPError(f"quantization bits must be 2, 3, 4, 5, 6 or 8, not {self.q_bits}")
+        if self.q_group_size not in (32, 64, 128):
+            raise MTPError(f"group size must be 32, 64 or 128, not {self.q_group_size}")
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return hasattr(module, "bits") and hasattr(module, "group_size") and "scales" in module
+
+
+def quantized_modules(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """Module path -> its quantization parameters, for every quantized module."""
+    return {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+        for path, m in model.named_modules()
+        if is_quantized(m)
+    }
+
+
+def cast(model: nn.Module, dtype: Optional[str]) -> None:
+    if dtype is None:
+        return
+    target = getattr(mx, dtype)
+    predicate = getattr(model, "cast_predicate", lambda _: True)
+
+    def to(path, v):
+        if predicate(path) and mx.issubdtype(v.dtype, mx.floating):
+            return v.astype(target)
+        return v
+
+    model.update(tree_map_with_path(to, model.parameters()))
+
+
+def quantize(model: nn.Module, group_size: int, bits: int) -> None:
+    """Quantize every float module whose input width the group size divides."""
+
+    def predicate(path, module):
+        return (
+            hasattr(module, "to_quantized")
+            and module.weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(model, group_size, bits, class_predicate=predicate)
+
+
+def dequantize(model: nn.Module) -> None:
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+
+
+def apply_trunk(model: nn.Module, p: Precision) -> None:
+    if p.dequantize:
+        dequantize(model)
+    cast(model, p.dtype)
+    if p.quantize:
+        quantize(model, p.q_group_size, p.q_bits)
+
+
+def apply_head(head: nn.Module, p: Precision, trunk_group: Optional[int]) -> None:
+    """``trunk_group``: the trunk's group size when it is quantized, else None."""
+    if p.dequantize or p.mtp_bits == 16:
+        dequantize(head)
+    cast(head, p.dtype)
+    if trunk_group is not None and p.mtp_bits == 8 and not p.dequantize:
+        quantize(head, trunk_group, 8)
+
+
+def dominant(modules: Dict[str, Dict[str, Any]]) -> Optional[Tuple[int, int]]:
+    """The most common (group_size, bits) among quantized modules."""
+    if not modules:
+        return None
+    counts = Counter((q["group_size"], q["bits"]) for q in modules.values())
+    return counts.most_common(1)[0][0]
+
+
+def quantization_config(
+    trunk: Dict[str, Dict[str, Any]], head: Dict[str, Dict[str, Any]]
+) -> Optional[Dict[str, Any]]:
+    """mlx-lm's ``config["quantization"]``: a default, plus every module that differs.
+
+    Head modules are always listed under their checkpoint paths, which is
+    where ``load_head_weights`` looks for them.
+    """
+    common = dominant(trunk) or dominant(head)
+    if common is None:
+        return None
+    group_size, bits = common
+    out: Dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for path, q in trunk.items():
+        if (q["group_size"], q["bits"]) != common or q["mode"] != "affine":
+            out[path] = dict(q)
+    out.update({path: dict(q) for path, q in head.items()})
+    return out
