@@ -1,0 +1,135 @@
+"""``mlx-mtp chat``: a terminal chat; the conversation logic is ``mlx_mtp.chat``."""
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from mlx_mtp.chat import ChatSession
+from mlx_mtp.generate import DEFAULT_MAX_TOKENS
+from mlx_mtp.loader import load
+from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.stats import MTPStats
+from mlx_mtp.trunk import HIDDEN_TAPS
+
+from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
+
+HELP = """\
+/reset  forget the conversation (the system prompt stays)
+/stats  speculative decoding totals for this conversation
+/help   this list
+/quit   leave (Ctrl-D too)
+Ctrl-C stops the answer; the interrupted turn is dropped from the conversation."""
+DRAFT_STYLE = "green"
+
+
+def footer(stats: MTPStats) -> str:
+    """One line after each answer: speed, acceptance, memory."""
+    return (
+        f"{stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
+        f"prompt {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
+        f"acceptance {stats.acceptance_rate:.2f} "
+        f"({stats.accepted}/{stats.drafted}), "
+        f"mean accepted length {stats.mean_accepted_length:.2f} | "
+        f"peak {stats.peak_memory:.3f} GB"
+    )
+
+
+def _answer(console: Console, session: ChatSession, text: str, show_drafts: bool):
+    """Stream one answer; Ctrl-C stops it and the session drops the turn."""
+    stream = session.send(text)
+    response = None
+    try:
+        for response in stream:
+            style = DRAFT_STYLE if show_drafts and response.from_draft else None
+            console.print(
+                response.text, end="", style=style, markup=False, soft_wrap=True
+            )
+    except KeyboardInterrupt:
+        stream.close()
+        console.print("\n[interrupted: this turn is dropped]", style="yellow", markup=False)
+        return
+    console.print()
+    if response is not None:
+        console.print(footer(response.stats), style="dim", markup=False)
+
+
+def _command(console: Console, session: ChatSession, line: str) -> bool:
+    """Run a /command; returns False when the chat should end."""
+    name = line.split()[0].lower()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/reset":
+        session.reset()
+        console.print("conversation reset", style="dim")
+    elif name == "/stats":
+        console.print(session.total.summary(), markup=False)
+        console.print(
+            f"cached tokens: {len(session.cached_tokens)}, "
+            f"reused in the last prompt: {session.last.reused_tokens}"
+            f"/{session.last.prompt_tokens}",
+            markup=False,
+        )
+    elif name == "/help":
+        console.print(HELP, markup=False)
+    else:
+        console.print(f"unknown command {name} (/help lists them)", markup=False)
+    return True
+
+
+def _read(console: Console) -> Optional[str]:
+    """One line from the user; None on end of input."""
+    try:
+        return console.input("[bold]>>> [/]")
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        console.print("\n(/quit or Ctrl-D to leave)", style="dim")
+        return ""
+
+
+@app.command(no_args_is_help=True)
+def chat(
+    model: Path = typer.Option(..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL),
+    mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
+    hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per answer at most."),
+    draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", min=0, help="Drafts per round.", rich_help_panel=SPECULATIVE),
+    draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", min=0.0, max=1.0, help="Stop drafting when the draft's top probability falls below this.", rich_help_panel=SPECULATIVE),
+    no_mtp: bool = typer.Option(False, "--no-mtp", help="Generate without MTP (same loop, no drafts).", rich_help_panel=SPECULATIVE),
+    show_drafts: bool = typer.Option(False, "--show-drafts", help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).", rich_help_panel=OUTPUT),
+):
+    """Chat with a model in the terminal, with MTP speculative decoding."""
+    if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
+        raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise fail(f"{model}: the tokenizer has no chat template")
+    if loaded.notice and not no_mtp:
+        print(f"notice: {loaded.notice}", file=sys.stderr)
+    session = ChatSession(
+        loaded,
+        tokenizer,
+        system=system,
+        max_tokens=max_tokens,
+        draft_max=draft_max,
+        draft_p_min=draft_p_min,
+        mtp=not no_mtp,
+    )
+    console = Console(highlight=False)
+    console.print("Type a message; /help lists the commands.", style="dim")
+    while True:
+        line = _read(console)
+        if line is None:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not _command(console, session, line):
+                break
+            continue
+        _answer(console, session, line, show_drafts)

@@ -1,0 +1,220 @@
+"""Chat sessions: the cache kept across turns changes nothing but speed.
+
+Every answer is compared with a fresh generation from the full templated
+conversation (greedy, float32 tiny models). The tiny byte-level models often
+emit tokens whose text does not re-encode to the same tokens, so the cache is
+cut back inside the previous answer in most of these runs, exercising both the
+cut inside the head's pending states and the cut below them.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import DRAFT_FAMILIES
+from typer.testing import CliRunner
+
+import mlx_mtp
+import mlx_mtp.chat
+from mlx_mtp.chat import ChatSession, truncate
+from mlx_mtp.cli import app
+from mlx_mtp.generate import stream_generate
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_folders):
+    models = {}
+
+    def get(family):
+        if family not in models:
+            models[family] = mlx_mtp.load(tiny_folders(family)[0])
+        return models[family]
+
+    return get
+
+
+def fresh_answer(model, tokenizer, messages, max_tokens=MAX_TOKENS, **kwargs):
+    """Tokens and text of a generation from scratch over the templated ``messages``."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens, **kwargs))
+    return [r.token for r in out], "".join(r.text for r in out)
+
+
+def answer(session, text):
+    out = list(session.send(text))
+    return [r.token for r in out], "".join(r.text for r in out)
+
+
+def assert_cache_holds(model, cache, tokens, successor=None):
+    """The trunk's cache equals a fresh prefill of ``tokens``; the head's is consistent.
+
+    A head with nothing pending has also read the pair of the last hidden
+    state with ``successor``, the token the trunk reads next.
+    """
+    assert cache.offset == len(tokens)
+    if not tokens:
+        assert cache.head_offset == 0 and cache.pending_hidden is None
+        return
+    fresh = model.make_cache()
+    _, hidden = model.trunk(mx.array(tokens)[None], fresh.trunk)
+    assert_kv_close(cache.trunk, fresh.trunk)
+    pending = 0 if cache.pending_hidden is None else cache.pending_hidden.shape[1]
+    assert cache.head_offset + pending == len(tokens)
+    assert len(cache.pending_tokens) == max(pending - 1, 0)
+    n = cache.head_offset
+    tokens = tokens + ([] if successor is None else [successor])
+    head_fresh = model.head.make_cache()
+    model.head(hidden[:, :n], mx.array(tokens[1 : n + 1])[None], head_fresh)
+    assert_kv_close(cache.head, head_fresh)
+
+
+def assert_kv_close(caches, fresh):
+    for c, f in zip(caches, fresh):
+        assert c.offset == f.offset
+        for a, b in ((c.keys, f.keys), (c.values, f.values)):
+            a, b = a[..., : c.offset, :], b[..., : f.offset, :]
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+def test_second_turn_equals_fresh_generation(loaded, family):
+    model, tok = loaded(family)
+    session = ChatSession(model, tok, system="be brief", max_tokens=MAX_TOKENS)
+    answer(session, "hello")
+    got = answer(session, "and then?")
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+    assert session.last.reused_tokens > 20  # the first turn's prompt at least
+    assert session.total.generation_tokens == 2 * MAX_TOKENS
+    assert session.total.drafted > 0
+    assert_cache_holds(model, session.cache, session.cached_tokens)
+
+
+def test_template_that_rerenders_history(loaded):
+    """A template showing earlier answers differently: only the common prefix is reused."""
+    model, tok = loaded("mimo")
+    tok._tokenizer.chat_template, original = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if loop.last or m['role'] != 'assistant' %}{{ m['content'] }}"
+        "{% else %}(earlier){% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        tok._tokenizer.chat_template,
+    )
+    try:
+        session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+        answer(session, "one")
+        first_prompt = session.last.prompt_tokens
+        answer(session, "two")
+        reused = session.last.reused_tokens
+        got = answer(session, "three")
+        expected = fresh_answer(model, tok, session.messages[:-1])
+    finally:
+        tok._tokenizer.chat_template = original
+    assert got == expected
+    assert 0 < reused < first_prompt + MAX_TOKENS
+    assert_cache_holds(model, session.cache, session.cached_tokens)
+
+
+def test_rebuilds_when_the_cache_cannot_be_cut(loaded, monkeypatch):
+    model, tok = loaded("deepseek_v3")
+    monkeypatch.setattr(mlx_mtp.chat, "_truncatable", lambda cache: False)
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+    answer(session, "hi")
+    session.cached_tokens[-1] = -1  # as if the template re-rendered the last token
+    got = answer(session, "more")
+    assert session.last.rebuilt and session.last.reused_tokens == 0
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, 30, 38, 39])
+def test_truncate_equals_a_fresh_prefill(loaded, keep):
+    """Cut anywhere (below, at and inside the pending states), then continue."""
+    model, _ = loaded("glm4_moe")
+    prompt = list(range(60, 100))
+    cache = model.make_cache()
+    list(mlx_mtp.speculative_generate_step(prompt, model, max_tokens=1, prompt_cache=cache))
+    kept = truncate(cache, keep)
+    assert kept in (keep, keep - 1, 0)
+    assert_cache_holds(model, cache, prompt[:kept], prompt[kept])
+    more = [t for t, _ in mlx_mtp.speculative_generate_step(
+        prompt[kept:] + [7, 8], model, max_tokens=6, prompt_cache=cache)]
+    ref = [t for t, _ in mlx_mtp.speculative_generate_step(
+        prompt + [7, 8], model, max_tokens=6)]
+    assert more == ref
+
+
+class Interrupt:
+    """Wraps ``stream_generate``: records every call, interrupts chosen ones."""
+
+    def __init__(self, monkeypatch, after=None):
+        self.calls, self.after = [], dict(after or {})
+        monkeypatch.setattr(mlx_mtp.chat, "stream_generate", self)
+
+    def __call__(self, *args, **kwargs):
+        call = len(self.calls)
+        self.calls.append([])
+        for response in stream_generate(*args, **kwargs):
+            if len(self.calls[call]) == self.after.get(call):
+                raise KeyboardInterrupt
+            self.calls[call].append(response)
+            yield response
+
+    def tokens(self, call):
+        return [r.token for r in self.calls[call]]
+
+    def text(self, call):
+        return "".join(r.text for r in self.calls[call])
+
+
+@pytest.mark.parametrize("how", ["interrupt", "close"])
+def test_interrupted_turn_is_dropped(loaded, monkeypatch, how):
+    model, tok = loaded("glm4_moe_lite")
+    Interrupt(monkeypatch, after={1: 4} if how == "interrupt" else None)
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+    answer(session, "first")
+    messages, cached = list(session.messages), list(session.cached_tokens)
+    stream = session.send("second")
+    if how == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            list(stream)
+    else:
+        for _ in range(4):
+            next(stream)
+        stream.close()
+    assert session.messages == messages and session.last.interrupted
+    # the cache keeps what the dropped turn shared with the conversation
+    kept = len(session.cached_tokens)
+    assert 0 < kept <= len(cached) and session.cached_tokens == cached[:kept]
+    successor = cached[kept] if kept < len(cached) else None
+    assert_cache_holds(model, session.cache, cached[:kept], successor)
+    got = answer(session, "third")
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+    assert session.total.generation_tokens == 2 * MAX_TOKENS  # the dropped turn not counted
+
+
+def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
+    """Two turns, /reset, an interrupted answer, a normal one, /stats, /quit."""
+    model, tok = loaded("mimo")
+    spy = Interrupt(monkeypatch, after={3: 3})
+    script = "hello\nwhat next?\n/reset\nnew start\nplease go on\nagain\n/stats\n/quit\n"
+    result = CliRunner().invoke(
+        app,
+        ["chat", "--model", str(tiny_folders("mimo")[0]), "-n", str(MAX_TOKENS)],
+        input=script,
+    )
+    assert result.exit_code == 0, result.output
+    assert len(spy.calls) == 5
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    bot = lambda call: {"role": "assistant", "content": spy.text(call)}  # noqa: E731
+    expected = {
+        0: [user("hello")],
+        1: [user("hello"), bot(0), user("what next?")],
+        2: [user("new start")],
+        4: [user("new start"), bot(2), user("again")],  # turn 3 was interrupted
+    }
+    for call, messages in expected.items():
+        assert spy.tokens(call) == fresh_answer(model, tok, messages)[0], call
+    assert len(spy.tokens(3)) == 3
+    assert "interrupted" in result.output
+    assert result.output.count("mean accepted length") == 4  # one footer per answer
+    assert "draft acceptance" in result.output  # /stats
