@@ -118,11 +118,16 @@ def _shrink_outputs(params: Dict[str, mx.array], factor: float) -> None:
             params[k] = params[k] * factor
 
 
-def build_weights(model_type: str, seed: int = 0, agreeable: bool = True):
-    """Random weights for the trunk and MTP layer, with checkpoint names."""
+def build_weights(
+    model_type: str, seed: int = 0, agreeable: bool = True, **overrides
+):
+    """Random weights for the trunk and MTP layer, with checkpoint names.
+
+    ``overrides`` change the config (e.g. ``hidden_size`` for a bigger model).
+    """
     from mlx_lm.utils import _get_classes
 
-    config = dict(CONFIGS[model_type], model_type=model_type)
+    config = dict(CONFIGS[model_type], model_type=model_type, **overrides)
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     args = args_class.from_dict(config)
@@ -137,8 +142,8 @@ def build_weights(model_type: str, seed: int = 0, agreeable: bool = True):
         _shrink_outputs(params, 0.1)
         _shrink_outputs(block_params, 0.1)
     # Token embeddings with a larger norm than the residual noise.
-    params["model.embed_tokens.weight"] = mx.random.normal((VOCAB, 64)) * 1.0
     d = config["hidden_size"]
+    params["model.embed_tokens.weight"] = mx.random.normal((config["vocab_size"], d))
     eye = mx.eye(d)
     if model_type == "mimo":
         prefix = "model.mtp_layers.0."
@@ -213,9 +218,11 @@ def save_folder(
     return path
 
 
-def build_folder(path: Path, model_type: str, seed: int = 0, agreeable: bool = True):
-    """A folder with trunk + MTP layer, and ``path/../<name>-trunk`` without MTP."""
-    config, trunk_w, mtp_w = build_weights(model_type, seed, agreeable)
+def build_folder(
+    path: Path, model_type: str, seed: int = 0, agreeable: bool = True, **overrides
+):
+    """A folder with trunk + MTP layer, and ``<path>-trunk`` without MTP."""
+    config, trunk_w, mtp_w = build_weights(model_type, seed, agreeable, **overrides)
     full = save_folder(Path(path), config, trunk_w, mtp_w)
     trunk_only = save_folder(Path(str(path) + "-trunk"), config, trunk_w)
     return full, trunk_only
