@@ -118,7 +118,7 @@ class KeepStates:
         return self.out_proj(out.reshape(B, S, -1))
 
     def _project(self, x: mx.array):
-        """Conv inputs ``[B, S, C]``, gate z ``[B, S, Hv, Dv]``, b and a ``[B, S, Hv]``."""
+        """Conv inputs ``[B, S, C]``, gate ``z`` ``[B, S, Hv, Dv]``, ``b``, ``a``."""
         B, S, _ = x.shape
         if "in_proj_qkvz" in self:  # Qwen3-Next: interleaved per key head
             q, k, v, z, b, a = self.fix_query_key_value_ordering(

@@ -197,6 +197,8 @@ def load_model(
         notice = f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"
     else:
         head = _build_head(model, trunk, family, config, head_weights)
+        if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
+            family.patch_trunk(model)
     if head is not None and not can_rollback(trunk.make_cache()):
         notice = f"{model_type}: its caches cannot roll back, generating without MTP"
         head = None
@@ -208,12 +210,14 @@ def load_model(
 def _build_head(model, trunk, family, config, weights) -> MTPHead:
     args = model.args if hasattr(model, "args") else None
     head = family.build(args, config, trunk.backbone, weights)
+    # A family whose block tensors the trunk's sanitize cannot take brings its own.
+    sanitize = getattr(family, "sanitize_block", None)
     try:
         load_head_weights(
             head,
             family.prefix(config, 0),
             weights,
-            lambda w: _sanitize_block(model, family, w),
+            sanitize or (lambda w: _sanitize_block(model, family, w)),
             config.get("quantization"),
         )
     except ValueError as e:

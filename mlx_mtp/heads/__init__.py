@@ -7,6 +7,11 @@ A family module provides:
 - ``prefix(config, j)``: where layer ``j``'s tensors live in a checkpoint;
 - ``is_mtp_key(key, config)``: whether a checkpoint tensor belongs to the head;
 - ``build(args, config, backbone, weights)``: an unloaded ``MTPHead``.
+
+Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0),
+``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
+``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
+caches that roll back).
 """
 
 import importlib
@@ -15,7 +20,7 @@ from typing import Optional
 
 from .base import MTPHead, load_head_weights
 
-FAMILY_MODULES = ("deepseek", "mimo")
+FAMILY_MODULES = ("deepseek", "mimo", "qwen3_next")
 
 
 def family_for(model_type: str) -> Optional[ModuleType]:
