@@ -1,0 +1,110 @@
+"""``mlx-mtp bench``: mlx-lm against mlx-mtp side by side; the work is ``mlx_mtp.bench``."""
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mlx_mtp.bench import (
+    DEFAULT_BENCH_TOKENS,
+    DEFAULT_REPEATS,
+    BenchResult,
+    load_prompts,
+    run_bench,
+)
+from mlx_mtp.loader import load
+from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.trunk import HIDDEN_TAPS
+
+from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
+
+
+def regime_line(regime: dict) -> str:
+    return (
+        f"regime: backend {regime['backend']} ({regime['device']}), "
+        f"weights {regime['weights']}, BLAS {regime['blas']}, {regime['cpus']} CPUs, "
+        f"mlx {regime['mlx']}, mlx-lm {regime['mlx_lm']}"
+    )
+
+
+def table(result: BenchResult) -> Table:
+    kinds = sorted({p.kind for p in result.prompts})
+    t = Table(
+        title=(
+            f"{len(result.prompts)} prompts ({', '.join(kinds)}) x {result.repeats} "
+            f"repeats, {result.max_tokens} tokens each, greedy"
+        )
+    )
+    for name in ("config", "tok/s", "vs mlx-lm", "prompt tok/s", "accept",
+                 "mean len", "per position", "fwd/tok", "peak GB", "same"):
+        t.add_column(name, justify="left" if name in ("config", "per position") else "right",
+                     no_wrap=True)
+    for c in result.configs:
+        acc = "-" if c.acceptance_rate is None else f"{c.acceptance_rate:.2f}"
+        per_pos = ", ".join(f"{a:.2f}" for a in c.per_position_acceptance) or "-"
+        t.add_row(
+            c.config,
+            f"{c.generation_tps:.1f}",
+            f"{c.ratio:.2f}",
+            f"{c.prompt_tps:.1f}",
+            acc,
+            f"{c.mean_accepted_length:.2f}",
+            per_pos,
+            f"{c.forwards_per_token:.2f}",
+            f"{c.peak_memory_gb:.3f}",
+            "yes" if c.same_output else "NO",
+        )
+    return t
+
+
+@app.command(no_args_is_help=True)
+def bench(
+    model: Path = typer.Option(..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL),
+    mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
+    hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file: .json list, or one prompt per line (default: the shipped code, prose and chat prompts)."),
+    max_tokens: int = typer.Option(DEFAULT_BENCH_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per generation."),
+    repeats: int = typer.Option(DEFAULT_REPEATS, "--repeats", "-r", min=1, help="Repetitions of every prompt and configuration."),
+    draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", min=0, help="Benchmark draft-max 1..this.", rich_help_panel=SPECULATIVE),
+    draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", min=0.0, max=1.0, help="Stop drafting when the draft's top probability falls below this.", rich_help_panel=SPECULATIVE),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table.", rich_help_panel=OUTPUT),
+):
+    """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
+    if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
+        raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    bench_prompts = load_prompts(prompts)
+    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
+    if loaded.notice:
+        print(f"notice: {loaded.notice}", file=sys.stderr)
+    err = Console(stderr=True, highlight=False)
+    if as_json:
+        result = run_bench(loaded, tokenizer, bench_prompts, draft_max, draft_p_min, repeats, max_tokens)
+        print(json.dumps(result.to_dict()))
+        return
+    with err.status("benchmarking") as status:
+        result = run_bench(
+            loaded, tokenizer, bench_prompts, draft_max, draft_p_min, repeats, max_tokens,
+            progress=lambda msg: status.update(f"benchmarking: {msg}"),
+        )
+    console = Console(highlight=False)
+    if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
+        console = Console(highlight=False, width=140)
+    console.print(regime_line(result.regime), markup=False)
+    if result.regime["backend"] == "cpu" and "OpenBLAS" not in result.regime["blas"]:
+        console.print(
+            "note: CPU with the bundled BLAS is compute-bound; verifying k tokens costs "
+            "about k steps, so MTP cannot gain speed here (MEASURE.md)",
+            style="yellow",
+            markup=False,
+        )
+    console.print(table(result))
+    console.print(
+        "gen tok/s: median over runs; vs mlx-lm: median of per-run ratios within this run; "
+        "acceptance, lengths and fwd/token over all runs",
+        style="dim",
+        markup=False,
+    )

@@ -1,0 +1,313 @@
+"""Side-by-side benchmark: mlx-lm's plain generation against mlx-mtp, in one run.
+
+Configurations: mlx-lm's own ``stream_generate`` on the same loaded trunk (the
+baseline), mlx-mtp with no drafts, and mlx-mtp with ``draft_max`` 1..N. Runs
+are interleaved (repetition, then prompt, then configuration, the order of
+configurations rotating per repetition) so drift on a shared machine hits all
+of them alike; speed ratios are medians of ratios paired within the run.
+
+Timing is the same for every configuration: prompt tok/s covers the prompt and
+the first step (as mlx-lm reports it); generation tok/s counts the tokens
+after the first step over the time after it, a step being one main-model
+forward that produced tokens (one token for mlx-lm, a round for mlx-mtp).
+"""
+
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import mlx.core as mx
+
+from .chat import merge_stats
+from .errors import MTPError
+from .generate import _encode, stream_generate
+from .loader import MTPModel
+from .speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from .stats import MTPStats
+
+BASELINE = "mlx-lm"
+NO_MTP = "no-mtp"
+DEFAULT_REPEATS = 3
+DEFAULT_BENCH_TOKENS = 128
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchPrompt:
+    kind: str
+    prompt: str
+
+
+@dataclass
+class Measurement:
+    """One timed generation."""
+
+    config: str
+    prompt: int
+    repeat: int
+    tokens: List[int]
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory: float  # GB
+    stats: Optional[MTPStats] = None  # None for mlx-lm
+
+
+@dataclass
+class ConfigResult:
+    """One row of the table."""
+
+    config: str
+    draft_max: Optional[int]
+    generation_tps: float  # median over runs
+    ratio: float  # median over runs of generation_tps / mlx-lm's in the same slot
+    prompt_tps: float  # median
+    tokens: int  # generated, all runs together
+    acceptance_rate: Optional[float]
+    mean_accepted_length: float
+    per_position_acceptance: List[float]
+    forwards_per_token: float
+    peak_memory_gb: float
+    same_output: bool  # every run emitted exactly mlx-lm's tokens
+
+
+@dataclass
+class BenchResult:
+    regime: Dict[str, Any]
+    prompts: List[BenchPrompt]
+    repeats: int
+    max_tokens: int
+    configs: List[ConfigResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
+    """The shipped prompts, or those in ``path``.
+
+    A ``.json`` file holds a list of ``{"kind": ..., "prompt": ...}`` objects
+    or of strings; any other file holds one prompt per non-empty line.
+    """
+    if path is None:
+        text = resources.files("mlx_mtp").joinpath("bench_prompts.json").read_text()
+        return _parse_prompts(json.loads(text), "bench_prompts.json")
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MTPError(f"{path}: cannot read prompts ({e.__class__.__name__})") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MTPError(f"{path}: not valid JSON ({e})") from None
+        return _parse_prompts(data, path)
+    prompts = [BenchPrompt("file", line) for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MTPError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_prompts(data, where) -> List[BenchPrompt]:
+    if not isinstance(data, list) or not data:
+        raise MTPError(f"{where}: expected a non-empty list of prompts")
+    out = []
+    for item in data:
+        if isinstance(item, str):
+            out.append(BenchPrompt("file", item))
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            out.append(BenchPrompt(str(item.get("kind", "file")), item["prompt"]))
+        else:
+            raise MTPError(f'{where}: each prompt must be a string or {{"prompt": ...}}')
+    return out
+
+
+def _blas() -> str:
+    """Which BLAS MLX's CPU backend runs: what matters for CPU numbers (MEASURE.md).
+
+    A BLAS in ``LD_PRELOAD`` takes the symbols over from the reference BLAS the
+    Linux wheel bundles. numpy's own OpenBLAS uses prefixed symbols and does
+    not count.
+    """
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "blas" in line.lower()}
+    except OSError:
+        mapped = set()
+    libs = sorted(lib for lib in mapped if "numpy" not in lib and "scipy" not in lib)
+    kind = "OpenBLAS" if any("openblas" in lib.lower() for lib in libs) else "BLAS"
+    preload = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
+    preload = [p for p in preload if "blas" in p.lower()]
+    if preload:
+        return f"{kind} preloaded ({preload[0]})"
+    others = [lib for lib in libs if "mlx" not in lib]
+    if others:
+        return f"{kind} ({others[0]})"
+    bundled = [os.path.basename(lib) for lib in libs]
+    return f"reference BLAS bundled with mlx ({', '.join(bundled) or 'none mapped'})"
+
+
+def _weights_dtype(model: MTPModel) -> str:
+    from mlx.utils import tree_flatten
+
+    quant = model.config.get("quantization")
+    sizes: Dict[str, int] = {}
+    for _, a in tree_flatten(model.trunk.model.parameters()):
+        sizes[str(a.dtype)] = sizes.get(str(a.dtype), 0) + a.nbytes
+    main = max(sizes, key=sizes.get).replace("mlx.core.", "") if sizes else "?"
+    if quant:
+        return f"{quant.get('bits')}-bit quantized (group {quant.get('group_size')}), {main}"
+    return main
+
+
+def regime(model: MTPModel) -> Dict[str, Any]:
+    """Backend, weights dtype and BLAS: the context without which numbers mean little."""
+    import mlx_lm
+
+    if mx.metal.is_available():
+        backend = "metal"
+    elif hasattr(mx, "cuda") and mx.cuda.is_available():
+        backend = "cuda"
+    else:
+        backend = "cpu"
+    return {
+        "backend": backend,
+        "device": str(mx.default_device()),
+        "weights": _weights_dtype(model),
+        "blas": _blas() if backend == "cpu" else "n/a (GPU)",
+        "cpus": os.cpu_count(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "model_type": model.model_type,
+        "mtp_head": model.head is not None,
+    }
+
+
+def _timed(responses, first_step_tokens: Callable[[Any], bool]):
+    """Run a response stream; returns (tokens, prompt time, first-step tokens, decode time)."""
+    tic = time.perf_counter()
+    tokens, first, t_first, t_last = [], 0, None, None
+    for r in responses:
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+        if first_step_tokens(r):
+            first += 1
+        tokens.append(int(r.token))
+        t_last = now
+    if t_first is None:
+        raise MTPError("the generation produced no tokens")
+    return tokens, t_first - tic, first, t_last - t_first
+
+
+def run_once(
+    model: MTPModel, tokenizer, config: str, draft_max: Optional[int], prompt, max_tokens, draft_p_min
+):
+    """One generation of ``config``; returns its measurement pieces."""
+    from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    if draft_max is None:
+        responses = mlx_lm_stream_generate(model.trunk.model, tokenizer, prompt, max_tokens)
+        out = _timed(responses, lambda r: r.generation_tokens == 1)
+        stats = None
+    else:
+        responses = stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens,
+            draft_max=draft_max,
+            draft_p_min=draft_p_min,
+            mtp=draft_max > 0,
+        )
+        box = []
+        out = _timed(responses, lambda r: box.append(r.stats) or r.stats.rounds == 1)
+        stats = box[-1]
+    return out, stats, mx.get_peak_memory() / 1e9
+
+
+def configurations(draft_max: int) -> List[tuple]:
+    """(name, draft_max) for each configuration; None stands for mlx-lm."""
+    return [(BASELINE, None), (NO_MTP, 0)] + [(f"mtp k={k}", k) for k in range(1, draft_max + 1)]
+
+
+def run_bench(
+    model: MTPModel,
+    tokenizer,
+    prompts: List[BenchPrompt],
+    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+    repeats: int = DEFAULT_REPEATS,
+    max_tokens: int = DEFAULT_BENCH_TOKENS,
+    progress: Optional[Callable[[str], None]] = None,
+) -> BenchResult:
+    """Benchmark every configuration on every prompt, ``repeats`` times, interleaved."""
+    configs = configurations(draft_max)
+    encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
+    for name, k in configs:  # warm up: compile, allocate
+        run_once(model, tokenizer, name, k, encoded[0], WARMUP_TOKENS, draft_p_min)
+    runs: List[Measurement] = []
+    for rep in range(repeats):
+        for i, prompt in enumerate(encoded):
+            shift = rep % len(configs)
+            for name, k in configs[shift:] + configs[:shift]:
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}, prompt {i + 1}/{len(encoded)}, {name}")
+                (tokens, t_prompt, first, t_gen), stats, peak = run_once(
+                    model, tokenizer, name, k, prompt, max_tokens, draft_p_min
+                )
+                gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
+                runs.append(
+                    Measurement(name, i, rep, tokens, len(prompt), len(prompt) / t_prompt, gen_tps, peak, stats)
+                )
+    result = BenchResult(regime(model), prompts, repeats, max_tokens)
+    result.configs = [_summarise(name, k, runs) for name, k in configs]
+    return result
+
+
+def _template(tokenizer, prompt: str) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _summarise(name: str, draft_max: Optional[int], runs: List[Measurement]) -> ConfigResult:
+    mine = [r for r in runs if r.config == name]
+    base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
+    ratios = [
+        r.generation_tps / base[r.prompt, r.repeat].generation_tps
+        for r in mine
+        if base[r.prompt, r.repeat].generation_tps > 0
+    ]
+    total = MTPStats()
+    for r in mine:
+        if r.stats is not None:
+            merge_stats(total, r.stats)
+    tokens = sum(len(r.tokens) for r in mine)
+    return ConfigResult(
+        config=name,
+        draft_max=draft_max,
+        generation_tps=statistics.median(r.generation_tps for r in mine),
+        ratio=statistics.median(ratios) if ratios else 0.0,
+        prompt_tps=statistics.median(r.prompt_tps for r in mine),
+        tokens=tokens,
+        acceptance_rate=total.acceptance_rate if draft_max else None,
+        mean_accepted_length=total.mean_accepted_length if draft_max is not None else 1.0,
+        per_position_acceptance=total.per_position_acceptance,
+        forwards_per_token=total.forwards_per_token if draft_max is not None else 1.0,
+        peak_memory_gb=max(r.peak_memory for r in mine),
+        same_output=all(r.tokens == base[r.prompt, r.repeat].tokens for r in mine),
+    )
