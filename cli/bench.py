@@ -27,7 +27,8 @@ def regime_line(regime: dict) -> str:
     return (
         f"regime: backend {regime['backend']} ({regime['device']}), "
         f"weights {regime['weights']}, BLAS {regime['blas']}, {regime['cpus']} CPUs, "
-        f"mlx {regime['mlx']}, mlx-lm {regime['mlx_lm']}"
+        f"mlx {regime['mlx']}, mlx-lm {regime['mlx_lm']}; {regime['model_type']}, "
+        f"{'MTP head, ' + regime['hidden_tap'] + '-norm tap' if regime['mtp_head'] else 'no MTP head'}"
     )
 
 

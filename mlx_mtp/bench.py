@@ -85,9 +85,24 @@ class BenchResult:
     repeats: int
     max_tokens: int
     configs: List[ConfigResult] = field(default_factory=list)
+    runs: List[Measurement] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Everything but the runs' tokens and detailed stats (each run's speeds stay)."""
+        out = asdict(self)
+        out["runs"] = [
+            {
+                "config": r.config,
+                "prompt": r.prompt,
+                "repeat": r.repeat,
+                "tokens": len(r.tokens),
+                "prompt_tps": r.prompt_tps,
+                "generation_tps": r.generation_tps,
+                "peak_memory_gb": r.peak_memory,
+            }
+            for r in self.runs
+        ]
+        return out
 
 
 def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
@@ -190,6 +205,7 @@ def regime(model: MTPModel) -> Dict[str, Any]:
         "mlx_lm": mlx_lm.__version__,
         "model_type": model.model_type,
         "mtp_head": model.head is not None,
+        "hidden_tap": model.trunk.hidden_tap,
     }
 
 
@@ -272,7 +288,7 @@ def run_bench(
                 runs.append(
                     Measurement(name, i, rep, tokens, len(prompt), len(prompt) / t_prompt, gen_tps, peak, stats)
                 )
-    result = BenchResult(regime(model), prompts, repeats, max_tokens)
+    result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     result.configs = [_summarise(name, k, runs) for name, k in configs]
     return result
 

@@ -1,0 +1,93 @@
+"""`mlx-mtp bench`: every configuration measured in one run, its fields complete."""
+
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_mtp.bench import BASELINE, NO_MTP, load_prompts
+from mlx_mtp.cli import app
+from mlx_mtp.cli.app import run_app
+from mlx_mtp.errors import MTPError
+
+FIELDS = {
+    "config", "draft_max", "generation_tps", "ratio", "prompt_tps", "tokens",
+    "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+    "forwards_per_token", "peak_memory_gb", "same_output",
+}
+
+
+def bench_json(*args):
+    result = CliRunner().invoke(app, ["bench", *map(str, args), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("write a poem\n\nsort a list in python\n")
+    out = bench_json("--model", tiny_folders("mimo")[0], "--prompts", prompts,
+                     "-n", 12, "--repeats", 2, "--draft-max", 2)
+    assert out["regime"]["backend"] == "cpu" and out["regime"]["weights"] == "float32"
+    assert "BLAS" in out["regime"]["blas"]
+    configs = {c["config"]: c for c in out["configs"]}
+    assert list(configs) == [BASELINE, NO_MTP, "mtp k=1", "mtp k=2"]
+    assert all(set(c) == FIELDS for c in configs.values())
+    runs = out["runs"]
+    assert len(runs) == 2 * 2 * 4  # repeats x prompts x configurations
+    base = {(r["prompt"], r["repeat"]): r["generation_tps"] for r in runs
+            if r["config"] == BASELINE}
+    for name, c in configs.items():
+        mine = [r for r in runs if r["config"] == name]
+        paired = [r["generation_tps"] / base[r["prompt"], r["repeat"]] for r in mine]
+        assert c["ratio"] == pytest.approx(statistics.median(paired))
+        assert c["generation_tps"] == pytest.approx(
+            statistics.median(r["generation_tps"] for r in mine))
+        assert c["same_output"]  # greedy: every configuration emits mlx-lm's tokens
+        assert c["peak_memory_gb"] > 0 and c["prompt_tps"] > 0
+    assert configs[BASELINE]["ratio"] == 1.0
+    assert configs[NO_MTP]["acceptance_rate"] is None
+    assert configs[NO_MTP]["forwards_per_token"] == 1.0
+    for k in (1, 2):
+        c = configs[f"mtp k={k}"]
+        assert 0 < c["acceptance_rate"] < 1
+        assert 1 < c["mean_accepted_length"] <= k + 1
+        assert len(c["per_position_acceptance"]) == k
+        assert c["forwards_per_token"] == pytest.approx(1 / c["mean_accepted_length"])
+
+
+def test_bench_table(tiny_folders, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"kind": "code", "prompt": "def f(x):"}]))
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_folders("mimo")[0]),
+                                      "--prompts", str(prompts), "-n", "6", "-r", "1",
+                                      "--draft-max", "1"])
+    assert result.exit_code == 0, result.output
+    assert "regime: backend cpu" in result.stdout and "weights float32" in result.stdout
+    for name in ("mlx-lm", "no-mtp", "mtp k=1", "vs mlx-lm", "per position", "fwd/tok"):
+        assert name in result.stdout
+
+
+def test_shipped_prompts_cover_the_kinds():
+    kinds = {p.kind for p in load_prompts()}
+    assert {"code", "prose", "chat"} <= kinds
+
+
+@pytest.mark.parametrize(
+    "content, suffix, needle",
+    [("", ".txt", "no prompts"), ("{", ".json", "not valid JSON"),
+     ('[{"text": 1}]', ".json", "each prompt"), ("{}", ".json", "non-empty list")],
+)
+def test_bad_prompt_files(tmp_path, content, suffix, needle):
+    path = tmp_path / f"p{suffix}"
+    path.write_text(content)
+    with pytest.raises(MTPError, match=needle):
+        load_prompts(path)
+
+
+def test_missing_prompt_file_is_one_line(tiny_folders, tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    code = run_app(["bench", "--model", str(tiny_folders("mimo")[0]), "--prompts", str(missing)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == [f"error: {missing}: cannot read prompts (FileNotFoundError)"]
