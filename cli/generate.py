@@ -12,6 +12,7 @@ from mlx_mtp.loader import load
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from mlx_mtp.trunk import HIDDEN_TAPS
 
+from . import options as o
 from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
 
 
@@ -39,14 +40,29 @@ def generate(
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as is."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
-    draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", min=0, help="Drafts per round.", rich_help_panel=SPECULATIVE),
-    draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", min=0.0, max=1.0, help="Stop drafting when the draft's top probability falls below this.", rich_help_panel=SPECULATIVE),
+    temp: o.Temp = 0.0,
+    top_p: o.TopP = 0.0,
+    top_k: o.TopK = 0,
+    min_p: o.MinP = 0.0,
+    repetition_penalty: o.RepetitionPenalty = None,
+    presence_penalty: o.PresencePenalty = None,
+    frequency_penalty: o.FrequencyPenalty = None,
+    logit_bias: o.LogitBias = None,
+    seed: o.Seed = None,
+    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
+    draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
+    adaptive_draft: o.AdaptiveDraft = False,
     no_mtp: bool = typer.Option(False, "--no-mtp", help="Generate without MTP (same loop, no drafts).", rich_help_panel=SPECULATIVE),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, stats) instead of streaming.", rich_help_panel=OUTPUT),
 ):
     """Generate text with MTP speculative decoding."""
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
         raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    sampling = o.sampling_kwargs(
+        temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
+    )
     text = read_prompt(prompt)
     loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
     if loaded.notice and not no_mtp:
@@ -61,6 +77,7 @@ def generate(
         draft_max=draft_max,
         draft_p_min=draft_p_min,
         mtp=not no_mtp,
+        **sampling,
     ):
         tokens.append(response.token)
         pieces.append(response.text)

@@ -1,13 +1,14 @@
 """The Python API, in mlx-lm's three layers: step generator, stream, string."""
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .cache import MTPCache
 from .loader import MTPModel
-from .sampling import ExactMatchVerifier, LogitsProcessor, Sampler
+from .adaptive import AdaptiveDraftLength
+from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
 from .speculative import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
@@ -65,15 +66,48 @@ def stream_generate(
     prompt_cache: Optional[MTPCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     trace: bool = False,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    logit_bias: Optional[Dict[int, float]] = None,
+    seed: Optional[int] = None,
+    draft_sampling: str = "greedy",
+    adaptive_draft: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
 
     ``mtp=False`` (or ``draft_max=0``) generates plainly through the same loop.
     ``trace=True`` records every round's drafts in ``response.stats.trace``.
+
+    Sampling takes mlx-lm's settings (``temp`` .. ``logit_bias``, penalties
+    over the last 20 tokens) and is lossless: the output has the main model's
+    distribution. ``seed`` fixes the run; with greedy drafts the tokens are the
+    same with and without MTP. ``draft_sampling="sample"`` samples drafts
+    through the same chain (accepted with min(1, p/q)). ``adaptive_draft``
+    picks each round's draft length (at most ``draft_max``) from the running
+    per-position acceptance. A custom ``sampler=`` is exact-matched instead;
+    ``verifier=`` replaces all of these.
     """
     tokens = _encode(tokenizer, prompt)
     if verifier is None:
-        verifier = ExactMatchVerifier(sampler, logits_processors)
+        config = SamplingConfig(
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            seed=seed,
+            draft_sampling=draft_sampling,
+        )
+        verifier = make_verifier(config, sampler, logits_processors)
+    policy = AdaptiveDraftLength(draft_max) if adaptive_draft and mtp else None
     stats = MTPStats(trace=[] if trace else None)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -85,6 +119,7 @@ def stream_generate(
         draft_max=draft_max if mtp else 0,
         draft_p_min=draft_p_min,
         verifier=verifier,
+        draft_policy=policy,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,

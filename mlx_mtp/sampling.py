@@ -2,24 +2,42 @@
 
 The loop talks to a *verifier* with two calls:
 
-- ``draft(logits) -> Draft``: turn the MTP head's logits into a draft token;
+- ``draft(logits, history, previous) -> Draft``: turn the MTP head's logits
+  into a draft token; ``history`` is every token so far (the last one not yet
+  read by the trunk), ``previous`` the drafts already chained this round;
 - ``verify(logits, drafts, history) -> list[int]``: given the main model's logits
   at the ``len(drafts) + 1`` verified positions, return the accepted drafts
   followed by exactly one token from the main model (the correction or bonus).
 
-``ExactMatchVerifier`` samples the main model at each position with the user's
-sampler and keeps drafts while they equal the sample. Each emitted token is a
-sample of the main model given the true prefix, so the output distribution is
-the main model's for ANY sampler; under greedy it is token-identical.
+``SamplingVerifier`` runs mlx-lm's sampler chain (logits processors, then
+top-p, min-p, top-k, temperature) and accepts by rejection sampling, so the
+output has exactly the main model's filtered distribution at any temperature.
+``ExactMatchVerifier`` serves an opaque user ``sampler``: it samples the main
+model at each position and keeps drafts while they equal the sample, which is
+lossless for any sampler.
+
+Randomness in ``SamplingVerifier`` is keyed by ``(seed, position, stream)``,
+never drawn from a running state: drafting cannot shift the main model's
+samples, and the noise that picks the token at position ``n`` is the same
+with MTP, without MTP, and at any draft length.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+DRAFT_SAMPLING = ("greedy", "sample")
+_MAIN, _ACCEPT, _DRAFT = 0, 1, 2  # key streams per position
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -30,6 +48,8 @@ def greedy(logprobs: mx.array) -> mx.array:
 class Draft:
     token: mx.array  # [1] int
     logits: mx.array  # [1, V] the head's logits it was drawn from
+    q: Optional[mx.array] = None  # [1, V] filtered distribution it was sampled
+    # from; None for a greedy draft (q is one-hot at ``token``)
 
     @property
     def p(self) -> mx.array:
@@ -41,6 +61,226 @@ def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+# --- the acceptance rules, batched over any leading axes ----------------------
+
+
+def accepted_count(accepted: mx.array) -> mx.array:
+    """Length of the leading run of True along the last axis."""
+    return mx.cumprod(accepted.astype(mx.int32), axis=-1).sum(axis=-1)
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """``norm(max(0, p - q))``: what a rejection must sample from to stay lossless."""
+    r = mx.maximum(p - q, 0.0)
+    total = r.sum(axis=-1, keepdims=True)
+    # p == q leaves nothing, but then a rejection has probability 0: any row will do
+    return mx.where(total > 0, r / total, p)
+
+
+def rejection_sample(p, q, drafts, u, gumbel):
+    """Drafts sampled from ``q``: accept ``d_j`` with probability min(1, p/q).
+
+    ``p [..., k+1, V]`` main-model probabilities, ``q [..., k, V]`` draft
+    probabilities, ``drafts [..., k]``, ``u [..., k]`` uniform noise,
+    ``gumbel [..., k+1, V]``. Returns ``(a, token)``: drafts accepted, and the
+    token sampled from the residual at the first rejection (or from ``p`` at
+    position ``k`` when all pass).
+    """
+    d = drafts[..., None]
+    p_d = mx.take_along_axis(p[..., :-1, :], d, axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]
+    a = accepted_count(u * q_d < p_d)
+    rows = mx.concatenate([residual(p[..., :-1, :], q), p[..., -1:, :]], axis=-2)
+    tokens = mx.argmax(mx.log(rows) + gumbel, axis=-1)  # Gumbel-max: a sample
+    return a, mx.take_along_axis(tokens, a[..., None], axis=-1)[..., 0]
+
+
+def match_sample(logp, drafts, gumbel):
+    """Greedy (one-hot) drafts: sample ``t_j`` from ``p_j``; keep ``d_j`` iff ``t_j == d_j``.
+
+    This is the one-hot rejection rule: ``d`` is kept with probability
+    ``p(d)``, and on a rejection ``t`` is distributed as ``p`` with ``d``
+    removed and renormalised. Because ``t_j`` uses position ``j``'s own noise,
+    the emitted tokens are the ones a plain seeded run would sample.
+    ``logp [..., k+1, V]``, ``drafts [..., k]``, ``gumbel [..., k+1, V]`` (or 0
+    for argmax). Returns ``(a, token)`` as ``rejection_sample`` does.
+    """
+    tokens = mx.argmax(logp + gumbel, axis=-1)
+    a = accepted_count(tokens[..., :-1] == drafts)
+    return a, mx.take_along_axis(tokens, a[..., None], axis=-1)[..., 0]
+
+
+# --- the verifiers --------------------------------------------------------------
+
+
+@dataclass
+class SamplingConfig:
+    """mlx-lm's sampler settings (same names and defaults) plus the draft mode."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    logit_bias: Optional[Dict[int, float]] = None
+    seed: Optional[int] = None
+    draft_sampling: str = "greedy"
+
+    def validate(self) -> None:
+        if self.temp < 0:
+            raise ValueError(f"temp must be >= 0, got {self.temp}")
+        if not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError("top_p and min_p must lie in [0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}")
+
+    def processors(self) -> List[LogitsProcessor]:
+        return make_logits_processors(
+            self.logit_bias,
+            self.repetition_penalty,
+            self.repetition_context_size,
+            self.presence_penalty,
+            self.presence_context_size,
+            self.frequency_penalty,
+            self.frequency_context_size,
+        )
+
+    def filters(self) -> List[Callable[[mx.array], mx.array]]:
+        """mlx-lm ``make_sampler``'s filters, in its order (XTC is not supported)."""
+        out = []
+        if 0 < self.top_p < 1.0:
+            out.append(lambda x: apply_top_p(x, self.top_p))
+        if self.min_p != 0.0:
+            out.append(lambda x: apply_min_p(x, self.min_p, self.min_tokens_to_keep))
+        if self.top_k > 0:
+            out.append(lambda x: apply_top_k(x, self.top_k))
+        return out
+
+
+class SamplingVerifier:
+    """Lossless verification with mlx-lm's sampler chain at any temperature.
+
+    At position ``j`` of a round the processors see the true prefix (history
+    plus drafts ``1..j-1``, which are accepted if position ``j`` is reached),
+    so penalty state advances by accepted tokens only.
+    """
+
+    def __init__(
+        self,
+        config: Optional[SamplingConfig] = None,
+        logits_processors: Optional[Sequence[LogitsProcessor]] = None,
+    ):
+        config = config or SamplingConfig()
+        config.validate()
+        self.temp = config.temp
+        self.processors = config.processors() + list(logits_processors or [])
+        self.filters = config.filters()
+        self.sample_drafts = config.draft_sampling == "sample" and config.temp > 0
+        seed = config.seed
+        if seed is None and config.temp > 0:  # mlx's global generator: mx.random.seed() applies
+            seed = mx.random.randint(0, 2**31 - 1, ()).item()
+        self.seed = int(seed or 0) % 2**32
+        self._history_src, self._history_tokens = None, None
+
+    # the filtered distribution ------------------------------------------------
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Filtered, tempered log-probabilities of processed logits ``[N, V]``."""
+        logprobs = _logprobs(logits.astype(mx.float32))
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return _logprobs(logprobs * (1.0 / self.temp))
+
+    def _tokens(self, history: Sequence[int]) -> mx.array:
+        """``history`` as an array, extended in place while the loop appends to it."""
+        src, tokens = self._history_src, self._history_tokens
+        if src is not history or tokens is None or tokens.size > len(history):
+            tokens = mx.array(list(history), dtype=mx.int32)
+        elif tokens.size < len(history):
+            new = mx.array(list(history[tokens.size :]), dtype=mx.int32)
+            tokens = mx.concatenate([tokens, new])
+        self._history_src, self._history_tokens = history, tokens
+        return tokens
+
+    def _process(self, logits, history, drafts) -> mx.array:
+        """Row ``j`` of ``logits`` through the processors with prefix history + drafts[:j]."""
+        if not self.processors:
+            return logits
+        tokens = self._tokens(history)
+        rows = []
+        for j in range(logits.shape[0]):
+            row = logits[j : j + 1]
+            for processor in self.processors:
+                row = processor(tokens, row)
+            rows.append(row)
+            if j < len(drafts):
+                tokens = mx.concatenate([tokens, drafts[j].token.astype(mx.int32)])
+        return mx.concatenate(rows)
+
+    # noise keyed by position ------------------------------------------------
+
+    def _key(self, position: int, stream: int) -> mx.array:
+        return mx.random.key((self.seed << 32) | (position * 3 + stream))
+
+    def _gumbel(self, positions, stream: int, vocab: int) -> mx.array:
+        return mx.stack(
+            [mx.random.gumbel((vocab,), key=self._key(n, stream)) for n in positions]
+        )
+
+    # the protocol ------------------------------------------------------------
+
+    def draft(self, logits: mx.array, history=(), previous=()) -> Draft:
+        row = self._process_draft(logits, history, previous)
+        if not self.sample_drafts:
+            return Draft(mx.argmax(row, axis=-1), logits)
+        logq = self.logprobs(row)
+        n = len(history) + len(previous)
+        noise = self._gumbel([n], _DRAFT, logq.shape[-1])
+        return Draft(mx.argmax(logq + noise, axis=-1), logits, mx.exp(logq))
+
+    def _process_draft(self, logits, history, previous) -> mx.array:
+        """The processors on a draft row, whose prefix ends with the previous drafts."""
+        if not self.processors:
+            return logits
+        tokens = self._tokens(history)
+        if previous:
+            tokens = mx.concatenate([tokens] + [d.token.astype(mx.int32) for d in previous])
+        for processor in self.processors:
+            logits = processor(tokens, logits)
+        return logits
+
+    def verify(
+        self, logits: mx.array, drafts: List[Draft], history: List[int]
+    ) -> List[int]:
+        rows = self._process(logits, history, drafts)
+        positions = range(len(history), len(history) + len(drafts) + 1)
+        if self.temp == 0:
+            logp, noise = rows, 0.0
+        else:
+            logp = self.logprobs(rows)
+            noise = self._gumbel(positions, _MAIN, logp.shape[-1])
+        if not drafts:
+            return [mx.argmax(logp + noise, axis=-1).item()]
+        proposed = mx.concatenate([d.token for d in drafts])
+        if self.sample_drafts:
+            q = mx.concatenate([d.q for d in drafts])
+            u = mx.stack([mx.random.uniform(key=self._key(n, _ACCEPT)) for n in positions[:-1]])
+            a, token = rejection_sample(mx.exp(logp), q, proposed, u, noise)
+        else:
+            a, token = match_sample(logp, proposed, noise)
+        mx.eval(a, token, proposed)  # the round's one host decision
+        a = a.item()
+        return proposed[:a].tolist() + [token.item()]
+
+
 class ExactMatchVerifier:
     def __init__(
         self,
@@ -50,7 +290,7 @@ class ExactMatchVerifier:
         self.sampler = sampler or greedy
         self.logits_processors = list(logits_processors or [])
 
-    def draft(self, logits: mx.array) -> Draft:
+    def draft(self, logits: mx.array, history=(), previous=()) -> Draft:
         return Draft(mx.argmax(logits, axis=-1), logits)
 
     def verify(
@@ -85,3 +325,20 @@ class ExactMatchVerifier:
                 break
             tokens = mx.concatenate([tokens, mx.array([t])])
         return emitted
+
+
+def make_verifier(
+    config: Optional[SamplingConfig] = None,
+    sampler: Optional[Sampler] = None,
+    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
+):
+    """The verifier for a user's settings: an opaque ``sampler`` can only be
+    exact-matched; everything else goes through ``SamplingVerifier``."""
+    config = config or SamplingConfig()
+    if sampler is None:
+        return SamplingVerifier(config, logits_processors)
+    chain = (config.temp, config.top_p, config.top_k, config.min_p)
+    if chain != (0.0, 0.0, 0, 0.0) or config.draft_sampling != "greedy":
+        raise ValueError("pass either sampler= or temp/top_p/top_k/min_p/draft_sampling")
+    processors = config.processors() + list(logits_processors or [])
+    return ExactMatchVerifier(sampler, processors)

@@ -17,7 +17,7 @@ round; a round with no drafts is exactly a plain decode step.
 """
 
 import time
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -69,14 +69,14 @@ def prefill(model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool)
             mx.eval([c.state for c in cache.trunk])
 
 
-def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier):
+def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, history):
     """Catch the head up and chain up to ``k`` drafts; returns (drafts, chained calls)."""
     logits, h = _feed_head(model, cache, y)
     drafts: List[Draft] = []
     chained = 0
     logits, h = logits[:, -1], h[:, -1:]
     for j in range(k):
-        d = verifier.draft(logits)
+        d = verifier.draft(logits, history, drafts)
         if p_min > 0 and d.p.item() < p_min:
             break
         drafts.append(d)
@@ -103,6 +103,7 @@ def speculative_generate_step(
     draft_max: int = DEFAULT_DRAFT_MAX,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     verifier: Optional[Any] = None,
+    draft_policy: Optional[Callable[[], int]] = None,
     stop_tokens: Sequence[int] = (),
     prompt_cache: Optional[MTPCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
@@ -112,6 +113,8 @@ def speculative_generate_step(
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
+    ``draft_policy`` (e.g. ``AdaptiveDraftLength``) picks each round's draft
+    length instead of ``draft_max`` and learns from ``update(drafted, accepted)``.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -136,8 +139,8 @@ def speculative_generate_step(
         # 1) draft
         drafts, chained = [], 0
         if use_mtp and cache.pending_hidden is not None and remaining > 1:
-            k = min(draft_max, remaining - 1)
-            drafts, chained = draft(model, cache, y, k, draft_p_min, verifier)
+            k = min(draft_policy() if draft_policy else draft_max, remaining - 1)
+            drafts, chained = draft(model, cache, y, k, draft_p_min, verifier, history)
         # 2) verify in one forward
         inputs = mx.concatenate([mx.array([y])] + [d.token for d in drafts])
         start_verify(cache.trunk)
@@ -145,6 +148,8 @@ def speculative_generate_step(
         # 3) accept
         emitted = verifier.verify(logits[0], drafts, history)
         accepted = len(emitted) - 1
+        if draft_policy is not None and drafts:
+            draft_policy.update(len(drafts), accepted)
         m = _cut(emitted, stop_tokens, remaining)
         # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head drops its chain
         rollback(cache.trunk, len(drafts) + 1 - m)

@@ -1,0 +1,81 @@
+"""Sampling and drafting options shared by the commands that generate.
+
+A command declares them as parameters (``temp: Temp = 0.0``) and hands them
+to the API with ``sampling_kwargs(...)``, so every command spells, documents
+and forwards them the same way.
+"""
+
+from enum import Enum
+from typing import Annotated, Dict, List, Optional
+
+import typer
+
+from .app import SAMPLING, SPECULATIVE, fail
+
+
+class DraftSampling(str, Enum):
+    greedy = "greedy"
+    sample = "sample"
+
+
+def _option(*names, panel=SAMPLING, **kwargs):
+    return typer.Option(*names, rich_help_panel=panel, **kwargs)
+
+
+Temp = Annotated[float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, _option("--top-p", min=0.0, max=1.0, help="Keep the most likely tokens holding this much probability (0: off).")]
+TopK = Annotated[int, _option("--top-k", min=0, help="Keep the k most likely tokens (0: off).")]
+MinP = Annotated[float, _option("--min-p", min=0.0, max=1.0, help="Drop tokens less likely than this times the top token (0: off).")]
+RepetitionPenalty = Annotated[Optional[float], _option("--repetition-penalty", min=0.0, help="Shrink the logits of tokens among the last 20 by this factor.")]
+PresencePenalty = Annotated[Optional[float], _option("--presence-penalty", help="Subtract this from the logits of tokens among the last 20.")]
+FrequencyPenalty = Annotated[Optional[float], _option("--frequency-penalty", help="Subtract this per occurrence among the last 20 tokens.")]
+LogitBias = Annotated[Optional[List[str]], _option("--logit-bias", metavar="ID=BIAS", help="Add BIAS to token ID's logit; repeat for more tokens.")]
+Seed = Annotated[Optional[int], _option("--seed", min=0, help="Seed: the same seed gives the same tokens, with or without MTP under greedy drafts.")]
+DraftMax = Annotated[int, _option("--draft-max", min=0, panel=SPECULATIVE, help="Drafts per round (the most, with --adaptive-draft).")]
+DraftPMin = Annotated[float, _option("--draft-p-min", min=0.0, max=1.0, panel=SPECULATIVE, help="Stop drafting when the draft's top probability falls below this.")]
+DraftSamplingOption = Annotated[DraftSampling, _option("--draft-sampling", panel=SPECULATIVE, help="greedy: draft the head's top token; sample: sample drafts through the sampler chain (temp > 0).")]
+AdaptiveDraft = Annotated[bool, _option("--adaptive-draft", panel=SPECULATIVE, help="Pick each round's draft length from the running per-position acceptance.")]
+
+def parse_logit_bias(items: Optional[List[str]]) -> Optional[Dict[int, float]]:
+    """``["ID=BIAS", ...]`` -> ``{ID: BIAS}``; a malformed item is a one-line error."""
+    if not items:
+        return None
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise fail(f"--logit-bias wants ID=BIAS, got {item!r}") from None
+        if not sep:
+            raise fail(f"--logit-bias wants ID=BIAS, got {item!r}")
+    return bias
+
+
+def sampling_kwargs(
+    temp: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    repetition_penalty: Optional[float],
+    presence_penalty: Optional[float],
+    frequency_penalty: Optional[float],
+    logit_bias: Optional[List[str]],
+    seed: Optional[int],
+    draft_sampling: DraftSampling,
+    adaptive_draft: bool,
+) -> dict:
+    """The ``stream_generate`` keyword arguments for the options above."""
+    return dict(
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=parse_logit_bias(logit_bias),
+        seed=seed,
+        draft_sampling=DraftSampling(draft_sampling).value,
+        adaptive_draft=adaptive_draft,
+    )
