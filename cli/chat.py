@@ -53,7 +53,7 @@ def _answer(console: Console, session: ChatSession, text: str, show_drafts: bool
         return
     console.print()
     if response is not None:
-        console.print(footer(response.stats), style="dim", markup=False)
+        console.print(footer(response.stats), style="dim", markup=False, soft_wrap=True)
 
 
 def _command(console: Console, session: ChatSession, line: str) -> bool:
@@ -65,7 +65,7 @@ def _command(console: Console, session: ChatSession, line: str) -> bool:
         session.reset()
         console.print("conversation reset", style="dim")
     elif name == "/stats":
-        console.print(session.total.summary(), markup=False)
+        console.print(session.total.summary(), markup=False, soft_wrap=True)
         console.print(
             f"cached tokens: {len(session.cached_tokens)}, "
             f"reused in the last prompt: {session.last.reused_tokens}"

@@ -1,0 +1,211 @@
+"""Every flag of `generate`, `chat` and `bench` reaches the API: one visible effect per flag.
+
+(mlx-lm PR #1297 parsed new flags and never forwarded them.) Runs go through
+typer's runner in-process; `generate --json` and `bench --json` are read as
+JSON, `chat` through its footer and `/stats` lines.
+"""
+
+import json
+import re
+import shutil
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from mlx_mtp.cli import app
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_folders):
+    return tiny_folders("mimo")
+
+
+@pytest.fixture(scope="module")
+def skewed(folders, tmp_path_factory):
+    """The tiny model with an uneven final norm, so the pre- and post-norm taps differ."""
+    path = tmp_path_factory.mktemp("skewed") / "mimo"
+    shutil.copytree(folders[0], path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.random.seed(1)
+    shape = weights["model.norm.weight"].shape
+    weights["model.norm.weight"] = mx.exp(2 * mx.random.normal(shape))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "pt"})
+    return path
+
+
+def invoke(*args, input=None, env=None):
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input, env=env)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def generate(*args, prompt="the quick brown fox jumps", model=None, input=None):
+    result = invoke("generate", "-m", model, "-p", prompt, "--json", *args, input=input)
+    return json.loads(result.stdout)
+
+
+# -- generate ---------------------------------------------------------------
+
+
+def test_generate_max_tokens(folders):
+    assert len(generate("-n", 7, model=folders[0])["tokens"]) == 7
+    assert generate("--max-tokens", 13, model=folders[0])["stats"]["generation_tokens"] == 13
+
+
+def test_generate_draft_max(folders):
+    for k in (1, 2):
+        stats = generate("-n", 40, "--draft-max", k, model=folders[0])["stats"]
+        assert len(stats["per_position_acceptance"]) <= k and stats["drafted"] > 0
+        assert stats["mean_accepted_length"] <= k + 1
+
+
+def test_generate_no_mtp_and_draft_p_min(folders):
+    plain = generate("-n", 20, "--no-mtp", model=folders[0])
+    cut = generate("-n", 20, "--draft-p-min", 1.0, model=folders[0])
+    spec = generate("-n", 20, model=folders[0])
+    assert plain["stats"]["drafted"] == 0 and plain["stats"]["rounds"] == 20
+    assert cut["stats"]["drafted"] == 0
+    assert spec["stats"]["drafted"] > 0
+    assert plain["tokens"] == cut["tokens"] == spec["tokens"]
+
+
+def test_generate_system_and_no_chat_template(folders):
+    templated = generate("-n", 2, prompt="hi", model=folders[0])["stats"]["prompt_tokens"]
+    raw = generate("-n", 2, "--no-chat-template", prompt="hi", model=folders[0])
+    system = generate("-n", 2, "--system", "be brief", prompt="hi", model=folders[0])
+    assert raw["stats"]["prompt_tokens"] == 2  # "hi", bytes
+    assert templated > 2
+    # the system turn: "<|im_start|>system\nbe brief<|im_end|>\n"
+    assert system["stats"]["prompt_tokens"] == templated + len("system\nbe brief\n") + 2
+
+
+def test_generate_prompt_from_stdin(folders):
+    out = generate("-n", 3, "--no-chat-template", prompt="-", model=folders[0], input="hey")
+    assert out["stats"]["prompt_tokens"] == 3
+
+
+def test_generate_mtp_attaches_a_head(folders):
+    full, trunk_only = folders
+    bare = generate("-n", 20, model=trunk_only)
+    headed = generate("-n", 20, "--mtp", full / "model.safetensors", model=trunk_only)
+    assert bare["stats"]["drafted"] == 0 and headed["stats"]["drafted"] > 0
+    assert bare["tokens"] == headed["tokens"]
+
+
+def test_generate_hidden_tap(skewed):
+    args = ("-n", 64, "--draft-max", 1)
+    post = generate(*args, "--hidden-tap", "post", model=skewed)
+    pre = generate(*args, "--hidden-tap", "pre", model=skewed)
+    assert post["tokens"] == pre["tokens"]
+    assert post["stats"]["accepted"] != pre["stats"]["accepted"]
+
+
+# -- chat -------------------------------------------------------------------
+
+FOOTER = re.compile(
+    r"(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens, [\d.]+ tok/s \| "
+    r"acceptance [\d.]+ \((\d+)/(\d+)\), mean accepted length ([\d.]+)"
+)
+
+
+def chat(*args, script="hello\n/stats\n", model, env=None):
+    """Returns (output, footers as (tokens, prompt, accepted, drafted, mean length))."""
+    out = invoke("chat", "-m", model, *args, input=script, env=env).output
+    footers = [
+        (int(a), int(b), int(c), int(d), float(e)) for a, b, c, d, e in FOOTER.findall(out)
+    ]
+    return out, footers
+
+
+def per_position(out):
+    return re.search(r"acceptance rate per position = \(([^)]*)\)", out).group(1)
+
+
+def test_chat_max_tokens_and_draft_max(folders):
+    out, [(tokens, _, _, drafted, mean)] = chat("-n", 30, "--draft-max", 1, model=folders[0])
+    assert tokens == 30 and drafted > 0 and mean <= 2
+    assert len(per_position(out).split(",")) == 1
+    out, _ = chat("-n", 30, "--draft-max", 3, model=folders[0])
+    assert len(per_position(out).split(",")) > 1
+
+
+def test_chat_no_mtp_and_draft_p_min(folders):
+    for flag in (["--no-mtp"], ["--draft-p-min", 1.0]):
+        _, [(tokens, _, accepted, drafted, mean)] = chat("-n", 12, *flag, model=folders[0])
+        assert tokens == 12 and drafted == accepted == 0 and mean == 1.0
+
+
+def test_chat_system(folders):
+    _, [(_, plain, *_)] = chat("-n", 2, model=folders[0])
+    _, [(_, system, *_)] = chat("-n", 2, "--system", "be brief", model=folders[0])
+    assert system == plain + len("system\nbe brief\n") + 2
+
+
+def test_chat_mtp_and_hidden_tap(folders, skewed):
+    full, trunk_only = folders
+    _, [bare] = chat("-n", 20, model=trunk_only)
+    _, [headed] = chat("-n", 20, "--mtp", full / "model.safetensors", model=trunk_only)
+    assert bare[3] == 0 and headed[3] > 0
+    script = "the quick brown fox jumps\n"
+    _, [post] = chat("-n", 64, "--draft-max", 1, "--hidden-tap", "post", script=script, model=skewed)
+    _, [pre] = chat("-n", 64, "--draft-max", 1, "--hidden-tap", "pre", script=script, model=skewed)
+    assert post[2] != pre[2]
+
+
+def test_chat_show_drafts(folders):
+    green = "\x1b[32m"
+    env = {"FORCE_COLOR": "1", "TERM": "xterm-256color"}
+    plain, _ = chat("-n", 30, model=folders[0], env=env)
+    shown, [(_, _, accepted, _, _)] = chat("-n", 30, "--show-drafts", model=folders[0], env=env)
+    assert accepted > 0
+    assert green not in plain
+    assert shown.count(green) >= 1
+
+
+# -- bench ------------------------------------------------------------------
+
+
+def bench(*args, model):
+    out = invoke("bench", "-m", model, "--json", "-r", 1, *args).stdout
+    return {c["config"]: c for c in json.loads(out)["configs"]}, json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def one_prompt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "one.txt"
+    path.write_text("tell me a story\n")
+    return path
+
+
+def test_bench_draft_max_and_max_tokens(folders, one_prompt):
+    configs, _ = bench("--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0])
+    assert list(configs) == ["mlx-lm", "no-mtp", "mtp k=1", "mtp k=2"]
+    assert all(c["tokens"] == 9 for c in configs.values())
+    assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
+
+
+def test_bench_repeats_and_prompts(folders, one_prompt):
+    _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
+    assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
+    assert len(out["runs"]) == 3  # one per configuration
+    out = json.loads(invoke("bench", "-m", folders[0], "--json", "--prompts", one_prompt,
+                            "-n", 4, "--draft-max", 1, "--repeats", 2).stdout)
+    assert len(out["runs"]) == 2 * 3
+
+
+def test_bench_draft_p_min(folders, one_prompt):
+    configs, _ = bench("--prompts", one_prompt, "-n", 9, "--draft-max", 2,
+                       "--draft-p-min", 1.0, model=folders[0])
+    assert configs["mtp k=2"]["acceptance_rate"] == 0.0
+    assert configs["mtp k=2"]["forwards_per_token"] == 1.0
+
+
+def test_bench_mtp_and_hidden_tap(folders, one_prompt):
+    full, trunk_only = folders
+    _, bare = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=trunk_only)
+    _, headed = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1,
+                      "--mtp", full / "model.safetensors", "--hidden-tap", "pre",
+                      model=trunk_only)
+    assert not bare["regime"]["mtp_head"] and headed["regime"]["mtp_head"]
+    assert bare["regime"]["hidden_tap"] == "post" and headed["regime"]["hidden_tap"] == "pre"
