@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -15,6 +16,8 @@ def cli(*args, stdin=None):
         capture_output=True,
         text=True,
         timeout=120,
+        # not the checkout: its mlx_mtp/ would shadow the installed package
+        cwd=tempfile.gettempdir(),
     )
 
 
