@@ -29,7 +29,6 @@ class _Verify:
     """What one verify pass leaves behind until its rollback."""
 
     def __init__(self):
-        self.state: Optional[mx.array] = None  # recurrent state before the pass
         self.conv_input: Optional[mx.array] = None  # [B, K-1+T, C]: window, inputs
         self.states: Optional[mx.array] = None  # [B, T, Hv, Dv, Dk]: after each token
 
@@ -52,7 +51,7 @@ class GDNCache(ArraysCache):
         """Record a layer call made during the verify pass (called by the layer)."""
         v = self._verify
         if v.conv_input is None:
-            v.state, v.conv_input, v.states = self[1], conv_input, states
+            v.conv_input, v.states = conv_input, states
         else:  # a second call in one pass continues the first
             new = conv_input[:, window:]
             v.conv_input = mx.concatenate([v.conv_input, new], axis=1)
@@ -64,12 +63,15 @@ class GDNCache(ArraysCache):
         if n == 0 or v is None or v.states is None:
             return
         verified = v.states.shape[1]
-        if n > verified:
+        # The state before the pass is not kept (it would cost one more state per
+        # layer); the loop always keeps at least the verified token it chose.
+        if n >= verified:
             raise ValueError(f"cannot roll back {n} of {verified} verified tokens")
         kept = verified - n
         window = v.conv_input.shape[1] - verified
+        # contiguous copies, so the kept slices do not pin the whole buffers
         self[0] = mx.contiguous(v.conv_input[:, kept : kept + window])
-        self[1] = v.states[:, kept - 1] if kept > 0 else v.state
+        self[1] = mx.contiguous(v.states[:, kept - 1])
 
     def is_trimmable(self) -> bool:
         return False
