@@ -19,6 +19,7 @@ the chained positions it drafts, never the catch-up positions, so its cache
 could not stay position-consistent. Released checkpoints have one layer.
 """
 
+import importlib
 from typing import Any, Dict
 
 import mlx.core as mx
@@ -36,6 +37,8 @@ _ATTN_NORMS = ("q_norm", "k_norm")
 
 
 class ZeroCentredRMSNorm(nn.Module):
+    """Qwen's RMSNorm ``rms_norm(x) * (1 + w)``, ``w`` as the checkpoint has it."""
+
     def __init__(self, dims: int, eps: float):
         super().__init__()
         self.weight = mx.zeros((dims,))
@@ -102,8 +105,6 @@ def _text_args(args: Any, layer_class: type) -> Any:
     """The trunk's text-model arguments (Qwen3.5 nests them in ``text_config``)."""
     if not hasattr(args, "text_config"):
         return args
-    import importlib
-
     module = importlib.import_module(layer_class.__module__)
     return module.TextModelArgs.from_dict(args.text_config)
 
