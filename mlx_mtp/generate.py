@@ -64,6 +64,7 @@ def stream_generate(
     logits_processors: Optional[Sequence[LogitsProcessor]] = None,
     verifier: Optional[Any] = None,
     prompt_cache: Optional[MTPCache] = None,
+    cached_tokens: Sequence[int] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     trace: bool = False,
     temp: float = 0.0,
@@ -82,6 +83,8 @@ def stream_generate(
 
     ``mtp=False`` (or ``draft_max=0``) generates plainly through the same loop.
     ``trace=True`` records every round's drafts in ``response.stats.trace``.
+    With a ``prompt_cache`` from an earlier call, ``prompt`` holds only the new
+    tokens and ``cached_tokens`` those already in the cache.
 
     Sampling takes mlx-lm's settings (``temp`` .. ``logit_bias``, penalties
     over the last 20 tokens) and is lossless: the output has the main model's
@@ -124,6 +127,7 @@ def stream_generate(
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
         stats=stats,
+        cached_tokens=cached_tokens,
     )
     n = 0
     for token, from_draft in steps:

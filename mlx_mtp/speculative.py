@@ -108,6 +108,7 @@ def speculative_generate_step(
     prompt_cache: Optional[MTPCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     stats: Optional[MTPStats] = None,
+    cached_tokens: Sequence[int] = (),
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
@@ -115,6 +116,9 @@ def speculative_generate_step(
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
     ``draft_policy`` (e.g. ``AdaptiveDraftLength``) picks each round's draft
     length instead of ``draft_max`` and learns from ``update(drafted, accepted)``.
+    ``cached_tokens`` are the tokens already in ``prompt_cache``: the sampler
+    sees them as history (penalty window, noise positions) as if the whole
+    sequence had been the prompt.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -125,7 +129,7 @@ def speculative_generate_step(
     stats.draft_max = draft_max
     use_mtp = draft_max > 0 and model.head is not None
     stop_tokens = set(stop_tokens)
-    history = list(prompt)
+    history = [int(t) for t in cached_tokens] + prompt
 
     tic = time.perf_counter()
     prefill(model, cache, prompt, prefill_step_size, use_mtp)
