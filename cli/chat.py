@@ -14,6 +14,7 @@ from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.trunk import HIDDEN_TAPS
 
+from . import options as o
 from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
 
 HELP = """\
@@ -97,14 +98,29 @@ def chat(
     hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per answer at most."),
-    draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", min=0, help="Drafts per round.", rich_help_panel=SPECULATIVE),
-    draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", min=0.0, max=1.0, help="Stop drafting when the draft's top probability falls below this.", rich_help_panel=SPECULATIVE),
+    temp: o.Temp = 0.0,
+    top_p: o.TopP = 0.0,
+    top_k: o.TopK = 0,
+    min_p: o.MinP = 0.0,
+    repetition_penalty: o.RepetitionPenalty = None,
+    presence_penalty: o.PresencePenalty = None,
+    frequency_penalty: o.FrequencyPenalty = None,
+    logit_bias: o.LogitBias = None,
+    seed: o.Seed = None,
+    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
+    draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
+    adaptive_draft: o.AdaptiveDraft = False,
     no_mtp: bool = typer.Option(False, "--no-mtp", help="Generate without MTP (same loop, no drafts).", rich_help_panel=SPECULATIVE),
     show_drafts: bool = typer.Option(False, "--show-drafts", help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).", rich_help_panel=OUTPUT),
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
         raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    sampling = o.sampling_kwargs(
+        temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
+    )
     loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")
@@ -118,6 +134,7 @@ def chat(
         draft_max=draft_max,
         draft_p_min=draft_p_min,
         mtp=not no_mtp,
+        **sampling,
     )
     console = Console(highlight=False)
     console.print("Type a message; /help lists the commands.", style="dim")

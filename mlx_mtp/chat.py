@@ -174,6 +174,7 @@ class ChatSession:
                 suffix,
                 self.max_tokens,
                 prompt_cache=self.cache,
+                cached_tokens=self.cached_tokens,
                 **self.generate_kwargs,
             ):
                 tokens.append(response.token)

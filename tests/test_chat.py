@@ -90,6 +90,17 @@ def test_second_turn_equals_fresh_generation(loaded, family):
     assert_cache_holds(model, session.cache, session.cached_tokens)
 
 
+def test_sampled_second_turn_equals_fresh_generation(loaded):
+    """Seeded sampling with penalties sees the whole conversation, cached or not."""
+    model, tok = loaded("deepseek_v3")
+    sampling = dict(temp=1.0, seed=3, repetition_penalty=1.5, draft_sampling="sample")
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS, **sampling)
+    answer(session, "hello")
+    got = answer(session, "hm")
+    assert session.last.reused_tokens > 0
+    assert got == fresh_answer(model, tok, session.messages[:-1], **sampling)
+
+
 def test_template_that_rerenders_history(loaded):
     """A template showing earlier answers differently: only the common prefix is reused."""
     model, tok = loaded("mimo")

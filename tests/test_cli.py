@@ -153,6 +153,60 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
     assert post[2] != pre[2]
 
 
+def answers(out):
+    """The answers' text, between the input prompt and the footer."""
+    return re.findall(r">>> (.*?)\n(?=\d+ tokens, )", out, re.S)
+
+
+@pytest.fixture(scope="module")
+def greedy_answer(folders):
+    out, _ = chat("-n", 16, model=folders[0])
+    return answers(out)[0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--top-k", 1], ["--min-p", 1.0], ["--top-p", 0.001]],
+    ids=["top-k", "min-p", "top-p"],
+)
+def test_chat_filters_that_leave_the_top_token(folders, greedy_answer, flags):
+    """At temperature 1 each of these keeps only the top token: greedy again."""
+    sampled, _ = chat("-n", 16, "--temp", 1.0, "--seed", 5, model=folders[0])
+    filtered, _ = chat("-n", 16, "--temp", 1.0, "--seed", 5, *flags, model=folders[0])
+    assert answers(sampled)[0] != greedy_answer
+    assert answers(filtered)[0] == greedy_answer
+
+
+def test_chat_temp_and_seed(folders):
+    runs = [chat("-n", 16, "--temp", 1.0, "--seed", s, model=folders[0])[0] for s in (1, 1, 2)]
+    assert answers(runs[0]) == answers(runs[1]) != answers(runs[2])
+
+
+@pytest.mark.parametrize(
+    "flag", ["--repetition-penalty", "--presence-penalty", "--frequency-penalty"]
+)
+def test_chat_penalties(folders, flag):
+    greedy, _ = chat("-n", 40, model=folders[0])  # falls into a loop: repeated tokens
+    out, _ = chat("-n", 40, flag, 5.0, model=folders[0])
+    assert answers(out)[0] != answers(greedy)[0]
+
+
+def test_chat_logit_bias(folders):
+    biased = answers(chat("-n", 8, "--logit-bias", "65=1000", model=folders[0])[0])[0]
+    other = answers(chat("-n", 8, "--logit-bias", "66=1000", model=folders[0])[0])[0]
+    assert len(biased) == len(other) == 8  # one byte-level token repeated
+    assert len(set(biased)) == len(set(other)) == 1 and biased != other
+
+
+def test_chat_draft_sampling_and_adaptive_draft(folders):
+    args = ("-n", 40, "--temp", 1.0, "--seed", 0)
+    _, [greedy_drafts] = chat(*args, model=folders[0])
+    _, [sampled_drafts] = chat(*args, "--draft-sampling", "sample", model=folders[0])
+    _, [adaptive] = chat(*args, "--adaptive-draft", model=folders[0])
+    assert sampled_drafts[2:4] != greedy_drafts[2:4]  # (accepted, drafted)
+    assert adaptive[2:4] != greedy_drafts[2:4]
+
+
 def test_chat_show_drafts(folders):
     green = "\x1b[32m"
     env = {"FORCE_COLOR": "1", "TERM": "xterm-256color"}
