@@ -23,6 +23,9 @@ from .heads import MTPHead, family_for, load_head_weights
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
+# Written beside a head trained by ``train-head``: names the head's family, so
+# the head attaches to a trunk whose model_type has no MTP family of its own.
+HEAD_CONFIG_FILE = "mtp_config.json"
 
 
 @dataclass
@@ -189,6 +192,8 @@ def load_model(
         head_weights = read_safetensors(files)
     else:
         head_weights = {**split, **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB)))}
+    head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
+    family = _trained_head_family(head_dir) or family
 
     head, notice = None, None
     if family is None:
@@ -205,6 +210,24 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return MTPModel(trunk=trunk, head=head, config=config, notice=notice)
+
+
+def _trained_head_family(folder: Path):
+    """The family named by ``mtp_config.json`` in ``folder``, if there is one."""
+    import importlib
+
+    from .heads import FAMILY_MODULES
+
+    file = folder / HEAD_CONFIG_FILE
+    if not file.is_file():
+        return None
+    try:
+        name = json.loads(file.read_text())["family"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise MTPError(f"{file}: not a valid MTP head config") from None
+    if name not in FAMILY_MODULES:
+        raise MTPError(f"{file}: unknown MTP head family {name!r}")
+    return importlib.import_module(f"mlx_mtp.heads.{name}")
 
 
 def _build_head(model, trunk, family, config, weights) -> MTPHead:

@@ -57,12 +57,14 @@ class MTPHead(nn.Module):
         [B, L] the tokens ``t_{i+1}..t_{i+L}``. The output hidden state is what
         the next draft in a chain feeds back in place of ``h``.
         """
+        # cache=None runs the block without a cache from position 0 (training).
+        c = cache[0] if cache is not None else None
         e = self.embed(tokens)
-        if self.zero_first_embedding and cache[0].offset == 0:
+        if self.zero_first_embedding and (c is None or c.offset == 0):
             e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = self.fuse(e, hidden.astype(e.dtype))
-        mask = create_attention_mask(x, cache[0], return_array=True)
-        x = self.block(x, mask, cache[0])
+        mask = create_attention_mask(x, c, return_array=True)
+        x = self.block(x, mask, c)
         h = self.final_norm(x)
         return self.logits(h), h
 

@@ -11,6 +11,7 @@ The block is the trunk's own decoder layer class built at index ``N``, so it
 is MoE exactly where the trunk's layer ``N`` would be.
 """
 
+import inspect
 from typing import Any, Dict
 
 import mlx.core as mx
@@ -61,6 +62,20 @@ class DeepSeekMTP(MTPHead):
         return super().logits(h)
 
 
+def make_block(backbone: nn.Module, args: Any, index: int) -> nn.Module:
+    """A new decoder block of the trunk's own class, built as layer ``index``.
+
+    DeepSeek-family blocks take ``(args, layer_idx)``; llama-like blocks take
+    ``(args)`` and a second argument that means something else (llama's
+    ``use_sliding``), so the index is passed only where it is asked for.
+    """
+    cls = type(backbone.layers[0])
+    params = list(inspect.signature(cls.__init__).parameters)[2:]
+    if params and params[0] in ("layer_idx", "layer_id", "layer_index", "idx"):
+        return cls(args, index)
+    return cls(args)
+
+
 def num_layers(config: Dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers", 0) or 0)
 
@@ -83,7 +98,7 @@ def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
     pre = prefix(config)
-    block = type(backbone.layers[0])(args, args.num_hidden_layers)
+    block = make_block(backbone, args, args.num_hidden_layers)
     return DeepSeekMTP(
         args,
         block,
