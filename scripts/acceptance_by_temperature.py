@@ -1,0 +1,102 @@
+"""Draft acceptance at temperature 0, 0.6 and 1.0: greedy vs sampled drafts, side by side.
+
+Runs the tiny random models of tests/tiny.py (no download), every setting on
+the same prompts and seeds, and prints llama.cpp-style counts; then fixed vs
+adaptive draft length. Two variants of the model: as the tests build it
+(near-uniform next-token distributions: top probability about 1.5%) and
+"sharp", with both output heads scaled so distributions are peaked like a real
+language model's. Counts need no clock; tok/s on this CPU is noise-prone.
+
+    python scripts/acceptance_by_temperature.py [--family deepseek_v3] [--tokens 64]
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import tiny  # noqa: E402
+
+import mlx_mtp  # noqa: E402
+from mlx_mtp.adaptive import AdaptiveDraftLength  # noqa: E402
+from mlx_mtp.sampling import SamplingConfig, make_verifier  # noqa: E402
+from mlx_mtp.speculative import speculative_generate_step  # noqa: E402
+from mlx_mtp.stats import MTPStats  # noqa: E402
+
+HEADS = ("lm_head.weight", "shared_head.head.weight")
+
+
+def build(root: Path, family: str, sharpen: float) -> Path:
+    config, trunk_w, mtp_w = tiny.build_weights(family)
+    for weights in (trunk_w, mtp_w):
+        for name in weights:
+            if name.endswith(HEADS):
+                weights[name] = weights[name] * sharpen
+    return tiny.save_folder(root / f"{family}-x{sharpen:g}", config, trunk_w, mtp_w)
+
+
+def run(model, prompts, tokens, draft_max, adaptive=False, **sampling):
+    """One MTPStats over all prompts (each with its own seed)."""
+    stats = MTPStats()
+    tic = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        verifier = make_verifier(SamplingConfig(seed=i, **sampling))
+        policy = AdaptiveDraftLength(draft_max) if adaptive else None
+        for _ in speculative_generate_step(
+            prompt, model, max_tokens=tokens, draft_max=draft_max,
+            verifier=verifier, draft_policy=policy, stats=stats,
+        ):
+            pass
+    return stats, time.perf_counter() - tic
+
+
+def row(label, stats, seconds):
+    per_pos = ", ".join(f"{a:.2f}" for a in stats.per_position_acceptance)
+    return (
+        f"{label:<28} {stats.acceptance_rate:6.3f} {stats.accepted:5d}/{stats.drafted:<5d}"
+        f" {stats.mean_accepted_length:5.2f}  {stats.drafted / stats.generation_tokens:5.2f}"
+        f"  {stats.generation_tokens / seconds:7.1f}  ({per_pos})"
+    )
+
+
+HEADER = (
+    f"{'setting':<28} {'accept':>6} {'acc/drafted':>11} {'len':>5}  {'d/tok':>5}"
+    f"  {'tok/s':>7}  per position"
+)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="deepseek_v3", choices=sorted(tiny.CONFIGS))
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=6)
+    args = parser.parse_args()
+    prompts = [tiny.random_prompt(24, seed) for seed in range(args.prompts)]
+    root = Path(tempfile.mkdtemp())
+    print(f"{args.family}, {args.prompts} prompts x {args.tokens} tokens, draft-max 3")
+    print("len = mean accepted length (tokens per verify); d/tok = drafts per emitted token")
+    for sharpen in (1.0, 8.0):
+        model = mlx_mtp.load_model(build(root, args.family, sharpen))
+        print(f"\nmodel: output heads x{sharpen:g}")
+        print(HEADER)
+        for temp in (0.0, 0.6, 1.0):
+            for mode in ("greedy", "sample"):
+                stats, s = run(model, prompts, args.tokens, 3, temp=temp, draft_sampling=mode)
+                print(row(f"temp {temp:<4} {mode} drafts", stats, s))
+        print("\nfixed vs adaptive draft length (greedy drafts)")
+        print(HEADER)
+        for temp in (0.0, 0.6):
+            for draft_max, adaptive in ((3, False), (6, False), (6, True)):
+                stats, s = run(model, prompts, args.tokens, draft_max, adaptive, temp=temp)
+                label = f"temp {temp:<4} max {draft_max}{' adaptive' if adaptive else ''}"
+                print(row(label, stats, s))
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
