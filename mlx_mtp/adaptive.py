@@ -12,9 +12,10 @@ class AdaptiveDraftLength:
 
     ``rates[j]`` is a moving average of P(draft j+1 accepted | the drafts
     before it accepted): a plain mean over the first ``1 / rate`` tests (the
-    optimistic start counting as one), exponential after. Draft ``i`` is proposed while the chance of reaching
-    and keeping it, ``rates[0] * ... * rates[i]``, stays at or above
-    ``min_reach``: a draft always costs a head step and pays only when kept.
+    optimistic start counting as one), exponential after. Draft ``i`` is
+    proposed while the chance of reaching and keeping it, ``rates[0] * ... *
+    rates[i]``, stays at or above ``min_reach``: a draft always costs a head
+    step and pays only when kept.
     Positions left undrafted drift back toward 1, so a longer chain is tried
     again when the text gets easier. At least one draft is always proposed.
     """

@@ -48,8 +48,9 @@ def greedy(logprobs: mx.array) -> mx.array:
 class Draft:
     token: mx.array  # [1] int
     logits: mx.array  # [1, V] the head's logits it was drawn from
-    q: Optional[mx.array] = None  # [1, V] filtered distribution it was sampled
-    # from; None for a greedy draft (q is one-hot at ``token``)
+    # [1, V] the filtered distribution it was sampled from; None for a greedy
+    # draft, whose q is one-hot at ``token``
+    q: Optional[mx.array] = None
 
     @property
     def p(self) -> mx.array:
@@ -96,7 +97,7 @@ def rejection_sample(p, q, drafts, u, gumbel):
 
 
 def match_sample(logp, drafts, gumbel):
-    """Greedy (one-hot) drafts: sample ``t_j`` from ``p_j``; keep ``d_j`` iff ``t_j == d_j``.
+    """Greedy (one-hot) drafts: sample ``t_j`` from ``p_j``, keep ``d_j`` iff equal.
 
     This is the one-hot rejection rule: ``d`` is kept with probability
     ``p(d)``, and on a rejection ``t`` is distributed as ``p`` with ``d``
@@ -140,7 +141,8 @@ class SamplingConfig:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.draft_sampling not in DRAFT_SAMPLING:
-            raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}")
+            choices = ", ".join(DRAFT_SAMPLING)
+            raise ValueError(f"draft_sampling must be one of {choices}")
 
     def processors(self) -> List[LogitsProcessor]:
         return make_logits_processors(
@@ -185,7 +187,7 @@ class SamplingVerifier:
         self.filters = config.filters()
         self.sample_drafts = config.draft_sampling == "sample" and config.temp > 0
         seed = config.seed
-        if seed is None and config.temp > 0:  # mlx's global generator: mx.random.seed() applies
+        if seed is None and config.temp > 0:  # mx.random.seed() still applies
             seed = mx.random.randint(0, 2**31 - 1, ()).item()
         self.seed = int(seed or 0) % 2**32
         self._history_src, self._history_tokens = None, None
@@ -211,7 +213,7 @@ class SamplingVerifier:
         return tokens
 
     def _process(self, logits, history, drafts) -> mx.array:
-        """Row ``j`` of ``logits`` through the processors with prefix history + drafts[:j]."""
+        """Row ``j`` of ``logits`` through the processors, prefix history + drafts[:j]."""
         if not self.processors:
             return logits
         tokens = self._tokens(history)
@@ -252,7 +254,8 @@ class SamplingVerifier:
             return logits
         tokens = self._tokens(history)
         if previous:
-            tokens = mx.concatenate([tokens] + [d.token.astype(mx.int32) for d in previous])
+            drafted = [d.token.astype(mx.int32) for d in previous]
+            tokens = mx.concatenate([tokens] + drafted)
         for processor in self.processors:
             logits = processor(tokens, logits)
         return logits
@@ -272,7 +275,8 @@ class SamplingVerifier:
         proposed = mx.concatenate([d.token for d in drafts])
         if self.sample_drafts:
             q = mx.concatenate([d.q for d in drafts])
-            u = mx.stack([mx.random.uniform(key=self._key(n, _ACCEPT)) for n in positions[:-1]])
+            keys = [self._key(n, _ACCEPT) for n in positions[:-1]]
+            u = mx.stack([mx.random.uniform(key=key) for key in keys])
             a, token = rejection_sample(mx.exp(logp), q, proposed, u, noise)
         else:
             a, token = match_sample(logp, proposed, noise)
@@ -339,6 +343,8 @@ def make_verifier(
         return SamplingVerifier(config, logits_processors)
     chain = (config.temp, config.top_p, config.top_k, config.min_p)
     if chain != (0.0, 0.0, 0, 0.0) or config.draft_sampling != "greedy":
-        raise ValueError("pass either sampler= or temp/top_p/top_k/min_p/draft_sampling")
+        raise ValueError(
+            "pass either sampler= or temp/top_p/top_k/min_p/draft_sampling"
+        )
     processors = config.processors() + list(logits_processors or [])
     return ExactMatchVerifier(sampler, processors)
