@@ -6,8 +6,10 @@ adaptive draft length. Two variants of the model: as the tests build it
 (near-uniform next-token distributions: top probability about 1.5%) and
 "sharp", with both output heads scaled so distributions are peaked like a real
 language model's. Counts need no clock; tok/s on this CPU is noise-prone.
+``--model PATH`` runs a real MLX folder with an MTP head on a few chat prompts.
 
     python scripts/acceptance_by_temperature.py [--family deepseek_v3] [--tokens 64]
+    python scripts/acceptance_by_temperature.py --model PATH
 """
 
 import argparse
@@ -29,6 +31,14 @@ from mlx_mtp.speculative import speculative_generate_step  # noqa: E402
 from mlx_mtp.stats import MTPStats  # noqa: E402
 
 HEADS = ("lm_head.weight", "shared_head.head.weight")
+CHAT_PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain how a hash map works.",
+    "List five fruits and their colours.",
+    "Write a Python function that reverses a string.",
+    "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.",
+]
 
 
 def build(root: Path, family: str, sharpen: float) -> Path:
@@ -55,6 +65,30 @@ def run(model, prompts, tokens, draft_max, adaptive=False, **sampling):
     return stats, time.perf_counter() - tic
 
 
+def real_model(path: str, n: int):
+    model, tokenizer = mlx_mtp.load(path)
+    prompts = []
+    for text in CHAT_PROMPTS[:n]:
+        messages = [{"role": "user", "content": text}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return model, prompts
+
+
+def report(model, prompts, tokens):
+    print(HEADER)
+    for temp in (0.0, 0.6, 1.0):
+        for mode in ("greedy", "sample"):
+            stats, s = run(model, prompts, tokens, 3, temp=temp, draft_sampling=mode)
+            print(row(f"temp {temp:<4} {mode} drafts", stats, s))
+    print("\nfixed vs adaptive draft length (greedy drafts)")
+    print(HEADER)
+    for temp in (0.0, 0.6):
+        for draft_max, adaptive in ((3, False), (6, False), (6, True)):
+            stats, s = run(model, prompts, tokens, draft_max, adaptive, temp=temp)
+            label = f"temp {temp:<4} max {draft_max}{' adaptive' if adaptive else ''}"
+            print(row(label, stats, s))
+
+
 def row(label, stats, seconds):
     per_pos = ", ".join(f"{a:.2f}" for a in stats.per_position_acceptance)
     return (
@@ -75,26 +109,19 @@ def main():
     parser.add_argument("--family", default="deepseek_v3", choices=sorted(tiny.CONFIGS))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--model", help="a real MLX folder with an MTP head")
     args = parser.parse_args()
+    name = args.model or args.family
+    print(f"{name}, {args.prompts} prompts x {args.tokens} tokens, draft-max 3")
+    print("len = mean accepted length (tokens per verify); d/tok = drafts per token")
+    if args.model:
+        report(*real_model(args.model, args.prompts), args.tokens)
+        return
     prompts = [tiny.random_prompt(24, seed) for seed in range(args.prompts)]
     root = Path(tempfile.mkdtemp())
-    print(f"{args.family}, {args.prompts} prompts x {args.tokens} tokens, draft-max 3")
-    print("len = mean accepted length (tokens per verify); d/tok = drafts per emitted token")
     for sharpen in (1.0, 8.0):
-        model = mlx_mtp.load_model(build(root, args.family, sharpen))
         print(f"\nmodel: output heads x{sharpen:g}")
-        print(HEADER)
-        for temp in (0.0, 0.6, 1.0):
-            for mode in ("greedy", "sample"):
-                stats, s = run(model, prompts, args.tokens, 3, temp=temp, draft_sampling=mode)
-                print(row(f"temp {temp:<4} {mode} drafts", stats, s))
-        print("\nfixed vs adaptive draft length (greedy drafts)")
-        print(HEADER)
-        for temp in (0.0, 0.6):
-            for draft_max, adaptive in ((3, False), (6, False), (6, True)):
-                stats, s = run(model, prompts, args.tokens, draft_max, adaptive, temp=temp)
-                label = f"temp {temp:<4} max {draft_max}{' adaptive' if adaptive else ''}"
-                print(row(label, stats, s))
+        report(mlx_mtp.load_model(build(root, args.family, sharpen)), prompts, args.tokens)
         mx.clear_cache()
 
 
