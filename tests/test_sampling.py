@@ -290,6 +290,10 @@ def cli_tokens(capsys, folder, *flags):
 
 def test_every_sampling_flag_has_an_effect(tiny_folders, capsys):
     full, _ = tiny_folders("deepseek_v3")
+    seeded = cli_tokens(capsys, full, "--temp", "0.1", "--seed", "1")
+    assert seeded["stats"]["accepted"] > 0
+    no_mtp = cli_tokens(capsys, full, "--temp", "0.1", "--seed", "1", "--no-mtp")
+    assert no_mtp["tokens"] == seeded["tokens"]  # --seed: the same with and without MTP
     base = ["--temp", "0.3", "--seed", "1"]
     plain = cli_tokens(capsys, full, *base)
     assert plain["tokens"] != cli_tokens(capsys, full)["tokens"]  # --temp
