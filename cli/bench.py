@@ -94,7 +94,7 @@ def bench(
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)
-    console.print(regime_line(result.regime), markup=False)
+    console.print(regime_line(result.regime), markup=False, soft_wrap=True)
     if result.regime["backend"] == "cpu" and "OpenBLAS" not in result.regime["blas"]:
         console.print(
             "note: CPU with the bundled BLAS is compute-bound; verifying k tokens costs "

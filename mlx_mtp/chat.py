@@ -17,6 +17,8 @@ the cache go back to how they were after the last complete turn.
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
+from mlx_lm.models.cache import ArraysCache
+
 from .cache import MTPCache, rollback
 from .generate import DEFAULT_MAX_TOKENS, GenerationResponse, _encode, stream_generate
 from .loader import MTPModel
@@ -96,10 +98,33 @@ class _Saved:
 
     messages: int
     tokens: List[int]
-    offset: int
-    head_offset: int
+    marks: List[Any]  # per cache (trunk, then head), see ``_mark``
     pending_hidden: Any
     pending_tokens: List[int]
+
+
+def _mark(c) -> Optional[tuple]:
+    """What bringing cache ``c`` back to this point takes; None when it cannot be.
+
+    An attention cache is cut back to its offset (a turn only writes past it).
+    mlx-lm's recurrent ``ArraysCache`` replaces its arrays on every update and
+    never writes into them, so keeping the arrays is a snapshot.
+    """
+    if not hasattr(c, "rollback") and c.is_trimmable():
+        return ("offset", c.offset)
+    if isinstance(c, ArraysCache):
+        return ("arrays", list(c.cache))
+    return None
+
+
+def _restore(c, mark: tuple) -> None:
+    kind, value = mark
+    if kind == "offset":
+        rollback([c], c.offset - value)
+        return
+    if hasattr(c, "rollback"):
+        c.rollback(0)  # forget what an unfinished verify pass kept
+    c.cache = list(value)
 
 
 @dataclass
@@ -213,21 +238,20 @@ class ChatSession:
         return _Saved(
             n_messages,
             list(self.cached_tokens),
-            c.offset,
-            c.head_offset,
+            [_mark(x) for x in c.state_list()],
             c.pending_hidden,
             list(c.pending_tokens),
         )
 
     def _undo(self) -> None:
-        """Back to the saved turn boundary: a turn only writes past it, so cut there."""
+        """Back to the saved turn boundary (or to an empty cache if it cannot be)."""
         saved, self._open = self._open, None
         del self.messages[saved.messages :]
         c = self.cache
-        if not _truncatable(c):
+        if any(m is None for m in saved.marks):
             self.cache, self.cached_tokens = self.model.make_cache(), []
             return
-        rollback(c.trunk, c.offset - saved.offset)
-        rollback(c.head, c.head_offset - saved.head_offset)
+        for x, mark in zip(c.state_list(), saved.marks):
+            _restore(x, mark)
         c.pending_hidden, c.pending_tokens = saved.pending_hidden, saved.pending_tokens
         self.cached_tokens = saved.tokens

@@ -229,3 +229,38 @@ def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
     assert "interrupted" in result.output
     assert result.output.count("mean accepted length") == 4  # one footer per answer
     assert "draft acceptance" in result.output  # /stats
+
+
+def test_hybrid_model_keeps_its_recurrent_state_consistent(tmp_path, monkeypatch):
+    """Gated-delta-net states cannot be cut back to any token, but a matching prefix
+    is reused and an interrupted turn restores the states of the turn boundary."""
+    import tiny_hybrid
+
+    model, tok = mlx_mtp.load(tiny_hybrid.build_folder(tmp_path / "q", "qwen3_5")[0])
+    spy = Interrupt(monkeypatch, after={2: 3})
+    # one-token answers: nothing of them is re-encoded into the next prompt
+    session = ChatSession(model, tok, max_tokens=1)
+    answer(session, "hello")
+    first_prompt = session.last.prompt_tokens
+    got = answer(session, "and?")
+    assert session.last.reused_tokens == first_prompt and not session.last.rebuilt
+    assert got == fresh_answer(model, tok, session.messages[:-1], max_tokens=1)
+    boundary = list(session.cached_tokens)
+    session.max_tokens = MAX_TOKENS
+    with pytest.raises(KeyboardInterrupt):
+        answer(session, "stop me")
+    assert not session.last.rebuilt
+    # the recurrent states of the turn boundary are back
+    assert session.cached_tokens == boundary and session.cache.offset == len(boundary)
+    fresh = model.make_cache()
+    model.trunk(mx.array(boundary)[None], fresh.trunk)
+    pairs = zip(session.cache.trunk, fresh.trunk)
+    recurrent = [(c, f) for c, f in pairs if not hasattr(c, "offset")]
+    assert recurrent
+    for c, f in recurrent:
+        for a, b in zip(c.cache, f.cache):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    got = answer(session, "again")
+    assert session.last.reused_tokens == len(boundary)
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+    assert len(spy.calls) == 4
