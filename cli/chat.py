@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from mlx_mtp.chat import ChatSession
+from mlx_mtp.default_model import default_model_path
 from mlx_mtp.generate import DEFAULT_MAX_TOKENS
 from mlx_mtp.loader import load
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
@@ -91,9 +92,9 @@ def _read(console: Console) -> Optional[str]:
         return ""
 
 
-@app.command(no_args_is_help=True)
+@app.command()
 def chat(
-    model: Path = typer.Option(..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).", rich_help_panel=MODEL),
     mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
     hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
@@ -121,6 +122,8 @@ def chat(
         temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
     )
+    if model is None:
+        model = default_model_path(lambda line: print(line, file=sys.stderr))
     loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")

@@ -263,3 +263,38 @@ def test_bench_mtp_and_hidden_tap(folders, one_prompt):
                       model=trunk_only)
     assert not bare["regime"]["mtp_head"] and headed["regime"]["mtp_head"]
     assert bare["regime"]["hidden_tap"] == "post" and headed["regime"]["hidden_tap"] == "pre"
+
+
+def test_chat_without_model_uses_the_default(folders, monkeypatch):
+    import mlx_mtp.cli.chat as chat_cli
+
+    notices = []
+
+    def default(notify):
+        notify("building the default model")
+        notices.append(True)
+        return folders[0]
+
+    monkeypatch.setattr(chat_cli, "default_model_path", default)
+    result = invoke("chat", "-n", 3, input="hi\n")
+    assert notices and FOOTER.search(result.output)
+
+
+def one_line_error(capsys, *args):
+    from mlx_mtp.cli.app import run_app
+
+    code = run_app([str(a) for a in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_user_errors_are_one_line(folders, tmp_path, capsys):
+    plain = tmp_path / "no-template"
+    shutil.copytree(folders[0], plain)
+    (plain / "chat_template.jinja").unlink()
+    assert "no chat template" in one_line_error(capsys, "chat", "-m", plain)
+    for command in ("chat", "bench"):
+        err = one_line_error(capsys, command, "-m", folders[0], "--hidden-tap", "mid")
+        assert "--hidden-tap must be one of post, pre" in err
+    assert "no such file" in one_line_error(capsys, "bench", "-m", tmp_path / "absent")
