@@ -1,4 +1,4 @@
-"""``mlx-mtp bench``: mlx-lm against mlx-mtp side by side; the work is ``mlx_mtp.bench``."""
+"""``mlx-mtp bench``: mlx-lm against mlx-mtp side by side (work: ``mlx_mtp.bench``)."""
 
 import json
 import sys
@@ -28,7 +28,11 @@ def regime_line(regime: dict) -> str:
         f"regime: backend {regime['backend']} ({regime['device']}), "
         f"weights {regime['weights']}, BLAS {regime['blas']}, {regime['cpus']} CPUs, "
         f"mlx {regime['mlx']}, mlx-lm {regime['mlx_lm']}; {regime['model_type']}, "
-        f"{'MTP head, ' + regime['hidden_tap'] + '-norm tap' if regime['mtp_head'] else 'no MTP head'}"
+        + (
+            f"MTP head, {regime['hidden_tap']}-norm tap"
+            if regime["mtp_head"]
+            else "no MTP head"
+        )
     )
 
 
@@ -40,10 +44,23 @@ def table(result: BenchResult) -> Table:
             f"repeats, {result.max_tokens} tokens each, greedy"
         )
     )
-    for name in ("config", "tok/s", "vs mlx-lm", "prompt tok/s", "accept",
-                 "mean len", "per position", "fwd/tok", "peak GB", "same"):
-        t.add_column(name, justify="left" if name in ("config", "per position") else "right",
-                     no_wrap=True)
+    for name in (
+        "config",
+        "tok/s",
+        "vs mlx-lm",
+        "prompt tok/s",
+        "accept",
+        "mean len",
+        "per position",
+        "fwd/tok",
+        "peak GB",
+        "same",
+    ):
+        t.add_column(
+            name,
+            justify="left" if name in ("config", "per position") else "right",
+            no_wrap=True,
+        )
     for c in result.configs:
         acc = "-" if c.acceptance_rate is None else f"{c.acceptance_rate:.2f}"
         per_pos = ", ".join(f"{a:.2f}" for a in c.per_position_acceptance) or "-"
@@ -64,15 +81,58 @@ def table(result: BenchResult) -> Table:
 
 @app.command(no_args_is_help=True)
 def bench(
-    model: Path = typer.Option(..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL),
-    mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
-    hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file: .json list, or one prompt per line (default: the shipped code, prose and chat prompts)."),
-    max_tokens: int = typer.Option(DEFAULT_BENCH_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per generation."),
-    repeats: int = typer.Option(DEFAULT_REPEATS, "--repeats", "-r", min=1, help="Repetitions of every prompt and configuration."),
-    draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", min=0, help="Benchmark draft-max 1..this.", rich_help_panel=SPECULATIVE),
-    draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", min=0.0, max=1.0, help="Stop drafting when the draft's top probability falls below this.", rich_help_panel=SPECULATIVE),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table.", rich_help_panel=OUTPUT),
+    model: Path = typer.Option(
+        ..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL
+    ),
+    mtp: Optional[Path] = typer.Option(
+        None,
+        "--mtp",
+        help="Attach the MTP head from this folder or file.",
+        rich_help_panel=MODEL,
+    ),
+    hidden_tap: Optional[str] = typer.Option(
+        None,
+        "--hidden-tap",
+        help="Hidden state fed to the head: post (after the final norm) or pre.",
+        rich_help_panel=MODEL,
+    ),
+    prompts: Optional[Path] = typer.Option(
+        None,
+        "--prompts",
+        help="Prompts: a .json list or one prompt per line"
+        " (default: the shipped code, prose and chat prompts).",
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_BENCH_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per generation."
+    ),
+    repeats: int = typer.Option(
+        DEFAULT_REPEATS,
+        "--repeats",
+        "-r",
+        min=1,
+        help="Repetitions of every prompt and configuration.",
+    ),
+    draft_max: int = typer.Option(
+        DEFAULT_DRAFT_MAX,
+        "--draft-max",
+        min=0,
+        help="Benchmark draft-max 1..this.",
+        rich_help_panel=SPECULATIVE,
+    ),
+    draft_p_min: float = typer.Option(
+        DEFAULT_DRAFT_P_MIN,
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        help="Stop drafting when the draft's top probability falls below this.",
+        rich_help_panel=SPECULATIVE,
+    ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object instead of the table.",
+        rich_help_panel=OUTPUT,
+    ),
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
@@ -83,12 +143,26 @@ def bench(
         print(f"notice: {loaded.notice}", file=sys.stderr)
     err = Console(stderr=True, highlight=False)
     if as_json:
-        result = run_bench(loaded, tokenizer, bench_prompts, draft_max, draft_p_min, repeats, max_tokens)
+        result = run_bench(
+            loaded,
+            tokenizer,
+            bench_prompts,
+            draft_max,
+            draft_p_min,
+            repeats,
+            max_tokens,
+        )
         print(json.dumps(result.to_dict()))
         return
     with err.status("benchmarking") as status:
         result = run_bench(
-            loaded, tokenizer, bench_prompts, draft_max, draft_p_min, repeats, max_tokens,
+            loaded,
+            tokenizer,
+            bench_prompts,
+            draft_max,
+            draft_p_min,
+            repeats,
+            max_tokens,
             progress=lambda msg: status.update(f"benchmarking: {msg}"),
         )
     console = Console(highlight=False)
@@ -97,15 +171,15 @@ def bench(
     console.print(regime_line(result.regime), markup=False, soft_wrap=True)
     if result.regime["backend"] == "cpu" and "OpenBLAS" not in result.regime["blas"]:
         console.print(
-            "note: CPU with the bundled BLAS is compute-bound; verifying k tokens costs "
+            "note: CPU without OpenBLAS is compute-bound: verifying k tokens costs "
             "about k steps, so MTP cannot gain speed here (MEASURE.md)",
             style="yellow",
             markup=False,
         )
     console.print(table(result))
     console.print(
-        "gen tok/s: median over runs; vs mlx-lm: median of per-run ratios within this run; "
-        "acceptance, lengths and fwd/token over all runs",
+        "tok/s: median over runs; vs mlx-lm: median of per-run ratios in this run; "
+        "acceptance, lengths and fwd/tok over all runs",
         style="dim",
         markup=False,
     )

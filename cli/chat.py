@@ -51,7 +51,9 @@ def _answer(console: Console, session: ChatSession, text: str, show_drafts: bool
             )
     except KeyboardInterrupt:
         stream.close()
-        console.print("\n[interrupted: this turn is dropped]", style="yellow", markup=False)
+        console.print(
+            "\n[interrupted: this turn is dropped]", style="yellow", markup=False
+        )
         return
     console.print()
     if response is not None:
@@ -94,11 +96,34 @@ def _read(console: Console) -> Optional[str]:
 
 @app.command()
 def chat(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).", rich_help_panel=MODEL),
-    mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
-    hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
+    model: Optional[Path] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="MLX model folder"
+        " (default: SmolLM2-135M-Instruct with its shipped MTP head).",
+        rich_help_panel=MODEL,
+    ),
+    mtp: Optional[Path] = typer.Option(
+        None,
+        "--mtp",
+        help="Attach the MTP head from this folder or file.",
+        rich_help_panel=MODEL,
+    ),
+    hidden_tap: Optional[str] = typer.Option(
+        None,
+        "--hidden-tap",
+        help="Hidden state fed to the head: post (after the final norm) or pre.",
+        rich_help_panel=MODEL,
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per answer at most."),
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS,
+        "--max-tokens",
+        "-n",
+        min=1,
+        help="Tokens per answer at most.",
+    ),
     temp: o.Temp = 0.0,
     top_p: o.TopP = 0.0,
     top_k: o.TopK = 0,
@@ -112,15 +137,34 @@ def chat(
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = False,
-    no_mtp: bool = typer.Option(False, "--no-mtp", help="Generate without MTP (same loop, no drafts).", rich_help_panel=SPECULATIVE),
-    show_drafts: bool = typer.Option(False, "--show-drafts", help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).", rich_help_panel=OUTPUT),
+    no_mtp: bool = typer.Option(
+        False,
+        "--no-mtp",
+        help="Generate without MTP (same loop, no drafts).",
+        rich_help_panel=SPECULATIVE,
+    ),
+    show_drafts: bool = typer.Option(
+        False,
+        "--show-drafts",
+        help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).",
+        rich_help_panel=OUTPUT,
+    ),
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
         raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
     sampling = o.sampling_kwargs(
-        temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        seed,
+        draft_sampling,
+        adaptive_draft,
     )
     if model is None:
         model = default_model_path(lambda line: print(line, file=sys.stderr))

@@ -25,7 +25,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from .chat import merge_stats
 from .errors import MTPError
 from .generate import _encode, stream_generate
 from .loader import MTPModel
@@ -88,7 +87,7 @@ class BenchResult:
     runs: List[Measurement] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """Everything but the runs' tokens and detailed stats (each run's speeds stay)."""
+        """Everything but the runs' tokens and detailed stats (their speeds stay)."""
         out = asdict(self)
         out["runs"] = [
             {
@@ -118,7 +117,9 @@ def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise MTPError(f"{path}: cannot read prompts ({e.__class__.__name__})") from None
+        raise MTPError(
+            f"{path}: cannot read prompts ({e.__class__.__name__})"
+        ) from None
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -141,7 +142,9 @@ def _parse_prompts(data, where) -> List[BenchPrompt]:
         elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
             out.append(BenchPrompt(str(item.get("kind", "file")), item["prompt"]))
         else:
-            raise MTPError(f'{where}: each prompt must be a string or {{"prompt": ...}}')
+            raise MTPError(
+                f'{where}: each prompt must be a string or {{"prompt": ...}}'
+            )
     return out
 
 
@@ -181,12 +184,13 @@ def _weights_dtype(model: MTPModel) -> str:
         sizes[str(a.dtype)] = sizes.get(str(a.dtype), 0) + a.nbytes
     main = max(sizes, key=sizes.get).replace("mlx.core.", "") if sizes else "?"
     if quant:
-        return f"{quant.get('bits')}-bit quantized (group {quant.get('group_size')}), {main}"
+        bits, group = quant.get("bits"), quant.get("group_size")
+        return f"{bits}-bit quantized (group {group}), {main}"
     return main
 
 
 def regime(model: MTPModel) -> Dict[str, Any]:
-    """Backend, weights dtype and BLAS: the context without which numbers mean little."""
+    """Backend, weights dtype and BLAS: the context the numbers need."""
     import mlx_lm
 
     if mx.metal.is_available():
@@ -209,34 +213,41 @@ def regime(model: MTPModel) -> Dict[str, Any]:
     }
 
 
-def _timed(responses, first_step_tokens: Callable[[Any], bool]):
-    """Run a response stream; returns (tokens, prompt time, first-step tokens, decode time)."""
+def _timed(responses, in_first_step: Callable[[Any], bool]):
+    """Run a response stream; returns (tokens, prompt time, first-step tokens,
+    time after the first step, last response)."""
     tic = time.perf_counter()
-    tokens, first, t_first, t_last = [], 0, None, None
-    for r in responses:
+    tokens, first, t_first, t_last, last = [], 0, None, None, None
+    for last in responses:
         now = time.perf_counter()
         if t_first is None:
             t_first = now
-        if first_step_tokens(r):
-            first += 1
-        tokens.append(int(r.token))
+        first += in_first_step(last)
+        tokens.append(int(last.token))
         t_last = now
-    if t_first is None:
+    if last is None:
         raise MTPError("the generation produced no tokens")
-    return tokens, t_first - tic, first, t_last - t_first
+    return tokens, t_first - tic, first, t_last - t_first, last
 
 
 def run_once(
-    model: MTPModel, tokenizer, config: str, draft_max: Optional[int], prompt, max_tokens, draft_p_min
+    model: MTPModel,
+    tokenizer,
+    draft_max: Optional[int],
+    prompt,
+    max_tokens,
+    draft_p_min,
 ):
-    """One generation of ``config``; returns its measurement pieces."""
+    """One greedy generation (mlx-lm's when ``draft_max`` is None), timed."""
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
-        responses = mlx_lm_stream_generate(model.trunk.model, tokenizer, prompt, max_tokens)
-        out = _timed(responses, lambda r: r.generation_tokens == 1)
+        responses = mlx_lm_stream_generate(
+            model.trunk.model, tokenizer, prompt, max_tokens
+        )
+        *timing, _ = _timed(responses, lambda r: r.generation_tokens == 1)
         stats = None
     else:
         responses = stream_generate(
@@ -248,15 +259,16 @@ def run_once(
             draft_p_min=draft_p_min,
             mtp=draft_max > 0,
         )
-        box = []
-        out = _timed(responses, lambda r: box.append(r.stats) or r.stats.rounds == 1)
-        stats = box[-1]
-    return out, stats, mx.get_peak_memory() / 1e9
+        *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
+        stats = last.stats
+    return timing, stats, mx.get_peak_memory() / 1e9
 
 
 def configurations(draft_max: int) -> List[tuple]:
     """(name, draft_max) for each configuration; None stands for mlx-lm."""
-    return [(BASELINE, None), (NO_MTP, 0)] + [(f"mtp k={k}", k) for k in range(1, draft_max + 1)]
+    return [(BASELINE, None), (NO_MTP, 0)] + [
+        (f"mtp k={k}", k) for k in range(1, draft_max + 1)
+    ]
 
 
 def run_bench(
@@ -272,21 +284,32 @@ def run_bench(
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved."""
     configs = configurations(draft_max)
     encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
-    for name, k in configs:  # warm up: compile, allocate
-        run_once(model, tokenizer, name, k, encoded[0], WARMUP_TOKENS, draft_p_min)
+    for _, k in configs:  # warm up: compile, allocate
+        run_once(model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min)
     runs: List[Measurement] = []
     for rep in range(repeats):
         for i, prompt in enumerate(encoded):
             shift = rep % len(configs)
             for name, k in configs[shift:] + configs[:shift]:
                 if progress:
-                    progress(f"repeat {rep + 1}/{repeats}, prompt {i + 1}/{len(encoded)}, {name}")
+                    where = f"prompt {i + 1}/{len(encoded)}"
+                    progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
                 (tokens, t_prompt, first, t_gen), stats, peak = run_once(
-                    model, tokenizer, name, k, prompt, max_tokens, draft_p_min
+                    model, tokenizer, k, prompt, max_tokens, draft_p_min
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(
-                    Measurement(name, i, rep, tokens, len(prompt), len(prompt) / t_prompt, gen_tps, peak, stats)
+                    Measurement(
+                        name,
+                        i,
+                        rep,
+                        tokens,
+                        len(prompt),
+                        len(prompt) / t_prompt,
+                        gen_tps,
+                        peak,
+                        stats,
+                    )
                 )
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     result.configs = [_summarise(name, k, runs) for name, k in configs]
@@ -297,10 +320,14 @@ def _template(tokenizer, prompt: str) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         return prompt
     messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
-def _summarise(name: str, draft_max: Optional[int], runs: List[Measurement]) -> ConfigResult:
+def _summarise(
+    name: str, draft_max: Optional[int], runs: List[Measurement]
+) -> ConfigResult:
     mine = [r for r in runs if r.config == name]
     base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
     ratios = [
@@ -311,7 +338,7 @@ def _summarise(name: str, draft_max: Optional[int], runs: List[Measurement]) -> 
     total = MTPStats()
     for r in mine:
         if r.stats is not None:
-            merge_stats(total, r.stats)
+            total.add(r.stats)
     tokens = sum(len(r.tokens) for r in mine)
     return ConfigResult(
         config=name,
@@ -321,7 +348,9 @@ def _summarise(name: str, draft_max: Optional[int], runs: List[Measurement]) -> 
         prompt_tps=statistics.median(r.prompt_tps for r in mine),
         tokens=tokens,
         acceptance_rate=total.acceptance_rate if draft_max else None,
-        mean_accepted_length=total.mean_accepted_length if draft_max is not None else 1.0,
+        mean_accepted_length=total.mean_accepted_length
+        if draft_max is not None
+        else 1.0,
         per_position_acceptance=total.per_position_acceptance,
         forwards_per_token=total.forwards_per_token if draft_max is not None else 1.0,
         peak_memory_gb=max(r.peak_memory for r in mine),

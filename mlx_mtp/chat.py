@@ -14,7 +14,7 @@ that stops reading and closes it) drops the whole turn: the conversation and
 the cache go back to how they were after the last complete turn.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 from mlx_lm.models.cache import ArraysCache
@@ -71,27 +71,6 @@ def common_prefix(a: List[int], b: List[int]) -> int:
     return n
 
 
-def merge_stats(total: MTPStats, turn: MTPStats) -> None:
-    """Add one turn's counts and times to the session's running ``total``."""
-    total.draft_max = turn.draft_max
-    for name in (
-        "prompt_tokens",
-        "prompt_time",
-        "generation_tokens",
-        "generation_time",
-        "rounds",
-        "drafted",
-        "accepted",
-    ):
-        setattr(total, name, getattr(total, name) + getattr(turn, name))
-    for name in ("drafted_at", "accepted_at"):
-        mine, theirs = getattr(total, name), getattr(turn, name)
-        mine.extend([0] * (len(theirs) - len(mine)))
-        for j, v in enumerate(theirs):
-            mine[j] += v
-    total.peak_memory = max(total.peak_memory, turn.peak_memory)
-
-
 @dataclass
 class _Saved:
     """What a turn needs to be undone: the state after the last complete turn."""
@@ -129,7 +108,7 @@ def _restore(c, mark: tuple) -> None:
 
 @dataclass
 class TurnInfo:
-    """The last turn's bookkeeping: tokens in its prompt, and how many came from the cache."""
+    """The last turn's bookkeeping: its prompt tokens, how many came from the cache."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -230,7 +209,7 @@ class ChatSession:
         # the trunk has read the prompt and every answer token but the last
         self.cached_tokens = prompt + tokens[:-1]
         self.messages.append({"role": "assistant", "content": text})
-        merge_stats(self.total, stats)
+        self.total.add(stats)
         self._open = None
 
     def _save(self, n_messages: int) -> _Saved:

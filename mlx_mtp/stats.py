@@ -53,6 +53,19 @@ class MTPStats:
         if self.trace is not None:
             self.trace.append(DraftRound(list(drafted), accepted))
 
+    def add(self, other: "MTPStats") -> None:
+        """Add another generation's counts and times (totals over several runs)."""
+        self.draft_max = other.draft_max
+        for name in ("prompt_tokens", "prompt_time", "generation_tokens",
+                     "generation_time", "rounds", "drafted", "accepted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_at, other.drafted_at),
+                             (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, v in enumerate(theirs):
+                mine[j] += v
+        self.peak_memory = max(self.peak_memory, other.peak_memory)
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

@@ -12,9 +12,18 @@ from mlx_mtp.cli.app import run_app
 from mlx_mtp.errors import MTPError
 
 FIELDS = {
-    "config", "draft_max", "generation_tps", "ratio", "prompt_tps", "tokens",
-    "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
-    "forwards_per_token", "peak_memory_gb", "same_output",
+    "config",
+    "draft_max",
+    "generation_tps",
+    "ratio",
+    "prompt_tps",
+    "tokens",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "per_position_acceptance",
+    "forwards_per_token",
+    "peak_memory_gb",
+    "same_output",
 }
 
 
@@ -27,8 +36,18 @@ def bench_json(*args):
 def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("write a poem\n\nsort a list in python\n")
-    out = bench_json("--model", tiny_folders("mimo")[0], "--prompts", prompts,
-                     "-n", 12, "--repeats", 2, "--draft-max", 2)
+    out = bench_json(
+        "--model",
+        tiny_folders("mimo")[0],
+        "--prompts",
+        prompts,
+        "-n",
+        12,
+        "--repeats",
+        2,
+        "--draft-max",
+        2,
+    )
     assert out["regime"]["backend"] == "cpu" and out["regime"]["weights"] == "float32"
     assert "BLAS" in out["regime"]["blas"]
     configs = {c["config"]: c for c in out["configs"]}
@@ -36,14 +55,18 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
     assert all(set(c) == FIELDS for c in configs.values())
     runs = out["runs"]
     assert len(runs) == 2 * 2 * 4  # repeats x prompts x configurations
-    base = {(r["prompt"], r["repeat"]): r["generation_tps"] for r in runs
-            if r["config"] == BASELINE}
+    base = {
+        (r["prompt"], r["repeat"]): r["generation_tps"]
+        for r in runs
+        if r["config"] == BASELINE
+    }
     for name, c in configs.items():
         mine = [r for r in runs if r["config"] == name]
         paired = [r["generation_tps"] / base[r["prompt"], r["repeat"]] for r in mine]
         assert c["ratio"] == pytest.approx(statistics.median(paired))
         assert c["generation_tps"] == pytest.approx(
-            statistics.median(r["generation_tps"] for r in mine))
+            statistics.median(r["generation_tps"] for r in mine)
+        )
         assert c["same_output"]  # greedy: every configuration emits mlx-lm's tokens
         assert c["peak_memory_gb"] > 0 and c["prompt_tps"] > 0
     assert configs[BASELINE]["ratio"] == 1.0
@@ -60,9 +83,22 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
 def test_bench_table(tiny_folders, tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([{"kind": "code", "prompt": "def f(x):"}]))
-    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_folders("mimo")[0]),
-                                      "--prompts", str(prompts), "-n", "6", "-r", "1",
-                                      "--draft-max", "1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_folders("mimo")[0]),
+            "--prompts",
+            str(prompts),
+            "-n",
+            "6",
+            "-r",
+            "1",
+            "--draft-max",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "regime: backend cpu" in result.stdout and "weights float32" in result.stdout
     for name in ("mlx-lm", "no-mtp", "mtp k=1", "vs mlx-lm", "per position", "fwd/tok"):
@@ -76,8 +112,12 @@ def test_shipped_prompts_cover_the_kinds():
 
 @pytest.mark.parametrize(
     "content, suffix, needle",
-    [("", ".txt", "no prompts"), ("{", ".json", "not valid JSON"),
-     ('[{"text": 1}]', ".json", "each prompt"), ("{}", ".json", "non-empty list")],
+    [
+        ("", ".txt", "no prompts"),
+        ("{", ".json", "not valid JSON"),
+        ('[{"text": 1}]', ".json", "each prompt"),
+        ("{}", ".json", "non-empty list"),
+    ],
 )
 def test_bad_prompt_files(tmp_path, content, suffix, needle):
     path = tmp_path / f"p{suffix}"
@@ -88,6 +128,10 @@ def test_bad_prompt_files(tmp_path, content, suffix, needle):
 
 def test_missing_prompt_file_is_one_line(tiny_folders, tmp_path, capsys):
     missing = tmp_path / "nope.json"
-    code = run_app(["bench", "--model", str(tiny_folders("mimo")[0]), "--prompts", str(missing)])
+    code = run_app(
+        ["bench", "--model", str(tiny_folders("mimo")[0]), "--prompts", str(missing)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err == [f"error: {missing}: cannot read prompts (FileNotFoundError)"]
+    assert code == 1 and err == [
+        f"error: {missing}: cannot read prompts (FileNotFoundError)"
+    ]

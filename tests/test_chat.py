@@ -102,7 +102,7 @@ def test_sampled_second_turn_equals_fresh_generation(loaded):
 
 
 def test_template_that_rerenders_history(loaded):
-    """A template showing earlier answers differently: only the common prefix is reused."""
+    """A template showing earlier answers differently: the common prefix is reused."""
     model, tok = loaded("mimo")
     tok._tokenizer.chat_template, original = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -143,14 +143,26 @@ def test_truncate_equals_a_fresh_prefill(loaded, keep):
     model, _ = loaded("glm4_moe")
     prompt = list(range(60, 100))
     cache = model.make_cache()
-    list(mlx_mtp.speculative_generate_step(prompt, model, max_tokens=1, prompt_cache=cache))
+    list(
+        mlx_mtp.speculative_generate_step(
+            prompt, model, max_tokens=1, prompt_cache=cache
+        )
+    )
     kept = truncate(cache, keep)
     assert kept in (keep, keep - 1, 0)
     assert_cache_holds(model, cache, prompt[:kept], prompt[kept])
-    more = [t for t, _ in mlx_mtp.speculative_generate_step(
-        prompt[kept:] + [7, 8], model, max_tokens=6, prompt_cache=cache)]
-    ref = [t for t, _ in mlx_mtp.speculative_generate_step(
-        prompt + [7, 8], model, max_tokens=6)]
+    more = [
+        t
+        for t, _ in mlx_mtp.speculative_generate_step(
+            prompt[kept:] + [7, 8], model, max_tokens=6, prompt_cache=cache
+        )
+    ]
+    ref = [
+        t
+        for t, _ in mlx_mtp.speculative_generate_step(
+            prompt + [7, 8], model, max_tokens=6
+        )
+    ]
     assert more == ref
 
 
@@ -200,14 +212,18 @@ def test_interrupted_turn_is_dropped(loaded, monkeypatch, how):
     assert_cache_holds(model, session.cache, cached[:kept], successor)
     got = answer(session, "third")
     assert got == fresh_answer(model, tok, session.messages[:-1])
-    assert session.total.generation_tokens == 2 * MAX_TOKENS  # the dropped turn not counted
+    assert (
+        session.total.generation_tokens == 2 * MAX_TOKENS
+    )  # the dropped turn not counted
 
 
 def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
     """Two turns, /reset, an interrupted answer, a normal one, /stats, /quit."""
     model, tok = loaded("mimo")
     spy = Interrupt(monkeypatch, after={3: 3})
-    script = "hello\nwhat next?\n/reset\nnew start\nplease go on\nagain\n/stats\n/quit\n"
+    script = (
+        "hello\nwhat next?\n/reset\nnew start\nplease go on\nagain\n/stats\n/quit\n"
+    )
     result = CliRunner().invoke(
         app,
         ["chat", "--model", str(tiny_folders("mimo")[0]), "-n", str(MAX_TOKENS)],

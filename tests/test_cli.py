@@ -1,4 +1,4 @@
-"""Every flag of `generate`, `chat` and `bench` reaches the API: one visible effect per flag.
+"""Every flag of `generate`, `chat` and `bench` reaches the API: one effect per flag.
 
 (mlx-lm PR #1297 parsed new flags and never forwarded them.) Runs go through
 typer's runner in-process; `generate --json` and `bench --json` are read as
@@ -23,7 +23,7 @@ def folders(tiny_folders):
 
 @pytest.fixture(scope="module")
 def skewed(folders, tmp_path_factory):
-    """The tiny model with an uneven final norm, so the pre- and post-norm taps differ."""
+    """The tiny model with an uneven final norm: the pre- and post-norm taps differ."""
     path = tmp_path_factory.mktemp("skewed") / "mimo"
     shutil.copytree(folders[0], path)
     weights = mx.load(str(path / "model.safetensors"))
@@ -50,7 +50,10 @@ def generate(*args, prompt="the quick brown fox jumps", model=None, input=None):
 
 def test_generate_max_tokens(folders):
     assert len(generate("-n", 7, model=folders[0])["tokens"]) == 7
-    assert generate("--max-tokens", 13, model=folders[0])["stats"]["generation_tokens"] == 13
+    assert (
+        generate("--max-tokens", 13, model=folders[0])["stats"]["generation_tokens"]
+        == 13
+    )
 
 
 def test_generate_draft_max(folders):
@@ -71,7 +74,9 @@ def test_generate_no_mtp_and_draft_p_min(folders):
 
 
 def test_generate_system_and_no_chat_template(folders):
-    templated = generate("-n", 2, prompt="hi", model=folders[0])["stats"]["prompt_tokens"]
+    templated = generate("-n", 2, prompt="hi", model=folders[0])["stats"][
+        "prompt_tokens"
+    ]
     raw = generate("-n", 2, "--no-chat-template", prompt="hi", model=folders[0])
     system = generate("-n", 2, "--system", "be brief", prompt="hi", model=folders[0])
     assert raw["stats"]["prompt_tokens"] == 2  # "hi", bytes
@@ -81,7 +86,9 @@ def test_generate_system_and_no_chat_template(folders):
 
 
 def test_generate_prompt_from_stdin(folders):
-    out = generate("-n", 3, "--no-chat-template", prompt="-", model=folders[0], input="hey")
+    out = generate(
+        "-n", 3, "--no-chat-template", prompt="-", model=folders[0], input="hey"
+    )
     assert out["stats"]["prompt_tokens"] == 3
 
 
@@ -113,7 +120,8 @@ def chat(*args, script="hello\n/stats\n", model, env=None):
     """Returns (output, footers as (tokens, prompt, accepted, drafted, mean length))."""
     out = invoke("chat", "-m", model, *args, input=script, env=env).output
     footers = [
-        (int(a), int(b), int(c), int(d), float(e)) for a, b, c, d, e in FOOTER.findall(out)
+        (int(a), int(b), int(c), int(d), float(e))
+        for a, b, c, d, e in FOOTER.findall(out)
     ]
     return out, footers
 
@@ -123,7 +131,9 @@ def per_position(out):
 
 
 def test_chat_max_tokens_and_draft_max(folders):
-    out, [(tokens, _, _, drafted, mean)] = chat("-n", 30, "--draft-max", 1, model=folders[0])
+    out, [(tokens, _, _, drafted, mean)] = chat(
+        "-n", 30, "--draft-max", 1, model=folders[0]
+    )
     assert tokens == 30 and drafted > 0 and mean <= 2
     assert len(per_position(out).split(",")) == 1
     out, _ = chat("-n", 30, "--draft-max", 3, model=folders[0])
@@ -132,7 +142,9 @@ def test_chat_max_tokens_and_draft_max(folders):
 
 def test_chat_no_mtp_and_draft_p_min(folders):
     for flag in (["--no-mtp"], ["--draft-p-min", 1.0]):
-        _, [(tokens, _, accepted, drafted, mean)] = chat("-n", 12, *flag, model=folders[0])
+        _, [(tokens, _, accepted, drafted, mean)] = chat(
+            "-n", 12, *flag, model=folders[0]
+        )
         assert tokens == 12 and drafted == accepted == 0 and mean == 1.0
 
 
@@ -148,8 +160,12 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
     _, [headed] = chat("-n", 20, "--mtp", full / "model.safetensors", model=trunk_only)
     assert bare[3] == 0 and headed[3] > 0
     script = "the quick brown fox jumps\n"
-    _, [post] = chat("-n", 64, "--draft-max", 1, "--hidden-tap", "post", script=script, model=skewed)
-    _, [pre] = chat("-n", 64, "--draft-max", 1, "--hidden-tap", "pre", script=script, model=skewed)
+    _, [post] = chat(
+        "-n", 64, "--draft-max", 1, "--hidden-tap", "post", script=script, model=skewed
+    )
+    _, [pre] = chat(
+        "-n", 64, "--draft-max", 1, "--hidden-tap", "pre", script=script, model=skewed
+    )
     assert post[2] != pre[2]
 
 
@@ -178,7 +194,10 @@ def test_chat_filters_that_leave_the_top_token(folders, greedy_answer, flags):
 
 
 def test_chat_temp_and_seed(folders):
-    runs = [chat("-n", 16, "--temp", 1.0, "--seed", s, model=folders[0])[0] for s in (1, 1, 2)]
+    runs = [
+        chat("-n", 16, "--temp", 1.0, "--seed", s, model=folders[0])[0]
+        for s in (1, 1, 2)
+    ]
     assert answers(runs[0]) == answers(runs[1]) != answers(runs[2])
 
 
@@ -211,7 +230,9 @@ def test_chat_show_drafts(folders):
     green = "\x1b[32m"
     env = {"FORCE_COLOR": "1", "TERM": "xterm-256color"}
     plain, _ = chat("-n", 30, model=folders[0], env=env)
-    shown, [(_, _, accepted, _, _)] = chat("-n", 30, "--show-drafts", model=folders[0], env=env)
+    shown, [(_, _, accepted, _, _)] = chat(
+        "-n", 30, "--show-drafts", model=folders[0], env=env
+    )
     assert accepted > 0
     assert green not in plain
     assert shown.count(green) >= 1
@@ -233,7 +254,9 @@ def one_prompt(tmp_path_factory):
 
 
 def test_bench_draft_max_and_max_tokens(folders, one_prompt):
-    configs, _ = bench("--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0])
+    configs, _ = bench(
+        "--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0]
+    )
     assert list(configs) == ["mlx-lm", "no-mtp", "mtp k=1", "mtp k=2"]
     assert all(c["tokens"] == 9 for c in configs.values())
     assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
@@ -243,26 +266,64 @@ def test_bench_repeats_and_prompts(folders, one_prompt):
     _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
     assert len(out["runs"]) == 3  # one per configuration
-    out = json.loads(invoke("bench", "-m", folders[0], "--json", "--prompts", one_prompt,
-                            "-n", 4, "--draft-max", 1, "--repeats", 2).stdout)
+    out = json.loads(
+        invoke(
+            "bench",
+            "-m",
+            folders[0],
+            "--json",
+            "--prompts",
+            one_prompt,
+            "-n",
+            4,
+            "--draft-max",
+            1,
+            "--repeats",
+            2,
+        ).stdout
+    )
     assert len(out["runs"]) == 2 * 3
 
 
 def test_bench_draft_p_min(folders, one_prompt):
-    configs, _ = bench("--prompts", one_prompt, "-n", 9, "--draft-max", 2,
-                       "--draft-p-min", 1.0, model=folders[0])
+    configs, _ = bench(
+        "--prompts",
+        one_prompt,
+        "-n",
+        9,
+        "--draft-max",
+        2,
+        "--draft-p-min",
+        1.0,
+        model=folders[0],
+    )
     assert configs["mtp k=2"]["acceptance_rate"] == 0.0
     assert configs["mtp k=2"]["forwards_per_token"] == 1.0
 
 
 def test_bench_mtp_and_hidden_tap(folders, one_prompt):
     full, trunk_only = folders
-    _, bare = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=trunk_only)
-    _, headed = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1,
-                      "--mtp", full / "model.safetensors", "--hidden-tap", "pre",
-                      model=trunk_only)
+    _, bare = bench(
+        "--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=trunk_only
+    )
+    _, headed = bench(
+        "--prompts",
+        one_prompt,
+        "-n",
+        4,
+        "--draft-max",
+        1,
+        "--mtp",
+        full / "model.safetensors",
+        "--hidden-tap",
+        "pre",
+        model=trunk_only,
+    )
     assert not bare["regime"]["mtp_head"] and headed["regime"]["mtp_head"]
-    assert bare["regime"]["hidden_tap"] == "post" and headed["regime"]["hidden_tap"] == "pre"
+    assert (
+        bare["regime"]["hidden_tap"] == "post"
+        and headed["regime"]["hidden_tap"] == "pre"
+    )
 
 
 def test_chat_without_model_uses_the_default(folders, monkeypatch):
