@@ -10,8 +10,9 @@ only the common prefix is, so the output is always that of a fresh generation
 from the full conversation: cache reuse changes nothing but speed.
 
 An interrupted answer (``KeyboardInterrupt`` inside the stream, or a consumer
-that stops reading and closes it) drops the whole turn: the conversation and
-the cache go back to how they were after the last complete turn.
+that stops reading and closes it) drops the whole turn: the conversation goes
+back to the last complete turn, and the cache to what it held when the turn
+started (after the cut to the new prompt's common prefix).
 """
 
 from dataclasses import dataclass
@@ -169,7 +170,7 @@ class ChatSession:
         prompt = self.prompt_tokens(self.messages)
         suffix = self._prepare(prompt)
         # saved after the cut: the turn only writes past this point
-        self._open = self._save(n_messages)
+        self._open = mine = self._save(n_messages)
         tokens, pieces = [], []
         try:
             for response in stream_generate(
@@ -187,7 +188,7 @@ class ChatSession:
                     self._commit(prompt, tokens, "".join(pieces), response.stats)
                 yield response
         finally:
-            if self._open is not None:
+            if self._open is mine:  # not a stale stream closed after a newer turn
                 self.last.interrupted = True
                 self._undo()
 

@@ -217,6 +217,21 @@ def test_interrupted_turn_is_dropped(loaded, monkeypatch, how):
     )  # the dropped turn not counted
 
 
+def test_abandoned_stream_closed_late_leaves_the_newer_turn_alone(loaded):
+    model, tok = loaded("mimo")
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+    answer(session, "first")
+    abandoned = session.send("second")
+    next(abandoned), next(abandoned)
+    newer = session.send("third")  # drops the unfinished second turn
+    head = [next(newer), next(newer)]
+    abandoned.close()
+    got = [r.token for r in head + list(newer)]
+    assert [m["content"] for m in session.messages[::2]] == ["first", "third"]
+    assert got == fresh_answer(model, tok, session.messages[:-1])[0]
+    assert_cache_holds(model, session.cache, session.cached_tokens)
+
+
 def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
     """Two turns, /reset, an interrupted answer, a normal one, /stats, /quit."""
     model, tok = loaded("mimo")
