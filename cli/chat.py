@@ -185,6 +185,8 @@ def chat(
     )
     console = Console(highlight=False)
     console.print("Type a message; /help lists the commands.", style="dim")
+    if show_drafts:
+        console.print("tokens from accepted drafts", style=DRAFT_STYLE)
     while True:
         line = _read(console)
         if line is None:

@@ -235,7 +235,7 @@ def test_chat_show_drafts(folders):
     )
     assert accepted > 0
     assert green not in plain
-    assert shown.count(green) >= 1
+    assert green in shown.split(">>> ", 1)[1]  # in the answer, not just the legend
 
 
 # -- bench ------------------------------------------------------------------
