@@ -1,0 +1,272 @@
+"""GGUF file -> ``Source``: HF-style config, mlx-lm tensor names, tokenizer files.
+
+Tensor names are mapped generally: the target mlx-lm model is built (lazily,
+nothing is allocated) for the config the metadata describes, and every one of
+its parameter names is put through the ``gguf`` package's own
+``TensorNameMap``, which knows the llama.cpp name of each Hugging Face name.
+Inverting that gives the mlx-lm name of every GGUF tensor. The MTP ("NextN")
+layer is layer ``N = num_hidden_layers`` (``blk.N.nextn.*`` plus an ordinary
+block), so building the model with ``N + n_mtp`` layers names it too.
+
+Two llama.cpp conversions are undone: the Q/K row permutation of llama-style
+rope, and the +1 added to zero-centred norms (Gemma, Qwen3-Next/3.5).
+"""
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import family_for
+
+from .model import model_classes
+from .quants import read_tensor
+from .source import Source
+
+# llama.cpp architecture -> Hugging Face model_type
+ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "glm4moe": "glm4_moe",
+}
+PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py
+NORM_PLUS_ONE = {"gemma3", "qwen3next", "qwen35", "qwen35moe"}
+IGNORED = ("rope_freqs.weight",)
+
+# GGUF metadata key (after "{arch}.") -> config key
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "expert_count": "n_routed_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_shared_count": "n_shared_experts",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+}
+
+
+class Metadata:
+    def __init__(self, reader):
+        self.fields = reader.fields
+        self.arch = self.get("general.architecture")
+
+    def get(self, key: str, default=None):
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception:
+            return default
+
+    def arch_key(self, key: str, default=None):
+        return self.get(f"{self.arch}.{key}", default)
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # truncated or corrupt: the reader raises many kinds
+        text = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise MTPError(f"{path}: not a valid GGUF file ({text})") from None
+
+
+def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
+    if meta.arch not in ARCHS:
+        raise MTPError(
+            f"unsupported GGUF architecture {meta.arch!r} (supported: {', '.join(ARCHS)})"
+        )
+    config: Dict[str, Any] = {"model_type": ARCHS[meta.arch]}
+    for key, name in CONFIG_KEYS.items():
+        value = meta.arch_key(key)
+        if value is not None:
+            config[name] = value
+    n_mtp = int(config.get("num_nextn_predict_layers", 0))
+    config["num_hidden_layers"] = int(meta.arch_key("block_count")) - n_mtp
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and tokens is not None:
+        config["vocab_size"] = len(tokens.data)
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    names = set(tensor_names)
+    config["attention_bias"] = "blk.0.attn_q.bias" in names
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    rope_dims = meta.arch_key("rope.dimension_count")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    config.setdefault("head_dim", head_dim)
+    if rope_dims:
+        config["partial_rotary_factor"] = rope_dims / head_dim
+    scaling = meta.arch_key("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {
+            "type": scaling,
+            "factor": meta.arch_key("rope.scaling.factor", 1.0),
+        }
+        original = meta.arch_key("rope.scaling.original_context_length")
+        if original:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    if meta.arch == "gemma3":
+        config["query_pre_attn_scalar"] = head_dim
+        config["rope_local_base_freq"] = 10000.0
+        config["sliding_window_pattern"] = 6
+    if "n_routed_experts" in config:
+        gating = meta.arch_key("expert_gating_func", 2)
+        config["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
+        config["topk_method"] = "noaux_tc" if "blk.1.exp_probs_b.bias" in names or any(
+            n.endswith("exp_probs_b.bias") for n in names
+        ) else "greedy"
+        config.setdefault("n_group", 1)
+        config.setdefault("topk_group", 1)
+        config.setdefault("rope_scaling", None)
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[name] = int(value)
+    config["torch_dtype"] = "float16"
+    return config
+
+
+def _name_variants(name: str):
+    """(base, suffix) pairs under which ``TensorNameMap`` may know an mlx-lm name."""
+    for hf in dict.fromkeys([name, name.replace(".switch_mlp.", ".experts.")]):
+        base, _, last = hf.rpartition(".")
+        yield base, "." + last
+        if "_" in last:  # e.g. gate.e_score_correction_bias -> exp_probs_b.bias
+            stem, _, tail = last.rpartition("_")
+            yield f"{base}.{stem}", "." + tail
+
+
+def _candidate_names(config: Dict[str, Any]) -> List[str]:
+    """mlx-lm parameter names of the trunk and of the MTP layers the config declares."""
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.trunk import find_backbone
+
+    n_mtp = int(config.get("num_nextn_predict_layers", 0))
+    wide = dict(config, num_hidden_layers=config["num_hidden_layers"] + n_mtp)
+    model_class, args_class = model_classes(wide)
+    model = model_class(args_class.from_dict(wide))  # lazy: nothing is computed
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    family = family_for(config["model_type"])
+    if family is not None and n_mtp:
+        backbone = find_backbone(model)
+        args = getattr(model, "args", None)
+        for j in range(n_mtp):
+            prefix = family.prefix(config, j)
+            everything = {f"{prefix}embed_tokens.weight": 0, f"{prefix}shared_head.head.weight": 0}
+            head = family.build(args, config, backbone, everything)
+            own = [k for k, _ in tree_flatten(head.parameters()) if not k.startswith("block.")]
+            names += [prefix + k for k in own]
+    return names
+
+
+def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
+    """GGUF tensor name -> mlx-lm parameter name."""
+    import gguf
+
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    n_blocks = config["num_hidden_layers"] + int(config.get("num_nextn_predict_layers", 0))
+    tmap = gguf.TensorNameMap(arch_enum, n_blocks)
+    out = {}
+    for name in _candidate_names(config):
+        for base, suffix in _name_variants(name):
+            found = tmap.get_name(base)
+            if found is not None:
+                out.setdefault(found + suffix, name)
+                break
+    return out
+
+
+def _unpermute(w: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's ``permute``: rows per head go back from interleaved to halves."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
+    if arch in PERMUTED_QK:
+        heads = None
+        if name.endswith("self_attn.q_proj.weight"):
+            heads = config["num_attention_heads"]
+        elif name.endswith("self_attn.k_proj.weight"):
+            heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        if heads is not None:  # rows only: packed weights, scales and biases alike
+            tensors = {k: _unpermute(v, heads) for k, v in tensors.items()}
+    if arch in NORM_PLUS_ONE and name.endswith("norm.weight") and "linear_attn" not in name:
+        tensors = {k: v - 1 for k, v in tensors.items()}
+    return tensors
+
+
+def _read_tensors(reader, arch, config, names, keep_quantized, progress=None):
+    weights: Dict[str, mx.array] = {}
+    sizes: Dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name in IGNORED:
+            continue
+        target = names.get(t.name)
+        if target is None:
+            raise MTPError(f"tensor {t.name} has no counterpart in mlx-lm's {config['model_type']}")
+        base = target[: -len(".weight")] if target.endswith(".weight") else target
+        got = read_tensor(target, t.data, t.tensor_type, keep_quantized)
+        got = {(base + k[len(base):]): v for k, v in got.items()}
+        weights.update(_fix(arch, config, target, got))
+        sizes[target] = int(t.n_bytes)
+    return weights, sizes
+
+
+def read_gguf(path: Path, mtp_gguf: Optional[Path] = None) -> Source:
+    """Read a GGUF file (and optionally a separate MTP GGUF of the same model)."""
+    reader = _open(path)
+    meta = Metadata(reader)
+    names_in_file = [t.name for t in reader.tensors]
+    if any(n == "rope_freqs.weight" for n in names_in_file):
+        raise MTPError(f"{path}: llama3-style rope scaling (rope_freqs) is not supported")
+    config = build_config(meta, names_in_file)
+    mtp_reader = None
+    if mtp_gguf is not None:
+        mtp_reader = _open(mtp_gguf)
+        mtp_meta = Metadata(mtp_reader)
+        n = mtp_meta.arch_key("nextn_predict_layers") or 1
+        config["num_nextn_predict_layers"] = int(n)
+    names = name_map(meta.arch, config)
+    weights, sizes = _read_tensors(reader, meta.arch, config, names, True)
+    if mtp_reader is not None:
+        more, more_sizes = _read_tensors(mtp_reader, meta.arch, config, names, True)
+        weights.update(more)
+        sizes.update(more_sizes)
+    if meta.fields.get("tokenizer.ggml.tokens") is None:
+        raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
+    return Source(path, config, weights, gguf_tokenizer_writer(path), sizes)
+
+
+def gguf_tokenizer_writer(path: Path):
+    """Write tokenizer files built by transformers from the GGUF's tokenizer metadata."""
+
+    def write(out: Path) -> None:
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            text = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise MTPError(f"{path}: cannot build its tokenizer ({text})") from None
+        tok.save_pretrained(str(out))
+
+    return write
