@@ -124,14 +124,16 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
             config["rope_scaling"]["original_max_position_embeddings"] = original
     if meta.arch == "gemma3":
         config["query_pre_attn_scalar"] = head_dim
-        config["rope_local_base_freq"] = 10000.0
-        config["sliding_window_pattern"] = 6
+        config["rope_local_base_freq"] = meta.arch_key("rope.freq_base_swa", 10000.0)
+        pattern = meta.arch_key("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # one flag per layer, the global layers False
+            pattern = pattern.index(False) + 1 if False in pattern else len(pattern)
+        config["sliding_window_pattern"] = int(pattern)
     if "n_routed_experts" in config:
         gating = meta.arch_key("expert_gating_func", 2)
         config["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
-        config["topk_method"] = "noaux_tc" if "blk.1.exp_probs_b.bias" in names or any(
-            n.endswith("exp_probs_b.bias") for n in names
-        ) else "greedy"
+        if any(n.endswith("exp_probs_b.bias") for n in names):
+            config["topk_method"] = "noaux_tc"
         config.setdefault("n_group", 1)
         config.setdefault("topk_group", 1)
         config.setdefault("rope_scaling", None)
@@ -147,10 +149,10 @@ def _name_variants(name: str):
     """(base, suffix) pairs under which ``TensorNameMap`` may know an mlx-lm name."""
     for hf in dict.fromkeys([name, name.replace(".switch_mlp.", ".experts.")]):
         base, _, last = hf.rpartition(".")
-        yield base, "." + last
         if "_" in last:  # e.g. gate.e_score_correction_bias -> exp_probs_b.bias
             stem, _, tail = last.rpartition("_")
             yield f"{base}.{stem}", "." + tail
+        yield base, "." + last
 
 
 def _candidate_names(config: Dict[str, Any]) -> List[str]:

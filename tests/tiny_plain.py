@@ -47,10 +47,10 @@ PLAIN_CONFIGS: Dict[str, dict] = {
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
-def plain_weights(model_type: str, seed: int = 0):
+def plain_weights(model_type: str, seed: int = 0, **overrides):
     from mlx_lm.utils import _get_classes
 
-    config = dict(PLAIN_CONFIGS[model_type], model_type=model_type)
+    config = dict(PLAIN_CONFIGS[model_type], model_type=model_type, **overrides)
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -62,7 +62,8 @@ def plain_weights(model_type: str, seed: int = 0):
             weights[k] = 0.1 * mx.random.normal(weights[k].shape)
     if model_type == "gemma3_text":  # zero-centred norms: x * (1 + w)
         weights = {k: v - 1.0 if k.endswith("norm.weight") else v for k, v in weights.items()}
-        weights.setdefault("lm_head.weight", mx.random.normal((tiny.VOCAB, 64)) * 0.1)
+        shape = (tiny.VOCAB, config["hidden_size"])
+        weights.setdefault("lm_head.weight", mx.random.normal(shape) * 0.1)
     return config, weights
 
 
@@ -79,8 +80,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(arch: str, config: dict, weights: Dict[str, mx.array]) -> Dict[str, np.ndarray]:
-    """mlx-lm / HF names -> llama.cpp names, with llama.cpp's own conversions applied."""
+def gguf_tensors(arch: str, config: dict, weights: Dict[str, object]) -> Dict[str, np.ndarray]:
+    """mlx-lm / HF names -> llama.cpp names, with llama.cpp's own conversions applied.
+
+    A value may be raw quantized blocks (numpy uint8, one row of blocks per row):
+    the row permutation applies to those just the same.
+    """
     import gguf
 
     from mlx_mtp.convert.gguf_source import _name_variants
@@ -90,7 +95,8 @@ def gguf_tensors(arch: str, config: dict, weights: Dict[str, mx.array]) -> Dict[
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
     out = {}
     for name, value in weights.items():
-        w = np.array(value.astype(mx.float32))
+        raw = isinstance(value, np.ndarray)
+        w = value if raw else np.array(value.astype(mx.float32))
         for base, suffix in _name_variants(name):
             found = tmap.get_name(base)
             if found is not None:
@@ -118,7 +124,8 @@ def _tokenizer_metadata(writer, eos_id: int) -> None:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges([])
+    # no merges: transformers then derives them from the scores (there are none to find)
+    writer.add_token_scores([0.0] * len(tokens))
     writer.add_bos_token_id(tiny.special_id("<|im_start|>"))
     writer.add_eos_token_id(eos_id)
     writer.add_pad_token_id(tiny.special_id("<|endoftext|>"))
@@ -126,8 +133,11 @@ def _tokenizer_metadata(writer, eos_id: int) -> None:
     writer.add_chat_template(tiny.CHAT_TEMPLATE)
 
 
-def write_gguf(path: Path, arch: str, config: dict, weights: Dict[str, mx.array], qtype=None):
-    """Write ``weights`` as a GGUF file; 2-D tensors at ``qtype`` (a GGMLQuantizationType)."""
+def write_gguf(path: Path, arch: str, config: dict, weights, qtype=None, raw_type=None):
+    """Write ``weights`` as a GGUF file; matrices at ``qtype`` (a GGMLQuantizationType).
+
+    Values given as numpy uint8 are raw blocks of type ``raw_type``, written as they are.
+    """
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -145,6 +155,7 @@ def write_gguf(path: Path, arch: str, config: dict, weights: Dict[str, mx.array]
     writer.add_vocab_size(config["vocab_size"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern(config["sliding_window_pattern"])
     if "n_routed_experts" in config:
         writer.add_expert_count(config["n_routed_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -159,7 +170,9 @@ def write_gguf(path: Path, arch: str, config: dict, weights: Dict[str, mx.array]
         writer.add_nextn_predict_layers(n_mtp)
     _tokenizer_metadata(writer, config["eos_token_id"])
     for name, w in gguf_tensors(arch, config, weights).items():
-        if qtype is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        if w.dtype == np.uint8:
+            writer.add_tensor(name, w, raw_dtype=raw_type)
+        elif qtype is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             raw = gguf.quants.quantize(w.astype(np.float32), qtype)
             writer.add_tensor(name, raw, raw_dtype=qtype)
         else:
@@ -170,3 +183,22 @@ def write_gguf(path: Path, arch: str, config: dict, weights: Dict[str, mx.array]
     writer.close()
     return Path(path)
 
+
+
+def random_k_quant(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
+    """Random valid blocks of a K-quant (``gguf`` can read but not write them).
+
+    Every byte pattern is a valid block once its float16 super-scales are
+    finite, so random bytes with small scales give a realistic tensor.
+    """
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 1.0, size=(rows, cols // block, 2)) * 2e-3).astype(np.float16)
+    if qtype.name == "Q6_K":  # its float16 scale sits at the end of the block
+        raw[..., -2:] = scales[..., :1].view(np.uint8)
+    else:  # Q2_K..Q5_K: d and dmin first
+        raw[..., :4] = scales.view(np.uint8).reshape(rows, cols // block, 4)
+    return raw.reshape(rows, -1)

@@ -1,0 +1,186 @@
+"""The tiny models written as GGUF (as llama.cpp would) convert to what the HF path gives.
+
+The reference for a quantized GGUF is the HF folder holding the same weights
+after the ``gguf`` package's own quantize -> dequantize: Q4_0/Q4_1/Q8_0 must
+then agree to float16 arithmetic (no second rounding), as must K-quants,
+which are dequantized and kept as floats.
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+import tiny_plain
+from gguf import GGMLQuantizationType as Q
+
+import mlx_mtp
+from mlx_mtp.convert import convert
+from mlx_mtp.convert.quants import repack
+from mlx_mtp.errors import MTPError
+from mlx_mtp.generate import mtp_logits
+
+TOKENS = list(range(40, 72))
+# float16 activations against float32: max |logit error| / max |logit|
+BOUND_F16 = 5e-3
+
+
+def rel_error(a, b):
+    a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    return float(np.abs(a - b).max() / np.abs(a).max())
+
+
+def roundtrip_weights(weights, qtype):
+    """What a GGUF at ``qtype`` holds, as floats (None: F16 for matrices)."""
+    import gguf
+
+    out = {}
+    for k, v in weights.items():
+        w = np.array(v.astype(mx.float32))
+        block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else None
+        if qtype is not None and w.ndim >= 2 and w.shape[-1] % block == 0:
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+        elif w.ndim >= 2:
+            w = w.astype(np.float16).astype(np.float32)
+        out[k] = mx.array(w)
+    return out
+
+
+def logits_of(path, tokens=TOKENS):
+    model = mlx_mtp.load_model(path)
+    logits, _ = model.trunk(mx.array(tokens)[None], model.trunk.make_cache())
+    return model, logits[0]
+
+
+def gguf_and_reference(tmp_path, family, qtype):
+    config, weights = tiny_plain.plain_weights(family)
+    arch = tiny_plain.GGUF_ARCH[family]
+    gguf_path = tiny_plain.write_gguf(tmp_path / f"{family}.gguf", arch, config, weights, qtype)
+    ref = tiny.save_folder(tmp_path / "ref", config, roundtrip_weights(weights, qtype))
+    return gguf_path, ref
+
+
+@pytest.mark.parametrize("family", list(tiny_plain.PLAIN_CONFIGS))
+def test_f16_gguf_matches_hf_path(tmp_path, family):
+    gguf_path, ref = gguf_and_reference(tmp_path, family, None)
+    out = convert(gguf_path, tmp_path / "out")
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < BOUND_F16
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == 50000.0
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_block_quants_map_without_second_rounding(tmp_path, qtype):
+    gguf_path, ref = gguf_and_reference(tmp_path, "llama", qtype)
+    out = convert(gguf_path, tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["group_size"] == 32
+    stored = mx.load(str(out / "model.safetensors"))
+    ref_w = mx.load(str(ref / "model.safetensors"))
+    # every matrix dequantizes to exactly what the gguf package dequantizes
+    name = "model.layers.1.self_attn.k_proj"  # permuted rows, so the unpermute is checked too
+    bits = 8 if qtype == Q.Q8_0 else 4
+    w = mx.dequantize(
+        stored[f"{name}.weight"], stored[f"{name}.scales"], stored[f"{name}.biases"], 32, bits
+    )
+    np.testing.assert_array_equal(np.array(w), np.array(ref_w[f"{name}.weight"]))
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0])
+def test_other_types_are_dequantized(tmp_path, qtype):
+    """K-quants (mx.load casts or refuses them) and Q5_0 go through gguf's dequantize."""
+    import gguf
+
+    # 256-wide rows: K-quant super-blocks hold 256 values
+    config, weights = tiny_plain.plain_weights(
+        "llama", hidden_size=256, intermediate_size=256, head_dim=64
+    )
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    raws, floats = {}, dict(weights)
+    for k, v in weights.items():
+        if v.ndim == 2 and v.shape[-1] % block == 0:
+            if qtype in (Q.Q5_0,):
+                raw = gguf.quants.quantize(np.array(v), qtype)
+            else:
+                raw = tiny_plain.random_k_quant(*v.shape, qtype, seed=len(raws))
+            raws[k] = raw
+            floats[k] = mx.array(gguf.quants.dequantize(raw, qtype))
+    assert raws
+    path = tiny_plain.write_gguf(
+        tmp_path / "m.gguf", "llama", config, {**weights, **raws}, raw_type=qtype
+    )
+    plain = roundtrip_weights({k: v for k, v in weights.items() if k not in raws}, None)
+    ref = tiny.save_folder(tmp_path / "ref", config, {**floats, **plain})
+    out = convert(path, tmp_path / "out", dtype="float32")
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < 1e-5
+    q = convert(path, tmp_path / "q", quantize=True, q_bits=8)
+    assert json.loads((q / "config.json").read_text())["quantization"]["bits"] == 8
+
+
+def test_repack_matches_mx_load(tmp_path):
+    """mx.load reads Q4_0/Q4_1/Q8_0 as group-32 affine: our repack gives the same arrays."""
+    import gguf
+
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+        raw = gguf.quants.quantize(w, qtype)
+        writer.add_tensor("t.weight", raw, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        theirs = mx.load(str(tmp_path / "t.gguf"))
+        ours = repack(raw, qtype)
+        for got, key in zip(ours, ("weight", "scales", "biases")):
+            np.testing.assert_array_equal(np.array(got), np.array(theirs[f"t.{key}"]))
+
+
+def test_glm4_moe_gguf_with_nextn_head(tmp_path, tiny_folders):
+    """blk.N.nextn.* and the MTP block come back as the head: same MTP logits as HF."""
+    config, trunk_w, mtp_w = tiny.build_weights("glm4_moe")
+    hf_out = convert(tiny_folders("glm4_moe")[0], tmp_path / "hf")
+    # the GGUF holds mlx-lm names (stacked experts), as llama.cpp stores them
+    ref_model = mlx_mtp.load_model(hf_out)
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.convert.model import head_tensors
+
+    weights = dict(tree_flatten(ref_model.trunk.model.parameters()))
+    weights.update(head_tensors("model.layers.2.", ref_model.head))
+    config = dict(config, head_dim=16)
+    path = tiny_plain.write_gguf(tmp_path / "glm.gguf", "glm4moe", config, weights)
+    out = convert(path, tmp_path / "out", dtype="float32")
+    ref = tiny.save_folder(tmp_path / "ref", config, roundtrip_weights(weights, None))
+    got = mlx_mtp.load_model(out)
+    expect = mlx_mtp.load_model(ref)
+    assert got.head is not None
+    assert rel_error(mtp_logits(expect, TOKENS), mtp_logits(got, TOKENS)) < 1e-5
+
+
+def test_corrupt_gguf_is_refused(tmp_path):
+    gguf_path, _ = gguf_and_reference(tmp_path, "qwen3", None)
+    data = gguf_path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(MTPError, match="bad.gguf"):
+        convert(bad, tmp_path / "out")
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_unsupported_gguf_architecture_is_refused(tmp_path):
+    config, weights = tiny_plain.plain_weights("llama")
+    path = tiny_plain.write_gguf(tmp_path / "m.gguf", "llama", config, weights)
+    data = path.read_bytes().replace(b"llama.", b"lxama.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00lxama")
+    (tmp_path / "x.gguf").write_bytes(data)
+    with pytest.raises(MTPError, match="lxama"):
+        convert(tmp_path / "x.gguf", tmp_path / "out")
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
