@@ -1,0 +1,177 @@
+"""What a model file holds: architecture, layers, MTP layers, precision per part, size.
+
+Reads headers only (safetensors headers, GGUF metadata): no tensor is loaded.
+"""
+
+import json
+import struct
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import family_for
+from mlx_mtp.loader import read_config
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    format: str  # "GGUF", "Hugging Face folder" or "MLX folder"
+    architecture: str
+    layers: int
+    mtp_layers: int  # MTP layers whose tensors are present
+    trunk_precision: Dict[str, int] = field(default_factory=dict)  # label -> tensors
+    mtp_precision: Dict[str, int] = field(default_factory=dict)
+    trunk_bytes: int = 0
+    mtp_bytes: int = 0
+    size_bytes: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _header(path: Path) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """A safetensors file's tensor entries and metadata, from its header alone."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise MTPError(f"{path}: not a valid safetensors file ({e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    return header, meta
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "U32": "uint32"}
+
+
+def _folder_precision(entries: Dict[str, Dict[str, Any]], quant: Dict[str, Any]) -> Counter:
+    """Labels like ``4-bit/g64`` per quantized module and dtypes per float tensor."""
+    counts: Counter = Counter()
+    for name, e in entries.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        module = name.rsplit(".", 1)[0]
+        scales = entries.get(f"{module}.scales")
+        if name.endswith(".weight") and scales is not None:
+            q = quant.get(module) if isinstance(quant.get(module), dict) else quant
+            group = q.get("group_size", 64)
+            in_dims = scales["shape"][-1] * group
+            bits = e["shape"][-1] * 32 // in_dims
+            counts[f"{bits}-bit/g{group}"] += 1
+        else:
+            counts[_SAFETENSORS_DTYPES.get(e["dtype"], e["dtype"].lower())] += 1
+    return counts
+
+
+def _nbytes(e: Dict[str, Any]) -> int:
+    start, end = e["data_offsets"]
+    return end - start
+
+
+def _mtp_layer_count(config: Dict[str, Any], family, names: List[str]) -> int:
+    if family is None:
+        return 0
+    count = 0
+    for j in range(max(family.num_layers(config), 1) + 4):
+        prefix = family.prefix(config, j)
+        if any(n.startswith(prefix) for n in names):
+            count += 1
+    return count
+
+
+def describe_folder(path: Path) -> ModelInfo:
+    config = read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise MTPError(f"{path}: no *.safetensors weights")
+    family = family_for(config["model_type"])
+    entries: Dict[str, Dict[str, Any]] = {}
+    is_mlx = "quantization" in config
+    for f in files:
+        header, meta = _header(f)
+        entries.update(header)
+        is_mlx = is_mlx or meta.get("format") == "mlx"
+    mtp = {k for k in entries if family is not None and family.is_mtp_key(k, config)}
+    trunk = {k: v for k, v in entries.items() if k not in mtp}
+    head = {k: v for k, v in entries.items() if k in mtp}
+    quant = config.get("quantization") or {}
+    return ModelInfo(
+        path=str(path),
+        format="MLX folder" if is_mlx else "Hugging Face folder",
+        architecture=config["model_type"],
+        layers=int(config.get("num_hidden_layers", 0)),
+        mtp_layers=_mtp_layer_count(config, family, list(head)),
+        trunk_precision=dict(_folder_precision(trunk, quant)),
+        mtp_precision=dict(_folder_precision(head, quant)),
+        trunk_bytes=sum(_nbytes(e) for e in trunk.values()),
+        mtp_bytes=sum(_nbytes(e) for e in head.values()),
+        size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+    )
+
+
+def describe_gguf(path: Path) -> ModelInfo:
+    from .gguf_source import ARCHS, Metadata, _open
+
+    reader = _open(path)
+    meta = Metadata(reader)
+    blocks = int(meta.arch_key("block_count", 0) or 0)
+    n_mtp = int(meta.arch_key("nextn_predict_layers", 0) or 0)
+    first_mtp = blocks - n_mtp
+    trunk, head = Counter(), Counter()
+    trunk_bytes = mtp_bytes = 0
+    present = set()
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        layer = int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else -1
+        if n_mtp and layer >= first_mtp:
+            head[t.tensor_type.name] += 1
+            mtp_bytes += int(t.n_bytes)
+            present.add(layer)
+        else:
+            trunk[t.tensor_type.name] += 1
+            trunk_bytes += int(t.n_bytes)
+    arch = meta.arch or "?"
+    return ModelInfo(
+        path=str(path),
+        format="GGUF",
+        architecture=f"{arch} ({ARCHS[arch]})" if arch in ARCHS else f"{arch} (not supported)",
+        layers=first_mtp,
+        mtp_layers=len(present),
+        trunk_precision=dict(trunk),
+        mtp_precision=dict(head),
+        trunk_bytes=trunk_bytes,
+        mtp_bytes=mtp_bytes,
+        size_bytes=path.stat().st_size,
+    )
+
+
+def describe(path) -> ModelInfo:
+    """``ModelInfo`` for a GGUF file, a Hugging Face folder or an MLX folder."""
+    path = Path(path)
+    if not path.exists():
+        raise MTPError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return describe_folder(path)
+    from .pipeline import is_gguf
+
+    if not is_gguf(path):
+        raise MTPError(f"{path}: not a GGUF file or a model folder")
+    return describe_gguf(path)
+
+
+def format_precision(counts: Dict[str, int]) -> str:
+    if not counts:
+        return "none"
+    return ", ".join(f"{label} x{n}" for label, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+
+def format_size(n: Optional[int]) -> str:
+    size = float(n or 0)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
