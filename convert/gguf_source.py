@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 
+from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
 from .source import Source
@@ -62,31 +63,19 @@ CONFIG_KEYS = {
 
 
 class Metadata:
-    def __init__(self, reader):
-        self.fields = reader.fields
+    def __init__(self, gguf: GGUFFile):
+        self.fields = gguf.fields
         self.arch = self.get("general.architecture")
 
     def get(self, key: str, default=None):
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception:
-            return default
+        return self.fields.get(key, default)
 
     def arch_key(self, key: str, default=None):
         return self.get(f"{self.arch}.{key}", default)
 
 
-def _open(path: Path):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:  # truncated or corrupt: the reader raises many kinds
-        text = (str(e).strip() or type(e).__name__).splitlines()[0]
-        raise MTPError(f"{path}: not a valid GGUF file ({text})") from None
+def _open(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
@@ -101,9 +90,9 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
             config[name] = value
     n_mtp = int(config.get("num_nextn_predict_layers", 0))
     config["num_hidden_layers"] = int(meta.arch_key("block_count")) - n_mtp
-    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    tokens = meta.get("tokenizer.ggml.tokens")
     if "vocab_size" not in config and tokens is not None:
-        config["vocab_size"] = len(tokens.data)
+        config["vocab_size"] = len(tokens)
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     names = set(tensor_names)
     config["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -216,7 +205,7 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
     return tensors
 
 
-def _read_tensors(reader, arch, config, names, keep_quantized, progress=None):
+def _read_tensors(reader, arch, config, names, keep_quantized):
     weights: Dict[str, mx.array] = {}
     sizes: Dict[str, int] = {}
     for t in reader.tensors:
@@ -253,7 +242,7 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None) -> Source:
         more, more_sizes = _read_tensors(mtp_reader, meta.arch, config, names, True)
         weights.update(more)
         sizes.update(more_sizes)
-    if meta.fields.get("tokenizer.ggml.tokens") is None:
+    if meta.get("tokenizer.ggml.tokens") is None:
         raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
     return Source(path, config, weights, gguf_tokenizer_writer(path), sizes)
 
