@@ -79,6 +79,23 @@ def table(result: BenchResult) -> Table:
     return t
 
 
+def kinds_table(result: BenchResult) -> Table:
+    """Per prompt kind: speed ratio, acceptance and mean accepted length."""
+    kinds = sorted({p.kind for p in result.prompts})
+    t = Table(title="by prompt kind: vs mlx-lm, acceptance, mean accepted length")
+    t.add_column("config")
+    for kind in kinds:
+        t.add_column(kind, justify="right", no_wrap=True)
+    for c in result.configs[1:]:  # the first is mlx-lm itself
+        cells = []
+        for kind in kinds:
+            k = c.by_kind[kind]
+            acc = "-" if k["acceptance_rate"] is None else f"{k['acceptance_rate']:.2f}"
+            cells.append(f"{k['ratio']:.2f}x  {acc}  {k['mean_accepted_length']:.2f}")
+        t.add_row(c.config, *cells)
+    return t
+
+
 @app.command(no_args_is_help=True)
 def bench(
     model: Path = typer.Option(
@@ -177,6 +194,8 @@ def bench(
             markup=False,
         )
     console.print(table(result))
+    if len({p.kind for p in result.prompts}) > 1:
+        console.print(kinds_table(result))
     console.print(
         "tok/s: median over runs; vs mlx-lm: median of per-run ratios in this run; "
         "acceptance, lengths and fwd/tok over all runs",

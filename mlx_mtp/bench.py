@@ -75,6 +75,8 @@ class ConfigResult:
     forwards_per_token: float
     peak_memory_gb: float
     same_output: bool  # every run emitted exactly mlx-lm's tokens
+    # per prompt kind: ratio, acceptance_rate, mean_accepted_length
+    by_kind: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -312,7 +314,8 @@ def run_bench(
                     )
                 )
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
-    result.configs = [_summarise(name, k, runs) for name, k in configs]
+    kinds = [p.kind for p in prompts]
+    result.configs = [_summarise(name, k, runs, kinds) for name, k in configs]
     return result
 
 
@@ -325,11 +328,8 @@ def _template(tokenizer, prompt: str) -> str:
     )
 
 
-def _summarise(
-    name: str, draft_max: Optional[int], runs: List[Measurement]
-) -> ConfigResult:
-    mine = [r for r in runs if r.config == name]
-    base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
+def _paired(mine: List[Measurement], base) -> tuple:
+    """Median speed ratio to mlx-lm's run in the same slot, and the summed stats."""
     ratios = [
         r.generation_tps / base[r.prompt, r.repeat].generation_tps
         for r in mine
@@ -339,20 +339,39 @@ def _summarise(
     for r in mine:
         if r.stats is not None:
             total.add(r.stats)
-    tokens = sum(len(r.tokens) for r in mine)
+    return (statistics.median(ratios) if ratios else 0.0), total
+
+
+def _summarise(
+    name: str, draft_max: Optional[int], runs: List[Measurement], kinds: List[str]
+) -> ConfigResult:
+    mine = [r for r in runs if r.config == name]
+    base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
+    ratio, total = _paired(mine, base)
+    by_kind = {}
+    for kind in sorted(set(kinds)):
+        kind_ratio, kind_total = _paired(
+            [r for r in mine if kinds[r.prompt] == kind], base
+        )
+        by_kind[kind] = {
+            "ratio": kind_ratio,
+            "acceptance_rate": kind_total.acceptance_rate if draft_max else None,
+            "mean_accepted_length": kind_total.mean_accepted_length
+            if draft_max
+            else 1.0,
+        }
     return ConfigResult(
         config=name,
         draft_max=draft_max,
         generation_tps=statistics.median(r.generation_tps for r in mine),
-        ratio=statistics.median(ratios) if ratios else 0.0,
+        ratio=ratio,
         prompt_tps=statistics.median(r.prompt_tps for r in mine),
-        tokens=tokens,
+        tokens=sum(len(r.tokens) for r in mine),
         acceptance_rate=total.acceptance_rate if draft_max else None,
-        mean_accepted_length=total.mean_accepted_length
-        if draft_max is not None
-        else 1.0,
+        mean_accepted_length=total.mean_accepted_length if draft_max else 1.0,
         per_position_acceptance=total.per_position_acceptance,
-        forwards_per_token=total.forwards_per_token if draft_max is not None else 1.0,
+        forwards_per_token=total.forwards_per_token if draft_max else 1.0,
         peak_memory_gb=max(r.peak_memory for r in mine),
         same_output=all(r.tokens == base[r.prompt, r.repeat].tokens for r in mine),
+        by_kind=by_kind,
     )

@@ -24,6 +24,7 @@ FIELDS = {
     "forwards_per_token",
     "peak_memory_gb",
     "same_output",
+    "by_kind",
 }
 
 
@@ -34,8 +35,16 @@ def bench_json(*args):
 
 
 def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("write a poem\n\nsort a list in python\n")
+    prompts = tmp_path / "p.json"
+    kinds = ["prose", "code"]
+    prompts.write_text(
+        json.dumps(
+            [
+                {"kind": "prose", "prompt": "write a poem"},
+                {"kind": "code", "prompt": "sort a list in python"},
+            ]
+        )
+    )
     out = bench_json(
         "--model",
         tiny_folders("mimo")[0],
@@ -64,6 +73,10 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
         mine = [r for r in runs if r["config"] == name]
         paired = [r["generation_tps"] / base[r["prompt"], r["repeat"]] for r in mine]
         assert c["ratio"] == pytest.approx(statistics.median(paired))
+        for i, kind in enumerate(kinds):  # one prompt per kind here
+            of_kind = [p for r, p in zip(mine, paired) if r["prompt"] == i]
+            ratio = c["by_kind"][kind]["ratio"]
+            assert ratio == pytest.approx(statistics.median(of_kind))
         assert c["generation_tps"] == pytest.approx(
             statistics.median(r["generation_tps"] for r in mine)
         )
@@ -82,7 +95,11 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
 
 def test_bench_table(tiny_folders, tmp_path):
     prompts = tmp_path / "p.json"
-    prompts.write_text(json.dumps([{"kind": "code", "prompt": "def f(x):"}]))
+    prompts.write_text(
+        json.dumps(
+            [{"kind": "code", "prompt": "def f(x):"}, {"kind": "chat", "prompt": "hi"}]
+        )
+    )
     result = CliRunner().invoke(
         app,
         [
@@ -101,7 +118,15 @@ def test_bench_table(tiny_folders, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "regime: backend cpu" in result.stdout and "weights float32" in result.stdout
-    for name in ("mlx-lm", "no-mtp", "mtp k=1", "vs mlx-lm", "per position", "fwd/tok"):
+    for name in (
+        "mlx-lm",
+        "no-mtp",
+        "mtp k=1",
+        "vs mlx-lm",
+        "per position",
+        "fwd/tok",
+        "by prompt kind",
+    ):
         assert name in result.stdout
 
 
