@@ -233,11 +233,12 @@ def test_abandoned_stream_closed_late_leaves_the_newer_turn_alone(loaded):
 
 
 def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
-    """Two turns, /reset, an interrupted answer, a normal one, /stats, /quit."""
+    """Two turns, /reset, an interrupted answer, a normal one, /stats, /help, /quit."""
     model, tok = loaded("mimo")
     spy = Interrupt(monkeypatch, after={3: 3})
     script = (
-        "hello\nwhat next?\n/reset\nnew start\nplease go on\nagain\n/stats\n/quit\n"
+        "hello\nwhat next?\n/reset\nnew start\nplease go on\nagain\n"
+        "/stats\n/help\n/nope\n/quit\nnever sent\n"
     )
     result = CliRunner().invoke(
         app,
@@ -260,6 +261,8 @@ def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
     assert "interrupted" in result.output
     assert result.output.count("mean accepted length") == 4  # one footer per answer
     assert "draft acceptance" in result.output  # /stats
+    assert "/reset  forget the conversation" in result.output  # /help
+    assert "unknown command /nope" in result.output
 
 
 def test_hybrid_model_keeps_its_recurrent_state_consistent(tmp_path, monkeypatch):
