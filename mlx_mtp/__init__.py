@@ -1,6 +1,7 @@
 """mlx-mtp: multi-token-prediction speculative decoding on MLX."""
 
 from .cache import MTPCache
+from .chat import ChatSession
 from .errors import MTPError
 from .generate import GenerationResponse, generate, mtp_logits, stream_generate
 from .loader import MTPModel, load, load_model
@@ -10,6 +11,7 @@ from .stats import DraftRound, MTPStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChatSession",
     "DEFAULT_DRAFT_MAX",
     "DraftRound",
     "GenerationResponse",
