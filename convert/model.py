@@ -76,16 +76,18 @@ def build_heads(
         return [], dict(mtp)
     args = getattr(model, "args", None)
     backbone = find_backbone(model)
+    # a family whose block tensors the trunk's sanitize cannot take brings its own
+    sanitize = getattr(family, "sanitize_block", None) or (
+        lambda w: _sanitize_block(model, family, w)
+    )
     heads, taken = [], set()
-    for j in range(max(family.num_layers(config), 1)):
-        prefix = family.prefix(config, j)
+    prefixes = dict.fromkeys(family.prefix(config, j) for j in range(max(family.num_layers(config), 1)))
+    for prefix in prefixes:  # Qwen3-Next keeps all its layers under one prefix
         if not any(k.startswith(prefix) for k in mtp):
             continue
         head = family.build(args, config, backbone, mtp)
         try:
-            load_head_weights(
-                head, prefix, mtp, lambda w: _sanitize_block(model, family, w), None
-            )
+            load_head_weights(head, prefix, mtp, sanitize, None)
         except ValueError as e:
             raise MTPError(f"MTP layer {prefix} does not fit the model ({_first_line(e)})") from None
         head.bind(backbone.embed_tokens, output_head(model))

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
+import tiny_hybrid
 import tiny_plain
 from conftest import DRAFT_FAMILIES
 from test_speculative import assert_same_or_near_tie, mtp_greedy, reference_greedy
@@ -20,6 +21,8 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import mtp_logits
 
 PLAIN = list(tiny_plain.PLAIN_CONFIGS)
+HYBRID = list(tiny_hybrid.MODEL_TYPES)  # Qwen3-Next / Qwen3.5: mtp.* heads
+HEADS = DRAFT_FAMILIES + HYBRID
 TOKENS = list(range(40, 72))
 # 8-bit trunk, 8-bit head: max |logit error| / max |logit|
 BOUND_8BIT = 0.03
@@ -32,6 +35,8 @@ def sources(tiny_folders, tmp_path_factory):
     def get(family):
         if family in PLAIN:
             return tiny_plain.build_plain(root / family, family)
+        if family in HYBRID:
+            return tiny_hybrid.build_folder(root / family, family)[0]
         return tiny_folders(family)[0]
 
     return get
@@ -61,19 +66,19 @@ def rel_error(a, b):
     return float(np.abs(a - b).max() / np.abs(a).max())
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES + PLAIN)
+@pytest.mark.parametrize("family", HEADS + PLAIN)
 def test_float_round_trip_is_exact(sources, converted, family):
     src = mlx_mtp.load_model(sources(family))
     out = mlx_mtp.load_model(converted(family))
     np.testing.assert_array_equal(trunk_logits(src), trunk_logits(out))
-    if family in DRAFT_FAMILIES:
+    if family in HEADS:
         assert out.head is not None
         np.testing.assert_array_equal(
             np.array(mtp_logits(src, TOKENS)), np.array(mtp_logits(out, TOKENS))
         )
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", HEADS)
 def test_quantized_round_trip_within_bound(sources, converted, family):
     src = mlx_mtp.load_model(sources(family))
     path = converted(family, quantize=True, q_bits=8, q_group_size=32)
@@ -84,7 +89,7 @@ def test_quantized_round_trip_within_bound(sources, converted, family):
     assert rel_error(a, b) < BOUND_8BIT
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", HEADS)
 def test_mtp_block_precision_follows_policy(converted, family):
     """4-bit trunk: head at 8 bits by default, float with mtp_bits=16, float unquantized."""
     q8 = json.loads((converted(family, quantize=True) / "config.json").read_text())
@@ -106,7 +111,7 @@ def test_mtp_block_precision_follows_policy(converted, family):
     assert "quantization" not in json.loads((flt / "config.json").read_text())
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", HEADS)
 def test_greedy_mtp_equals_plain_mlx_lm(converted, family):
     """The converted quantized folder: MTP greedy == mlx-lm greedy on the same folder."""
     from mlx_lm import load as mlx_lm_load
