@@ -131,7 +131,9 @@ def text_snippets(files: Iterable[Path], chars: int = 300) -> List[str]:
     return out
 
 
-def distill_prompts(n: int, seed: int = 0, snippet_files: Sequence[Path] = ()) -> List[dict]:
+def distill_prompts(
+    n: int, seed: int = 0, snippet_files: Sequence[Path] = ()
+) -> List[dict]:
     """``n`` varied training prompts: ``{"chat": str}`` or ``{"text": str}``.
 
     Chat prompts go through the chat template; text prompts are continued as
@@ -188,7 +190,9 @@ def self_distill(
     from mlx_lm import batch_generate
 
     for start in range(0, len(prompts), batch_size):
-        chunk = [render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        chunk = [
+            render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]
+        ]
         result = batch_generate(
             model, tokenizer, chunk, max_tokens=max_tokens, return_token_ids=True
         )
@@ -196,7 +200,10 @@ def self_distill(
             seq = list(prompt_ids) + list(answer)
             if out_file is not None:
                 with open(out_file, "a") as f:
-                    f.write(json.dumps({"tokens": seq, "prompt_len": len(prompt_ids)}) + "\n")
+                    f.write(
+                        json.dumps({"tokens": seq, "prompt_len": len(prompt_ids)})
+                        + "\n"
+                    )
             if progress is not None:
                 progress(len(answer))
             yield seq
@@ -228,7 +235,9 @@ def read_data_file(path: Path, tokenizer: Any) -> List[List[int]]:
     return [tokenizer.encode(raw)]
 
 
-def chunk_sequences(seqs: Iterable[List[int]], length: int, min_len: int = 8) -> List[List[int]]:
+def chunk_sequences(
+    seqs: Iterable[List[int]], length: int, min_len: int = 8
+) -> List[List[int]]:
     """Cut sequences into training windows of at most ``length`` tokens."""
     out = []
     for seq in seqs:

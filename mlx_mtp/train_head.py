@@ -10,7 +10,6 @@ pass will accept). The result is ``OUT/mtp.safetensors`` plus
 """
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,7 +51,9 @@ class TrainConfig:
     eh_init: str = "hidden"  # eh_proj starts as the identity on this half
     dtype: str = "bfloat16"  # of the saved head
     vocab_top: int = 0  # train the softmax over the k most frequent targets (0: all)
-    soft_targets: bool = True  # distil the trunk's top-K probabilities, not only its argmax
+    soft_targets: bool = (
+        True  # distil the trunk's top-K probabilities, not only its argmax
+    )
 
 
 @dataclass
@@ -151,7 +152,9 @@ def save_head(head: MTPHead, config: Dict[str, Any], out: Path, dtype: str, info
 SOFT_TOP = 8  # trunk probabilities kept per position for distillation
 
 
-def trunk_view(mtp_model: MTPModel, windows: Sequence[List[int]], seq_len: int, batch: int = 8):
+def trunk_view(
+    mtp_model: MTPModel, windows: Sequence[List[int]], seq_len: int, batch: int = 8
+):
     """The frozen trunk's hidden states and greedy tokens over padded windows."""
     trunk = mtp_model.trunk
     for start in range(0, len(windows), batch):
@@ -180,10 +183,21 @@ def build_dataset(
     draft with. Padding positions carry no target.
     """
     parts = []
-    for group, tokens, hidden, greedy, (ids, probs) in trunk_view(mtp_model, windows, seq_len):
+    for group, tokens, hidden, greedy, (ids, probs) in trunk_view(
+        mtp_model, windows, seq_len
+    ):
         lengths = mx.array([len(w) for w in group])[:, None]
         valid = mx.arange(seq_len - 1)[None] < lengths - 1
-        parts.append((hidden[:, :-1], tokens[:, 1:], greedy[:, 1:], valid, ids[:, 1:], probs[:, 1:]))
+        parts.append(
+            (
+                hidden[:, :-1],
+                tokens[:, 1:],
+                greedy[:, 1:],
+                valid,
+                ids[:, 1:],
+                probs[:, 1:],
+            )
+        )
         if progress is not None:
             progress(sum(len(w) for w in group))
     return Dataset(*(mx.concatenate(list(p), axis=0) for p in zip(*parts)))
@@ -202,7 +216,9 @@ def load_dataset(path: Path) -> Dataset:
 
 
 # -- training -----------------------------------------------------------------
-def head_loss(head: MTPHead, hidden, next_tokens, targets, mask, out_rows=None, soft=None):
+def head_loss(
+    head: MTPHead, hidden, next_tokens, targets, mask, out_rows=None, soft=None
+):
     """Masked cross-entropy of the head's logits for ``t_{i+2}``.
 
     With ``out_rows`` (the output embedding rows of a vocabulary subset, and
@@ -232,7 +248,11 @@ def agreement(head: MTPHead, ds: Dataset, batch: int = 8) -> float:
     """Teacher-forced top-1 agreement of the head with the trunk's greedy token."""
     hits = total = 0
     for s in range(0, ds.hidden.shape[0], batch):
-        logits, _ = head(ds.hidden[s : s + batch].astype(mx.float32), ds.next_tokens[s : s + batch], None)
+        logits, _ = head(
+            ds.hidden[s : s + batch].astype(mx.float32),
+            ds.next_tokens[s : s + batch],
+            None,
+        )
         m = ds.mask[s : s + batch]
         hit = (mx.argmax(logits, axis=-1) == ds.targets[s : s + batch]) & m
         hits += hit.sum().item()
@@ -253,7 +273,9 @@ def _save_checkpoint(head, opt, step, best, ckpt: Path):
     mx.save_safetensors(str(tmp), dict(tree_flatten(head.trainable_parameters())))
     tmp.replace(ckpt / "head.safetensors")
     tmp = ckpt / ".optimizer.tmp.safetensors"
-    mx.save_safetensors(str(tmp), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+    mx.save_safetensors(
+        str(tmp), {k: v for k, v in state.items() if isinstance(v, mx.array)}
+    )
     tmp.replace(ckpt / "optimizer.safetensors")
     (ckpt / "state.json").write_text(json.dumps({"step": step, **best}))
 
@@ -289,7 +311,15 @@ def train(
     # only the head's own modules train; the shared embedding is the trunk's
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
     ckpt = out / CHECKPOINT_DIR
-    start, best = 0, {"best_step": 0, "best_agreement": -1.0, "initial_agreement": None, "bad_evals": 0}
+    start, best = (
+        0,
+        {
+            "best_step": 0,
+            "best_agreement": -1.0,
+            "initial_agreement": None,
+            "bad_evals": 0,
+        },
+    )
     if resume and (ckpt / "state.json").exists():
         state = _load_checkpoint(head, opt, ckpt)
         start, best = state.pop("step"), state
@@ -306,7 +336,9 @@ def train(
     out_rows, targets, mask = None, train_ds.targets, train_ds.mask
     soft_ids, soft_probs = train_ds.soft_ids, train_ds.soft_probs
     if cfg.vocab_top:
-        out_rows, targets, mask, soft_ids, soft_probs = _vocab_subset(head, train_ds, cfg.vocab_top)
+        out_rows, targets, mask, soft_ids, soft_probs = _vocab_subset(
+            head, train_ds, cfg.vocab_top
+        )
     n = train_ds.hidden.shape[0]
     order = _epoch_order(n, cfg.seed, start * cfg.batch_size)
     losses: List[float] = []
@@ -314,7 +346,12 @@ def train(
     step = start
     for step in range(start + 1, cfg.steps + 1):
         idx = mx.array([next(order) for _ in range(cfg.batch_size)])
-        batch = (train_ds.hidden[idx], train_ds.next_tokens[idx], targets[idx], mask[idx])
+        batch = (
+            train_ds.hidden[idx],
+            train_ds.next_tokens[idx],
+            targets[idx],
+            mask[idx],
+        )
         soft = (soft_ids[idx], soft_probs[idx]) if cfg.soft_targets else None
         loss, grads = loss_and_grad(head, *batch, out_rows, soft)
         opt.update(head, grads)
@@ -405,10 +442,8 @@ def acceptance(
     for k in draft_maxes:
         total = MTPStats(draft_max=k)
         for p in prompts:
-            response = None
-            for response in stream_generate(mtp_model, tokenizer, p, max_tokens, draft_max=k):
-                pass
-            s = response.stats
+            *_, last = stream_generate(mtp_model, tokenizer, p, max_tokens, draft_max=k)
+            s = last.stats
             total.rounds += s.rounds
             total.drafted += s.drafted
             total.accepted += s.accepted
@@ -438,10 +473,16 @@ class Hooks:
 def _sequences(path: Path) -> List[List[int]]:
     if not path.exists():
         return []
-    return [json.loads(line)["tokens"] for line in path.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)["tokens"]
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
 
 
-def _distilled(mtp_model, tokenizer, prompts, max_tokens, path: Path, hooks: Hooks, batch=32):
+def _distilled(
+    mtp_model, tokenizer, prompts, max_tokens, path: Path, hooks: Hooks, batch=32
+):
     """Greedy continuations of ``prompts``, resumed from ``path`` (JSON lines)."""
     from .train_data import self_distill
 
@@ -449,12 +490,22 @@ def _distilled(mtp_model, tokenizer, prompts, max_tokens, path: Path, hooks: Hoo
     todo = prompts[len(done) :]
     if todo:
         hooks.phase("self-distillation (tokens)", len(todo) * max_tokens)
-        for seq in self_distill(mtp_model.trunk.model, tokenizer, todo, max_tokens, batch, path, hooks.advance):
+        for seq in self_distill(
+            mtp_model.trunk.model,
+            tokenizer,
+            todo,
+            max_tokens,
+            batch,
+            path,
+            hooks.advance,
+        ):
             done.append(seq)
     return done
 
 
-def _dataset(mtp_model, windows, seq_len, path: Path, hooks: Hooks, name: str) -> Dataset:
+def _dataset(
+    mtp_model, windows, seq_len, path: Path, hooks: Hooks, name: str
+) -> Dataset:
     """The precomputed dataset for ``windows``, reused from ``path`` when it matches."""
     import hashlib
 
@@ -475,11 +526,11 @@ def train_head(
     data: Sequence[Path] = (),
     self_distill_prompts: int = 0,
     distill_tokens: int = 256,
-    cfg: TrainConfig = TrainConfig(),
+    cfg: Optional[TrainConfig] = None,
     resume: bool = False,
     eval_tokens: int = 128,
     eval_draft_maxes: Sequence[int] = (1, 2, 3, 4),
-    hooks: Hooks = Hooks(),
+    hooks: Optional[Hooks] = None,
 ) -> Dict[str, Any]:
     """Train an MTP head for the model folder ``base`` and write it to ``out``.
 
@@ -487,41 +538,72 @@ def train_head(
     agreement and real speculative acceptance per draft_max.
     """
     from .loader import load
-    from .train_data import EVAL_PROMPTS, chunk_sequences, default_snippet_files
-    from .train_data import distill_prompts, read_data_file, render_prompt
+    from .train_data import (
+        EVAL_PROMPTS,
+        chunk_sequences,
+        default_snippet_files,
+        distill_prompts,
+        read_data_file,
+        render_prompt,
+    )
 
+    cfg = cfg or TrainConfig()
+    hooks = hooks or Hooks()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise MTPError(f"{out}: exists and is not a folder")
     if not data and not self_distill_prompts:
         raise MTPError("no training data: give --data FILE and/or --self-distill N")
-    if (out / CHECKPOINT_DIR).exists() and not resume and any((out / CHECKPOINT_DIR).iterdir()):
-        raise MTPError(f"{out}: holds a checkpoint; pass --resume or choose another folder")
+    if (
+        (out / CHECKPOINT_DIR).exists()
+        and not resume
+        and any((out / CHECKPOINT_DIR).iterdir())
+    ):
+        raise MTPError(
+            f"{out}: holds a checkpoint; pass --resume or choose another folder"
+        )
     mtp_model, tokenizer = load(base)
     work = out / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
 
     # 1) held-out set: the trunk's greedy answers to prompts never trained on
     eval_prompts = [{"chat": p} for ps in EVAL_PROMPTS.values() for p in ps]
-    eval_seqs = _distilled(mtp_model, tokenizer, eval_prompts, eval_tokens, work / "eval.jsonl", hooks)
+    eval_seqs = _distilled(
+        mtp_model, tokenizer, eval_prompts, eval_tokens, work / "eval.jsonl", hooks
+    )
 
     # 2) training text: user files, then the trunk's own continuations
     seqs = [s for f in data for s in read_data_file(Path(f), tokenizer)]
     if self_distill_prompts:
-        prompts = distill_prompts(self_distill_prompts, cfg.seed, default_snippet_files())
-        seqs += _distilled(mtp_model, tokenizer, prompts, distill_tokens, work / "distill.jsonl", hooks)
+        prompts = distill_prompts(
+            self_distill_prompts, cfg.seed, default_snippet_files()
+        )
+        seqs += _distilled(
+            mtp_model, tokenizer, prompts, distill_tokens, work / "distill.jsonl", hooks
+        )
     windows = chunk_sequences(seqs, cfg.seq_len)
     if not windows:
         raise MTPError("the training data is too short (need sequences of 8+ tokens)")
 
     # 3) the frozen trunk's view, computed once
-    train_ds = _dataset(mtp_model, windows, cfg.seq_len, work / "train.safetensors", hooks, "train")
-    eval_ds = _dataset(mtp_model, chunk_sequences(eval_seqs, cfg.seq_len), cfg.seq_len, work / "eval.safetensors", hooks, "held-out")
+    train_ds = _dataset(
+        mtp_model, windows, cfg.seq_len, work / "train.safetensors", hooks, "train"
+    )
+    eval_ds = _dataset(
+        mtp_model,
+        chunk_sequences(eval_seqs, cfg.seq_len),
+        cfg.seq_len,
+        work / "eval.safetensors",
+        hooks,
+        "held-out",
+    )
 
     # 4) train
     head = init_head(mtp_model, cfg.eh_init, sample=windows[0])
     hooks.phase("training (steps)", cfg.steps)
-    result = train(head, train_ds, eval_ds, cfg, out, resume, hooks.step, hooks.evaluated)
+    result = train(
+        head, train_ds, eval_ds, cfg, out, resume, hooks.step, hooks.evaluated
+    )
     report = {
         "base": str(base),
         "train_tokens": train_ds.tokens,
@@ -541,6 +623,8 @@ def train_head(
         hooks.message("measuring acceptance on held-out prompts")
         loaded, _ = load(base, mtp=out)
         prompts = [render_prompt(tokenizer, p) for p in eval_prompts]
-        report["acceptance"] = acceptance(loaded, tokenizer, prompts, eval_draft_maxes, eval_tokens)
+        report["acceptance"] = acceptance(
+            loaded, tokenizer, prompts, eval_draft_maxes, eval_tokens
+        )
         save_head(head, mtp_model.config, out, cfg.dtype, {"training": report})
     return report

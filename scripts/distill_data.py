@@ -30,8 +30,9 @@ def main():
     done = sum(1 for _ in open(args.out)) if args.out.exists() else 0
     start, tokens = time.time(), 0
     for i, seq in enumerate(
-        self_distill(model, tokenizer, prompts[done:], args.max_tokens,
-                     args.batch_size, args.out),
+        self_distill(
+            model, tokenizer, prompts[done:], args.max_tokens, args.batch_size, args.out
+        ),
         done + 1,
     ):
         tokens += len(seq)

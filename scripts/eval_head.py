@@ -42,9 +42,14 @@ def main():
         acc = sum(s[k]["accepted"] for s in summary.values())
         dr = sum(s[k]["drafted"] for s in summary.values())
         rounds = sum(s[k]["rounds"] for s in summary.values())
-        total[k] = {"acceptance_rate": acc / max(dr, 1), "mean_accepted_length": (rounds + acc) / max(rounds, 1)}
-        print(f"all    draft-max {k}: acceptance {acc / max(dr, 1):.1%} ({acc}/{dr}), "
-              f"mean accepted length {total[k]['mean_accepted_length']:.2f}")
+        total[k] = {
+            "acceptance_rate": acc / max(dr, 1),
+            "mean_accepted_length": (rounds + acc) / max(rounds, 1),
+        }
+        print(
+            f"all    draft-max {k}: acceptance {acc / max(dr, 1):.1%} ({acc}/{dr}), "
+            f"mean accepted length {total[k]['mean_accepted_length']:.2f}"
+        )
     print(json.dumps({"per_kind": summary, "all": total}))
 
 

@@ -5,9 +5,9 @@ import json
 
 import mlx.core as mx
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
 from mlx_mtp import default_model as dm
 from mlx_mtp.errors import MTPError
 

@@ -5,9 +5,9 @@ import shutil
 
 import mlx.core as mx
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import generate, mtp_logits
 from mlx_mtp.loader import load
@@ -73,9 +73,13 @@ def test_training_lowers_loss_and_raises_agreement(llama_folder, tmp_path):
     head = init_head(model, sample=windows[0])
     before_loss = head_loss(head, ds.hidden, ds.next_tokens, ds.targets, ds.mask).item()
     before = agreement(head, ds)
-    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup=4, eval_every=20, save_every=20)
+    cfg = TrainConfig(
+        steps=40, batch_size=4, lr=3e-3, warmup=4, eval_every=20, save_every=20
+    )
     losses = []
-    result = train(head, ds, ds, cfg, tmp_path, on_step=lambda s, loss, n: losses.append(loss))
+    result = train(
+        head, ds, ds, cfg, tmp_path, on_step=lambda s, loss, n: losses.append(loss)
+    )
     after_loss = head_loss(head, ds.hidden, ds.next_tokens, ds.targets, ds.mask).item()
     assert after_loss < 0.7 * before_loss
     assert sum(losses[-5:]) < sum(losses[:5])
@@ -89,16 +93,33 @@ def test_vocab_subset_training_also_learns(llama_folder, tmp_path):
     ds = build_dataset(model, windows, 48)
     head = init_head(model, sample=windows[0])
     before = agreement(head, ds)
-    cfg = TrainConfig(steps=30, batch_size=4, lr=3e-3, warmup=3, eval_every=10, vocab_top=32)
+    cfg = TrainConfig(
+        steps=30, batch_size=4, lr=3e-3, warmup=3, eval_every=10, vocab_top=32
+    )
     result = train(head, ds, ds, cfg, tmp_path)
     assert result.best_agreement > before + 0.2
 
 
-def test_train_head_writes_a_head_the_runtime_attaches(llama_folder, data_file, tmp_path):
+def test_train_head_writes_a_head_the_runtime_attaches(
+    llama_folder, data_file, tmp_path
+):
     out = tmp_path / "head"
-    cfg = TrainConfig(steps=30, batch_size=4, seq_len=48, lr=3e-3, warmup=3, eval_every=10, save_every=10)
+    cfg = TrainConfig(
+        steps=30,
+        batch_size=4,
+        seq_len=48,
+        lr=3e-3,
+        warmup=3,
+        eval_every=10,
+        save_every=10,
+    )
     report = train_head(
-        llama_folder, out, data=[data_file], cfg=cfg, eval_tokens=24, eval_draft_maxes=(1, 2)
+        llama_folder,
+        out,
+        data=[data_file],
+        cfg=cfg,
+        eval_tokens=24,
+        eval_draft_maxes=(1, 2),
     )
     assert report["agreement"] > report["initial_agreement"]
     assert set(report["acceptance"]) == {1, 2}
@@ -126,8 +147,17 @@ def test_train_head_writes_a_head_the_runtime_attaches(llama_folder, data_file, 
 
 def test_resume_goes_on_from_the_checkpoint(llama_folder, data_file, tmp_path):
     out = tmp_path / "head"
-    cfg = TrainConfig(steps=10, batch_size=2, seq_len=48, eval_every=5, save_every=5, patience=50)
-    train_head(llama_folder, out, data=[data_file], cfg=cfg, eval_tokens=16, eval_draft_maxes=())
+    cfg = TrainConfig(
+        steps=10, batch_size=2, seq_len=48, eval_every=5, save_every=5, patience=50
+    )
+    train_head(
+        llama_folder,
+        out,
+        data=[data_file],
+        cfg=cfg,
+        eval_tokens=16,
+        eval_draft_maxes=(),
+    )
     with pytest.raises(MTPError, match="--resume"):
         train_head(llama_folder, out, data=[data_file], cfg=cfg, eval_draft_maxes=())
     steps = []
@@ -136,8 +166,14 @@ def test_resume_goes_on_from_the_checkpoint(llama_folder, data_file, tmp_path):
 
     hooks = Hooks(step=lambda s, loss, n: steps.append(s))
     report = train_head(
-        llama_folder, out, data=[data_file], cfg=more, resume=True, eval_tokens=16,
-        eval_draft_maxes=(), hooks=hooks,
+        llama_folder,
+        out,
+        data=[data_file],
+        cfg=more,
+        resume=True,
+        eval_tokens=16,
+        eval_draft_maxes=(),
+        hooks=hooks,
     )
     assert steps == [11, 12, 13, 14] and report["steps"] == 14
 
@@ -146,9 +182,27 @@ def test_train_head_cli(llama_folder, data_file, tmp_path, capsys):
     from mlx_mtp.cli import run_app
 
     out = tmp_path / "cli-head"
-    args = ["train-head", str(llama_folder), str(out), "--data", str(data_file),
-            "--steps", "6", "--batch-size", "2", "--seq-len", "48", "--eval-every", "3",
-            "--eval-tokens", "16", "--no-acceptance", "--json", "--lr", "0.002"]
+    args = [
+        "train-head",
+        str(llama_folder),
+        str(out),
+        "--data",
+        str(data_file),
+        "--steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "48",
+        "--eval-every",
+        "3",
+        "--eval-tokens",
+        "16",
+        "--no-acceptance",
+        "--json",
+        "--lr",
+        "0.002",
+    ]
     assert run_app(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps"] == 6 and report["config"]["lr"] == 0.002
