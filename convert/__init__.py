@@ -4,4 +4,11 @@ from .mtp_only import add_mtp
 from .pipeline import HEAD_FILE, convert, convert_gguf, convert_source
 from .precision import Precision
 
-__all__ = ["HEAD_FILE", "Precision", "add_mtp", "convert", "convert_gguf", "convert_source"]
+__all__ = [
+    "HEAD_FILE",
+    "Precision",
+    "add_mtp",
+    "convert",
+    "convert_gguf",
+    "convert_source",
+]

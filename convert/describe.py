@@ -44,10 +44,17 @@ def _header(path: Path) -> Tuple[Dict[str, Any], Dict[str, str]]:
     return header, meta
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "U32": "uint32"}
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+}
 
 
-def _folder_precision(entries: Dict[str, Dict[str, Any]], quant: Dict[str, Any]) -> Counter:
+def _folder_precision(
+    entries: Dict[str, Dict[str, Any]], quant: Dict[str, Any]
+) -> Counter:
     """Labels like ``4-bit/g64`` per quantized module and dtypes per float tensor."""
     counts: Counter = Counter()
     for name, e in entries.items():
@@ -137,7 +144,9 @@ def describe_gguf(path: Path) -> ModelInfo:
     return ModelInfo(
         path=str(path),
         format="GGUF",
-        architecture=f"{arch} ({ARCHS[arch]})" if arch in ARCHS else f"{arch} (not supported)",
+        architecture=f"{arch} ({ARCHS[arch]})"
+        if arch in ARCHS
+        else f"{arch} (not supported)",
         layers=first_mtp,
         mtp_layers=len(present),
         trunk_precision=dict(trunk),
@@ -165,7 +174,9 @@ def describe(path) -> ModelInfo:
 def format_precision(counts: Dict[str, int]) -> str:
     if not counts:
         return "none"
-    return ", ".join(f"{label} x{n}" for label, n in sorted(counts.items(), key=lambda x: -x[1]))
+    return ", ".join(
+        f"{label} x{n}" for label, n in sorted(counts.items(), key=lambda x: -x[1])
+    )
 
 
 def format_size(n: Optional[int]) -> str:

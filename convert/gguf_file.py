@@ -18,14 +18,37 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from mlx_mtp.errors import MTPError
 
 _SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-          10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 STRING, ARRAY = 8, 9
-_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-           GGMLQuantizationType.BF16: np.uint16}
+_DTYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.BF16: np.uint16,
+}
 
 
 @dataclass
@@ -48,7 +71,9 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.take("<Q")
-        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode(
+            "utf-8", errors="replace"
+        )
         self.pos += n
         return text
 
@@ -99,7 +124,9 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = cur.string()
             dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
-            infos.append((name, dims, GGMLQuantizationType(cur.take("<I")), cur.take("<Q")))
+            infos.append(
+                (name, dims, GGMLQuantizationType(cur.take("<I")), cur.take("<Q"))
+            )
         align = int(fields.get("general.alignment", 32))
         start = (cur.pos + align - 1) // align * align
         return fields, [self._tensor(start, *info) for info in infos]

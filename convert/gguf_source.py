@@ -12,6 +12,7 @@ Two llama.cpp conversions are undone: the Q/K row permutation of llama-style
 rope, and the +1 added to zero-centred norms (Gemma, Qwen3-Next/3.5).
 """
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -98,7 +99,9 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
     config["attention_bias"] = "blk.0.attn_q.bias" in names
     config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     rope_dims = meta.arch_key("rope.dimension_count")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = (
+        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    )
     config.setdefault("head_dim", head_dim)
     if rope_dims:
         config["partial_rotary_factor"] = rope_dims / head_dim
@@ -126,7 +129,10 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         config.setdefault("n_group", 1)
         config.setdefault("topk_group", 1)
         config.setdefault("rope_scaling", None)
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+    for key, name in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+    ):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)
@@ -161,9 +167,16 @@ def _candidate_names(config: Dict[str, Any]) -> List[str]:
         args = getattr(model, "args", None)
         for j in range(n_mtp):
             prefix = family.prefix(config, j)
-            everything = {f"{prefix}embed_tokens.weight": 0, f"{prefix}shared_head.head.weight": 0}
+            everything = {
+                f"{prefix}embed_tokens.weight": 0,
+                f"{prefix}shared_head.head.weight": 0,
+            }
             head = family.build(args, config, backbone, everything)
-            own = [k for k, _ in tree_flatten(head.parameters()) if not k.startswith("block.")]
+            own = [
+                k
+                for k, _ in tree_flatten(head.parameters())
+                if not k.startswith("block.")
+            ]
             names += [prefix + k for k in own]
     return names
 
@@ -173,7 +186,9 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
     import gguf
 
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    n_blocks = config["num_hidden_layers"] + int(config.get("num_nextn_predict_layers", 0))
+    n_blocks = config["num_hidden_layers"] + int(
+        config.get("num_nextn_predict_layers", 0)
+    )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
     out = {}
     for name in _candidate_names(config):
@@ -188,7 +203,11 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
 def _unpermute(w: mx.array, n_head: int) -> mx.array:
     """Undo llama.cpp's ``permute``: rows per head go back from interleaved to halves."""
     shape = w.shape
-    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    return (
+        w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
 
 
 def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
@@ -200,7 +219,11 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
             heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         if heads is not None:  # rows only: packed weights, scales and biases alike
             tensors = {k: _unpermute(v, heads) for k, v in tensors.items()}
-    if arch in NORM_PLUS_ONE and name.endswith("norm.weight") and "linear_attn" not in name:
+    if (
+        arch in NORM_PLUS_ONE
+        and name.endswith("norm.weight")
+        and "linear_attn" not in name
+    ):
         tensors = {k: v - 1 for k, v in tensors.items()}
     return tensors
 
@@ -213,10 +236,12 @@ def _read_tensors(reader, arch, config, names, keep_quantized):
             continue
         target = names.get(t.name)
         if target is None:
-            raise MTPError(f"tensor {t.name} has no counterpart in mlx-lm's {config['model_type']}")
+            raise MTPError(
+                f"tensor {t.name} has no counterpart in mlx-lm's {config['model_type']}"
+            )
         base = target[: -len(".weight")] if target.endswith(".weight") else target
         got = read_tensor(target, t.data, t.tensor_type, keep_quantized)
-        got = {(base + k[len(base):]): v for k, v in got.items()}
+        got = {(base + k[len(base) :]): v for k, v in got.items()}
         weights.update(_fix(arch, config, target, got))
         sizes[target] = int(t.n_bytes)
     return weights, sizes
@@ -228,7 +253,9 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None) -> Source:
     meta = Metadata(reader)
     names_in_file = [t.name for t in reader.tensors]
     if any(n == "rope_freqs.weight" for n in names_in_file):
-        raise MTPError(f"{path}: llama3-style rope scaling (rope_freqs) is not supported")
+        raise MTPError(
+            f"{path}: llama3-style rope scaling (rope_freqs) is not supported"
+        )
     config = build_config(meta, names_in_file)
     mtp_reader = None
     if mtp_gguf is not None:
@@ -254,10 +281,21 @@ def gguf_tokenizer_writer(path: Path):
         from transformers import PreTrainedTokenizerFast
 
         try:
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = PreTrainedTokenizerFast.from_pretrained(
+                str(path.parent), gguf_file=path.name
+            )
         except Exception as e:
             text = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise MTPError(f"{path}: cannot build its tokenizer ({text})") from None
         tok.save_pretrained(str(out))
+        _drop_loader_keys(out / "tokenizer_config.json")
 
     return write
+
+
+def _drop_loader_keys(path: Path) -> None:
+    """Keys transformers records about how it was loaded, not about the tokenizer."""
+    config = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only", "name_or_path"):
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

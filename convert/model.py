@@ -62,7 +62,9 @@ def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Modu
         nn.quantize(model, class_predicate=_pre_quantized(weights))
         model.load_weights(list(weights.items()), strict=True)
     except (ValueError, KeyError, TypeError) as e:
-        raise MTPError(f"the weights do not fit {config['model_type']} ({_first_line(e)})") from None
+        raise MTPError(
+            f"the weights do not fit {config['model_type']} ({_first_line(e)})"
+        ) from None
     model.eval()
     return model
 
@@ -81,7 +83,9 @@ def build_heads(
         lambda w: _sanitize_block(model, family, w)
     )
     heads, taken = [], set()
-    prefixes = dict.fromkeys(family.prefix(config, j) for j in range(max(family.num_layers(config), 1)))
+    prefixes = dict.fromkeys(
+        family.prefix(config, j) for j in range(max(family.num_layers(config), 1))
+    )
     for prefix in prefixes:  # Qwen3-Next keeps all its layers under one prefix
         if not any(k.startswith(prefix) for k in mtp):
             continue
@@ -89,7 +93,9 @@ def build_heads(
         try:
             load_head_weights(head, prefix, mtp, sanitize, None)
         except ValueError as e:
-            raise MTPError(f"MTP layer {prefix} does not fit the model ({_first_line(e)})") from None
+            raise MTPError(
+                f"MTP layer {prefix} does not fit the model ({_first_line(e)})"
+            ) from None
         head.bind(backbone.embed_tokens, output_head(model))
         heads.append((prefix, head))
         taken.update(k for k in mtp if k.startswith(prefix))
@@ -135,8 +141,12 @@ def normalize_config(config: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(rope, dict):
         if "rope_theta" in rope:
             config.setdefault("rope_theta", rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
-            config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if rope.get("rope_type", "default") != "default" and not config.get(
+            "rope_scaling"
+        ):
+            config["rope_scaling"] = {
+                k: v for k, v in rope.items() if k != "rope_theta"
+            }
     if "torch_dtype" not in config and "dtype" in config:
         config["torch_dtype"] = config["dtype"]
     for key in ("quantization", "quantization_config"):

@@ -16,7 +16,13 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 from mlx_mtp.loader import _first_line, read_config, read_safetensors
 
-from .model import build_heads, head_quantization, head_tensors, normalize_config, trunk_group_size
+from .model import (
+    build_heads,
+    head_quantization,
+    head_tensors,
+    normalize_config,
+    trunk_group_size,
+)
 from .output import atomic_write_files
 from .pipeline import HEAD_FILE, _save_config, is_gguf
 from .precision import Precision, apply_head, quantization_config
@@ -26,7 +32,9 @@ PathLike = Union[str, Path]
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 
 
-def _mtp_from_folder(folder: Path, config: Dict[str, Any], is_mtp) -> Dict[str, mx.array]:
+def _mtp_from_folder(
+    folder: Path, config: Dict[str, Any], is_mtp
+) -> Dict[str, mx.array]:
     """MTP tensors of a HF folder, opening only the files the index says hold them."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -50,7 +58,9 @@ def read_head_source(src: PathLike):
         from .model import split_mtp
 
         source = read_gguf(path)
-        return source.config, split_mtp(normalize_config(source.config), source.weights)[1]
+        return source.config, split_mtp(
+            normalize_config(source.config), source.weights
+        )[1]
     if not path.exists():
         from .hub import fetch_mtp_shards, is_repo_id
 
@@ -69,7 +79,9 @@ def read_head_source(src: PathLike):
     return config, _mtp_from_folder(path, config, family.is_mtp_key)
 
 
-def check_agreement(head_cfg: Dict[str, Any], trunk_cfg: Dict[str, Any], into: Path) -> None:
+def check_agreement(
+    head_cfg: Dict[str, Any], trunk_cfg: Dict[str, Any], into: Path
+) -> None:
     def get(cfg, key):
         return cfg.get(key, cfg.get("text_config", {}).get(key))
 
@@ -116,7 +128,9 @@ def add_mtp(
         precision.dtype = _float_dtype(model)
     heads, leftover = build_heads(model, normalize_config(config), mtp)
     if not heads:
-        raise MTPError(f"{src}: its MTP tensors do not form a head of {config['model_type']}")
+        raise MTPError(
+            f"{src}: its MTP tensors do not form a head of {config['model_type']}"
+        )
     group = trunk_group_size(model)
     tensors, quant = {}, {}
     for prefix, head in heads:
@@ -128,7 +142,9 @@ def add_mtp(
     mx.eval(list(tensors.values()))
     atomic_write_files(
         {
-            target: lambda p: mx.save_safetensors(str(p), tensors, metadata={"format": "mlx"}),
+            target: lambda p: mx.save_safetensors(
+                str(p), tensors, metadata={"format": "mlx"}
+            ),
             into / "config.json": lambda p: _save_config(config, p),
         }
     )
@@ -139,12 +155,16 @@ def _float_dtype(model) -> Optional[str]:
     from mlx.utils import tree_flatten
 
     for name, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
+        if mx.issubdtype(v.dtype, mx.floating) and not name.endswith(
+            (".scales", ".biases")
+        ):
             return str(v.dtype).split(".")[-1]
     return None
 
 
-def _merge_quantization(config: Dict[str, Any], head: Dict[str, Dict[str, Any]]) -> None:
+def _merge_quantization(
+    config: Dict[str, Any], head: Dict[str, Dict[str, Any]]
+) -> None:
     """Head entries join the trunk's quantization, replacing those of an earlier head."""
     family = family_for(config["model_type"])
     current = config.get("quantization")

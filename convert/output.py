@@ -41,7 +41,9 @@ def atomic_write_files(files: Dict[Path, Callable[[Path], None]]) -> None:
     done = []
     try:
         for path, writer in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent, suffix=path.suffix)
+            fd, tmp = tempfile.mkstemp(
+                prefix=f".{path.name}.tmp-", dir=path.parent, suffix=path.suffix
+            )
             os.close(fd)
             done.append((Path(tmp), path))
             writer(Path(tmp))

@@ -24,7 +24,13 @@ from .model import (
     trunk_group_size,
 )
 from .output import atomic_folder, make_progress, materialize
-from .precision import Precision, apply_head, apply_trunk, quantization_config, quantized_modules
+from .precision import (
+    Precision,
+    apply_head,
+    apply_trunk,
+    quantization_config,
+    quantized_modules,
+)
 from .source import Source
 
 HEAD_FILE = "mtp.safetensors"
@@ -65,7 +71,9 @@ def convert_source(
         head_q.update(head_quantization(prefix, head))
     dtype = getattr(mx, precision.dtype) if precision.dtype else None
     for k, v in leftover.items():  # MTP tensors no head module reads: kept as they are
-        head_w[k] = v.astype(dtype) if dtype and mx.issubdtype(v.dtype, mx.floating) else v
+        head_w[k] = (
+            v.astype(dtype) if dtype and mx.issubdtype(v.dtype, mx.floating) else v
+        )
 
     quant = quantization_config(quantized_modules(model), head_q)
     if quant is not None:
@@ -77,11 +85,15 @@ def convert_source(
         from mlx.utils import tree_flatten
         from mlx_lm.utils import save_model
 
-        materialize(dict(tree_flatten(model.parameters())), "trunk", bar if progress else None)
+        materialize(
+            dict(tree_flatten(model.parameters())), "trunk", bar if progress else None
+        )
         save_model(tmp, model, donate_model=True)
         if head_w:
             materialize(head_w, "MTP", bar if progress else None)
-            mx.save_safetensors(str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"})
+            mx.save_safetensors(
+                str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
+            )
         _save_config(config, tmp / "config.json")
         source.write_tokenizer(tmp)
         _check_tokenizer(tmp, config)

@@ -38,23 +38,33 @@ class Precision:
         if self.quantize and self.dequantize:
             raise MTPError("choose either quantize or dequantize, not both")
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise MTPError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype}")
+            raise MTPError(
+                f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype}"
+            )
         if self.mtp_bits not in MTP_BITS:
             raise MTPError(f"MTP bits must be 8 or 16, not {self.mtp_bits}")
         if self.q_bits not in (2, 3, 4, 5, 6, 8):
-            raise MTPError(f"quantization bits must be 2, 3, 4, 5, 6 or 8, not {self.q_bits}")
+            raise MTPError(
+                f"quantization bits must be 2, 3, 4, 5, 6 or 8, not {self.q_bits}"
+            )
         if self.q_group_size not in (32, 64, 128):
             raise MTPError(f"group size must be 32, 64 or 128, not {self.q_group_size}")
 
 
 def is_quantized(module: nn.Module) -> bool:
-    return hasattr(module, "bits") and hasattr(module, "group_size") and "scales" in module
+    return (
+        hasattr(module, "bits") and hasattr(module, "group_size") and "scales" in module
+    )
 
 
 def quantized_modules(model: nn.Module) -> Dict[str, Dict[str, Any]]:
     """Module path -> its quantization parameters, for every quantized module."""
     return {
-        path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+        path: {
+            "group_size": m.group_size,
+            "bits": m.bits,
+            "mode": getattr(m, "mode", "affine"),
+        }
         for path, m in model.named_modules()
         if is_quantized(m)
     }

@@ -30,7 +30,7 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned ints ``[..., n]`` -> uint32 ``[..., n * bits / 32]``, MLX's order (low bits first)."""
     per = 32 // bits
     q = q.astype(np.uint32).reshape(*q.shape[:-1], -1, per)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)
+    shifts = np.arange(per, dtype=np.uint32) * bits
     return np.bitwise_or.reduce(q << shifts, axis=-1)
 
 
@@ -74,7 +74,9 @@ def repack(raw: np.ndarray, qtype: T):
     raise ValueError(f"not a natively mapped type: {qtype.name}")
 
 
-def read_tensor(name: str, data: np.ndarray, qtype: T, keep_quantized: bool) -> Dict[str, mx.array]:
+def read_tensor(
+    name: str, data: np.ndarray, qtype: T, keep_quantized: bool
+) -> Dict[str, mx.array]:
     """``{name.weight: ...}`` or, for natively mapped types, weight/scales/biases."""
     base = name[: -len(".weight")] if name.endswith(".weight") else None
     if qtype in FLOATS:
@@ -87,5 +89,7 @@ def read_tensor(name: str, data: np.ndarray, qtype: T, keep_quantized: bool) -> 
     try:
         values = quants.dequantize(np.asarray(data), qtype)
     except (NotImplementedError, ValueError, KeyError) as e:
-        raise MTPError(f"{name}: unsupported quantization type {qtype.name} ({e})") from None
+        raise MTPError(
+            f"{name}: unsupported quantization type {qtype.name} ({e})"
+        ) from None
     return {name: mx.array(values.astype(np.float32))}

@@ -57,7 +57,9 @@ def weight_files(folder: Path) -> List[Path]:
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise MTPError(f"{folder}: shard {missing[0]} named in the index is missing")
+            raise MTPError(
+                f"{folder}: shard {missing[0]} named in the index is missing"
+            )
         extra = sorted(folder.glob("mtp*.safetensors"))
         return files + [f for f in extra if f not in files]
     files = sorted(folder.glob("*.safetensors"))

@@ -13,10 +13,10 @@ import tiny
 import tiny_hybrid
 import tiny_plain
 from conftest import DRAFT_FAMILIES
+from mlx_mtp.convert import convert
 from test_speculative import assert_same_or_near_tie, mtp_greedy, reference_greedy
 
 import mlx_mtp
-from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import mtp_logits
 
@@ -143,9 +143,13 @@ def test_rope_parameters_config_is_read_right(tmp_path):
 
     config, weights = tiny_plain.plain_weights("llama")
     theta = config.pop("rope_theta")
-    drifted = dict(config, rope_parameters={"rope_theta": theta, "rope_type": "default"})
+    drifted = dict(
+        config, rope_parameters={"rope_theta": theta, "rope_type": "default"}
+    )
     src = tiny.save_folder(tmp_path / "src", drifted, weights)
-    right = tiny.save_folder(tmp_path / "right", dict(config, rope_theta=theta), weights)
+    right = tiny.save_folder(
+        tmp_path / "right", dict(config, rope_theta=theta), weights
+    )
     out = convert(src, tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["rope_theta"] == theta
     a, _ = mlx_lm_load(str(out))
@@ -199,7 +203,9 @@ def test_unsupported_architecture_is_refused(sources, tmp_path):
 
     src = shutil.copytree(sources("qwen2"), tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(dict(config, model_type="no_such_model")))
+    (src / "config.json").write_text(
+        json.dumps(dict(config, model_type="no_such_model"))
+    )
     with pytest.raises(MTPError, match="no_such_model"):
         convert(src, tmp_path / "out")
     assert _nothing_written(tmp_path, "out")

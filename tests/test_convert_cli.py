@@ -7,9 +7,9 @@ import pytest
 import tiny
 import tiny_plain
 from gguf import GGMLQuantizationType as Q
+from mlx_mtp.cli.app import run_app
 
 import mlx_mtp
-from mlx_mtp.cli.app import run_app
 
 
 def config_of(path):
@@ -34,7 +34,9 @@ def test_quantization_flags(src, tmp_path, capsys):
     assert (quant["bits"], quant["group_size"]) == (8, 32)
     assert "MTP layers 1" in io.err
 
-    code, io = run(capsys, src, tmp_path / "b", "-q", "--mtp-bits", 16, "--dtype", "bfloat16")
+    code, io = run(
+        capsys, src, tmp_path / "b", "-q", "--mtp-bits", 16, "--dtype", "bfloat16"
+    )
     assert code == 0, io.err
     stored = mx.load(str(tmp_path / "b" / "mtp.safetensors"))
     assert not any(k.endswith(".scales") for k in stored)
@@ -70,8 +72,8 @@ def test_dequantize_gguf(tmp_path, capsys):
 def test_separate_mtp_gguf(tiny_folders, tmp_path, capsys):
     """--mtp-gguf: trunk GGUF + a GGUF holding only blk.N.* gives the full model's head."""
     from mlx.utils import tree_flatten
-
     from mlx_mtp.convert.model import head_tensors
+
     from mlx_mtp.generate import mtp_logits
 
     full = mlx_mtp.load_model(tiny_folders("glm4_moe")[0])
@@ -81,11 +83,21 @@ def test_separate_mtp_gguf(tiny_folders, tmp_path, capsys):
     trunk_cfg = {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
     tiny_plain.write_gguf(tmp_path / "t.gguf", "glm4moe", trunk_cfg, trunk_w)
     tiny_plain.write_gguf(tmp_path / "mtp-t.gguf", "glm4moe", config, head_w)
-    code, io = run(capsys, tmp_path / "t.gguf", tmp_path / "out", "--mtp-gguf", tmp_path / "mtp-t.gguf", "--dtype", "float32")
+    code, io = run(
+        capsys,
+        tmp_path / "t.gguf",
+        tmp_path / "out",
+        "--mtp-gguf",
+        tmp_path / "mtp-t.gguf",
+        "--dtype",
+        "float32",
+    )
     assert code == 0, io.err
     got = mlx_mtp.load_model(tmp_path / "out")
     tokens = list(range(40, 60))
-    assert mx.allclose(mtp_logits(full, tokens), mtp_logits(got, tokens), atol=1e-2).item()
+    assert mx.allclose(
+        mtp_logits(full, tokens), mtp_logits(got, tokens), atol=1e-2
+    ).item()
 
 
 def test_mtp_only_flags(tiny_folders, tmp_path, capsys):
@@ -93,7 +105,9 @@ def test_mtp_only_flags(tiny_folders, tmp_path, capsys):
     assert run(capsys, trunk_src, tmp_path / "m", "-q")[0] == 0
     code, io = run(capsys, full_src, tmp_path / "other", "--mtp-only")
     assert code == 1 and "--into" in io.err
-    code, io = run(capsys, "--mtp-only", full_src, "--into", tmp_path / "m", "--mtp-bits", 16)
+    code, io = run(
+        capsys, "--mtp-only", full_src, "--into", tmp_path / "m", "--mtp-bits", 16
+    )
     assert code == 0, io.err
     stored = mx.load(str(tmp_path / "m" / "mtp.safetensors"))
     assert not any(k.endswith(".scales") for k in stored)

@@ -14,10 +14,10 @@ import pytest
 import tiny
 import tiny_plain
 from gguf import GGMLQuantizationType as Q
-
-import mlx_mtp
 from mlx_mtp.convert import convert
 from mlx_mtp.convert.quants import repack
+
+import mlx_mtp
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import mtp_logits
 
@@ -56,7 +56,9 @@ def logits_of(path, tokens=TOKENS):
 def gguf_and_reference(tmp_path, family, qtype):
     config, weights = tiny_plain.plain_weights(family)
     arch = tiny_plain.GGUF_ARCH[family]
-    gguf_path = tiny_plain.write_gguf(tmp_path / f"{family}.gguf", arch, config, weights, qtype)
+    gguf_path = tiny_plain.write_gguf(
+        tmp_path / f"{family}.gguf", arch, config, weights, qtype
+    )
     ref = tiny.save_folder(tmp_path / "ref", config, roundtrip_weights(weights, qtype))
     return gguf_path, ref
 
@@ -83,7 +85,11 @@ def test_block_quants_map_without_second_rounding(tmp_path, qtype):
     name = "model.layers.1.self_attn.k_proj"  # permuted rows, so the unpermute is checked too
     bits = 8 if qtype == Q.Q8_0 else 4
     w = mx.dequantize(
-        stored[f"{name}.weight"], stored[f"{name}.scales"], stored[f"{name}.biases"], 32, bits
+        stored[f"{name}.weight"],
+        stored[f"{name}.scales"],
+        stored[f"{name}.biases"],
+        32,
+        bits,
     )
     np.testing.assert_array_equal(np.array(w), np.array(ref_w[f"{name}.weight"]))
     _, a = logits_of(ref)
@@ -146,13 +152,13 @@ def test_repack_matches_mx_load(tmp_path):
 
 def test_glm4_moe_gguf_with_nextn_head(tmp_path, tiny_folders):
     """blk.N.nextn.* and the MTP block come back as the head: same MTP logits as HF."""
-    config, trunk_w, mtp_w = tiny.build_weights("glm4_moe")
+    from mlx.utils import tree_flatten
+    from mlx_mtp.convert.model import head_tensors
+
+    config = dict(tiny.CONFIGS["glm4_moe"], model_type="glm4_moe")
     hf_out = convert(tiny_folders("glm4_moe")[0], tmp_path / "hf")
     # the GGUF holds mlx-lm names (stacked experts), as llama.cpp stores them
     ref_model = mlx_mtp.load_model(hf_out)
-    from mlx.utils import tree_flatten
-
-    from mlx_mtp.convert.model import head_tensors
 
     weights = dict(tree_flatten(ref_model.trunk.model.parameters()))
     weights.update(head_tensors("model.layers.2.", ref_model.head))
@@ -179,7 +185,14 @@ def test_corrupt_gguf_is_refused(tmp_path):
 def test_unsupported_gguf_architecture_is_refused(tmp_path):
     config, weights = tiny_plain.plain_weights("llama")
     path = tiny_plain.write_gguf(tmp_path / "m.gguf", "llama", config, weights)
-    data = path.read_bytes().replace(b"llama.", b"lxama.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00lxama")
+    data = (
+        path.read_bytes()
+        .replace(b"llama.", b"lxama.")
+        .replace(
+            b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
+            b"\x05\x00\x00\x00\x00\x00\x00\x00lxama",
+        )
+    )
     (tmp_path / "x.gguf").write_bytes(data)
     with pytest.raises(MTPError, match="lxama"):
         convert(tmp_path / "x.gguf", tmp_path / "out")

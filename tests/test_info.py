@@ -4,7 +4,6 @@ import json
 
 import tiny_plain
 from gguf import GGMLQuantizationType as Q
-
 from mlx_mtp.cli.app import run_app
 from mlx_mtp.convert import convert
 

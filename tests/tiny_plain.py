@@ -13,9 +13,8 @@ from typing import Dict
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-
 import tiny
+from mlx.utils import tree_flatten
 
 _PLAIN = dict(
     vocab_size=tiny.VOCAB,
@@ -44,7 +43,12 @@ PLAIN_CONFIGS: Dict[str, dict] = {
         rope_local_base_freq=10000.0,
     ),
 }
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
 
 
 def plain_weights(model_type: str, seed: int = 0, **overrides):
@@ -56,12 +60,16 @@ def plain_weights(model_type: str, seed: int = 0, **overrides):
     model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     for k in list(weights):
-        if k.endswith("norm.weight"):  # non-trivial norms catch a missed +1 or permutation
+        if k.endswith(
+            "norm.weight"
+        ):  # non-trivial norms catch a missed +1 or permutation
             weights[k] = 1.0 + 0.1 * mx.random.normal(weights[k].shape)
         elif k.endswith("bias"):
             weights[k] = 0.1 * mx.random.normal(weights[k].shape)
     if model_type == "gemma3_text":  # zero-centred norms: x * (1 + w)
-        weights = {k: v - 1.0 if k.endswith("norm.weight") else v for k, v in weights.items()}
+        weights = {
+            k: v - 1.0 if k.endswith("norm.weight") else v for k, v in weights.items()
+        }
         shape = (tiny.VOCAB, config["hidden_size"])
         weights.setdefault("lm_head.weight", mx.random.normal(shape) * 0.1)
     return config, weights
@@ -77,21 +85,28 @@ def build_plain(path: Path, model_type: str, seed: int = 0) -> Path:
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: each head's rows from halves to interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def gguf_tensors(arch: str, config: dict, weights: Dict[str, object]) -> Dict[str, np.ndarray]:
+def gguf_tensors(
+    arch: str, config: dict, weights: Dict[str, object]
+) -> Dict[str, np.ndarray]:
     """mlx-lm / HF names -> llama.cpp names, with llama.cpp's own conversions applied.
 
     A value may be raw quantized blocks (numpy uint8, one row of blocks per row):
     the row permutation applies to those just the same.
     """
     import gguf
-
     from mlx_mtp.convert.gguf_source import _name_variants
 
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    n_blocks = config["num_hidden_layers"] + int(config.get("num_nextn_predict_layers", 0))
+    n_blocks = config["num_hidden_layers"] + int(
+        config.get("num_nextn_predict_layers", 0)
+    )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
     out = {}
     for name, value in weights.items():
@@ -165,14 +180,20 @@ def write_gguf(path: Path, arch: str, config: dict, weights, qtype=None, raw_typ
         writer.add_expert_weights_scale(config["routed_scaling_factor"])
         writer.add_expert_weights_norm(config["norm_topk_prob"])
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        writer.add_rope_dimension_count(int(config["head_dim"] * config["partial_rotary_factor"]))
+        writer.add_rope_dimension_count(
+            int(config["head_dim"] * config["partial_rotary_factor"])
+        )
     if n_mtp:
         writer.add_nextn_predict_layers(n_mtp)
     _tokenizer_metadata(writer, config["eos_token_id"])
     for name, w in gguf_tensors(arch, config, weights).items():
         if w.dtype == np.uint8:
             writer.add_tensor(name, w, raw_dtype=raw_type)
-        elif qtype is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        elif (
+            qtype is not None
+            and w.ndim >= 2
+            and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+        ):
             raw = gguf.quants.quantize(w.astype(np.float32), qtype)
             writer.add_tensor(name, raw, raw_dtype=qtype)
         else:
@@ -182,7 +203,6 @@ def write_gguf(path: Path, arch: str, config: dict, weights, qtype=None, raw_typ
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
-
 
 
 def random_k_quant(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
@@ -196,7 +216,9 @@ def random_k_quant(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scales = (rng.uniform(0.5, 1.0, size=(rows, cols // block, 2)) * 2e-3).astype(np.float16)
+    scales = (rng.uniform(0.5, 1.0, size=(rows, cols // block, 2)) * 2e-3).astype(
+        np.float16
+    )
     if qtype.name == "Q6_K":  # its float16 scale sits at the end of the block
         raw[..., -2:] = scales[..., :1].view(np.uint8)
     else:  # Q2_K..Q5_K: d and dmin first
