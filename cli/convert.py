@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.convert import add_mtp, convert as convert_model
+from mlx_mtp.convert import add_mtp
+from mlx_mtp.convert import convert as convert_model
 from mlx_mtp.convert.describe import describe, format_precision, format_size
 from mlx_mtp.convert.precision import (
     DEFAULT_MTP_BITS,
