@@ -228,26 +228,32 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
     return tensors
 
 
-def _read_tensors(reader, arch, config, names, keep_quantized):
+def _read_tensors(reader, arch, config, names, keep_quantized, bar=None):
+    """mlx-lm-named arrays of every tensor; ``bar`` (rich) advances by tensor and bytes."""
     weights: Dict[str, mx.array] = {}
     sizes: Dict[str, int] = {}
-    for t in reader.tensors:
-        if t.name in IGNORED:
-            continue
+    if bar is not None:
+        total = sum(t.n_bytes for t in reader.tensors)
+        task = bar.add_task("GGUF", total=total, done=0, count=len(reader.tensors))
+    for i, t in enumerate(reader.tensors):
         target = names.get(t.name)
-        if target is None:
+        if target is None and t.name not in IGNORED:
+            model_type = config["model_type"]
             raise MTPError(
-                f"tensor {t.name} has no counterpart in mlx-lm's {config['model_type']}"
+                f"tensor {t.name} has no counterpart in mlx-lm's {model_type}"
             )
-        base = target[: -len(".weight")] if target.endswith(".weight") else target
-        got = read_tensor(target, t.data, t.tensor_type, keep_quantized)
-        got = {(base + k[len(base) :]): v for k, v in got.items()}
-        weights.update(_fix(arch, config, target, got))
-        sizes[target] = int(t.n_bytes)
+        if target is not None:
+            got = read_tensor(target, t.data, t.tensor_type, keep_quantized)
+            weights.update(_fix(arch, config, target, got))
+            sizes[target] = int(t.n_bytes)
+        if bar is not None:
+            bar.update(task, advance=t.n_bytes, done=i + 1)
+    if bar is not None:
+        bar.remove_task(task)
     return weights, sizes
 
 
-def read_gguf(path: Path, mtp_gguf: Optional[Path] = None) -> Source:
+def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     """Read a GGUF file (and optionally a separate MTP GGUF of the same model)."""
     reader = _open(path)
     meta = Metadata(reader)
@@ -264,9 +270,11 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None) -> Source:
         n = mtp_meta.arch_key("nextn_predict_layers") or 1
         config["num_nextn_predict_layers"] = int(n)
     names = name_map(meta.arch, config)
-    weights, sizes = _read_tensors(reader, meta.arch, config, names, True)
+    weights, sizes = _read_tensors(reader, meta.arch, config, names, True, bar)
     if mtp_reader is not None:
-        more, more_sizes = _read_tensors(mtp_reader, meta.arch, config, names, True)
+        more, more_sizes = _read_tensors(
+            mtp_reader, meta.arch, config, names, True, bar
+        )
         weights.update(more)
         sizes.update(more_sizes)
     if meta.get("tokenizer.ggml.tokens") is None:

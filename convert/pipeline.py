@@ -6,7 +6,6 @@ experts, split MLA projections): plain ``mlx_lm.load`` never opens it, and
 ``mlx_mtp.load`` finds it beside ``model*.safetensors``.
 """
 
-import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -48,20 +47,51 @@ def convert_source(
     out: PathLike,
     precision: Optional[Precision] = None,
     force: bool = False,
-    progress: bool = True,
+    progress: bool = False,
 ) -> Path:
     """Write ``source`` to the MLX folder ``out`` (atomically)."""
-    precision = precision or Precision()
+    with make_progress(progress) as bar:
+        return _convert(
+            source, Path(out), precision or Precision(), force, bar, progress
+        )
+
+
+def _convert(source: Source, out: Path, precision: Precision, force, bar, progress):
     precision.check()
-    out = Path(out)
     if source.write_tokenizer is None:
         raise MTPError(f"{source.path}: no tokenizer to write")
     config = normalize_config(source.config)
     trunk_w, mtp_w = split_mtp(config, source.weights)
     model = build_trunk(config, trunk_w)
     apply_trunk(model, precision)
-    heads, leftover = build_heads(model, config, mtp_w)
+    head_w, head_q = _heads(model, config, mtp_w, precision)
+    quant = quantization_config(quantized_modules(model), head_q)
+    if quant is not None:
+        config["quantization"] = quant
+    if precision.dtype:
+        config["torch_dtype"] = precision.dtype
 
+    with atomic_folder(out, force) as tmp:
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import save_model
+
+        bar = bar if progress else None
+        materialize(dict(tree_flatten(model.parameters())), "trunk", bar)
+        save_model(tmp, model, donate_model=True)
+        if head_w:
+            materialize(head_w, "MTP", bar)
+            mx.save_safetensors(
+                str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
+            )
+        _save_config(config, tmp / "config.json")
+        source.write_tokenizer(tmp)
+        _check_tokenizer(tmp, config)
+    return out
+
+
+def _heads(model, config, mtp_w, precision: Precision):
+    """The MTP layers' tensors (checkpoint names) and quantization, per the policy."""
+    heads, leftover = build_heads(model, config, mtp_w)
     group = trunk_group_size(model)
     head_w: Dict[str, mx.array] = {}
     head_q: Dict[str, Dict[str, Any]] = {}
@@ -71,33 +101,9 @@ def convert_source(
         head_q.update(head_quantization(prefix, head))
     dtype = getattr(mx, precision.dtype) if precision.dtype else None
     for k, v in leftover.items():  # MTP tensors no head module reads: kept as they are
-        head_w[k] = (
-            v.astype(dtype) if dtype and mx.issubdtype(v.dtype, mx.floating) else v
-        )
-
-    quant = quantization_config(quantized_modules(model), head_q)
-    if quant is not None:
-        config["quantization"] = quant
-    if precision.dtype:
-        config["torch_dtype"] = precision.dtype
-
-    with atomic_folder(out, force) as tmp, make_progress(progress) as bar:
-        from mlx.utils import tree_flatten
-        from mlx_lm.utils import save_model
-
-        materialize(
-            dict(tree_flatten(model.parameters())), "trunk", bar if progress else None
-        )
-        save_model(tmp, model, donate_model=True)
-        if head_w:
-            materialize(head_w, "MTP", bar if progress else None)
-            mx.save_safetensors(
-                str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
-            )
-        _save_config(config, tmp / "config.json")
-        source.write_tokenizer(tmp)
-        _check_tokenizer(tmp, config)
-    return out
+        floating = mx.issubdtype(v.dtype, mx.floating)
+        head_w[k] = v.astype(dtype) if dtype and floating else v
+    return head_w, head_q
 
 
 def _check_tokenizer(folder: Path, config: Dict[str, Any]) -> None:
@@ -120,7 +126,7 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None) -> Source:
+def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None, bar=None) -> Source:
     """A Source for a HF folder, a GGUF file, or a Hugging Face Hub repo id."""
     from .hub import resolve
     from .source import read_hf_folder
@@ -133,7 +139,7 @@ def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None) -> Source:
             raise MTPError(f"{path}: not a GGUF file or a model folder")
         from .gguf_source import read_gguf
 
-        return read_gguf(path, Path(mtp_gguf) if mtp_gguf else None)
+        return read_gguf(path, Path(mtp_gguf) if mtp_gguf else None, bar)
     if mtp_gguf is not None:
         raise MTPError("--mtp-gguf goes with a GGUF source")
     return read_hf_folder(path)
@@ -163,11 +169,12 @@ def convert(
     out = Path(out)
     if out.exists() and not force:
         raise MTPError(f"{out} exists (use --force to replace it)")
-    source = open_source(src, mtp_gguf)
-    if is_gguf(source.path) and precision.dtype is None:
-        # GGUF block scales are float16: keeping them so avoids a second rounding.
-        precision.dtype = "float16"
-    return convert_source(source, out, precision, force, progress)
+    with make_progress(progress) as bar:
+        source = open_source(src, mtp_gguf, bar if progress else None)
+        if is_gguf(source.path) and precision.dtype is None:
+            # GGUF block scales are float16: keeping them so avoids a second rounding.
+            precision.dtype = "float16"
+        return _convert(source, out, precision, force, bar, progress)
 
 
 def convert_gguf(gguf_path: PathLike, out: PathLike, **options) -> Path:
@@ -175,10 +182,3 @@ def convert_gguf(gguf_path: PathLike, out: PathLike, **options) -> Path:
     if not Path(gguf_path).is_file():
         raise MTPError(f"{gguf_path}: no such file")
     return convert(gguf_path, out, **options)
-
-
-def read_json(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MTPError(f"{path}: cannot read ({e})") from None
