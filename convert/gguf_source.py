@@ -228,10 +228,9 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
     return tensors
 
 
-def _read_tensors(reader, arch, config, names, keep_quantized, bar=None):
+def _read_tensors(reader, arch, config, names, bar=None):
     """mlx-lm-named arrays of every tensor; ``bar`` (rich) advances by tensor and bytes."""
     weights: Dict[str, mx.array] = {}
-    sizes: Dict[str, int] = {}
     if bar is not None:
         total = sum(t.n_bytes for t in reader.tensors)
         task = bar.add_task("GGUF", total=total, done=0, count=len(reader.tensors))
@@ -243,14 +242,13 @@ def _read_tensors(reader, arch, config, names, keep_quantized, bar=None):
                 f"tensor {t.name} has no counterpart in mlx-lm's {model_type}"
             )
         if target is not None:
-            got = read_tensor(target, t.data, t.tensor_type, keep_quantized)
+            got = read_tensor(target, t.data, t.tensor_type)
             weights.update(_fix(arch, config, target, got))
-            sizes[target] = int(t.n_bytes)
         if bar is not None:
             bar.update(task, advance=t.n_bytes, done=i + 1)
     if bar is not None:
         bar.remove_task(task)
-    return weights, sizes
+    return weights
 
 
 def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
@@ -263,6 +261,8 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
             f"{path}: llama3-style rope scaling (rope_freqs) is not supported"
         )
     config = build_config(meta, names_in_file)
+    if meta.get("tokenizer.ggml.tokens") is None:
+        raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
     mtp_reader = None
     if mtp_gguf is not None:
         mtp_reader = _open(mtp_gguf)
@@ -270,16 +270,10 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
         n = mtp_meta.arch_key("nextn_predict_layers") or 1
         config["num_nextn_predict_layers"] = int(n)
     names = name_map(meta.arch, config)
-    weights, sizes = _read_tensors(reader, meta.arch, config, names, True, bar)
+    weights = _read_tensors(reader, meta.arch, config, names, bar)
     if mtp_reader is not None:
-        more, more_sizes = _read_tensors(
-            mtp_reader, meta.arch, config, names, True, bar
-        )
-        weights.update(more)
-        sizes.update(more_sizes)
-    if meta.get("tokenizer.ggml.tokens") is None:
-        raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
-    return Source(path, config, weights, gguf_tokenizer_writer(path), sizes)
+        weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar))
+    return Source(path, config, weights, gguf_tokenizer_writer(path))
 
 
 def gguf_tokenizer_writer(path: Path):

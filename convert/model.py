@@ -18,7 +18,6 @@ from mlx_mtp.loader import _first_line, _sanitize_block
 from mlx_mtp.trunk import find_backbone, output_head
 
 from .precision import is_quantized
-from .source import Source
 
 
 def model_classes(config: Dict[str, Any]):
@@ -152,7 +151,3 @@ def normalize_config(config: Dict[str, Any]) -> Dict[str, Any]:
     for key in ("quantization", "quantization_config"):
         config.pop(key, None)
     return config
-
-
-def describe_source(source: Source) -> str:
-    return f"{source.path.name} ({source.config.get('model_type')})"

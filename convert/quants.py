@@ -74,16 +74,14 @@ def repack(raw: np.ndarray, qtype: T):
     raise ValueError(f"not a natively mapped type: {qtype.name}")
 
 
-def read_tensor(
-    name: str, data: np.ndarray, qtype: T, keep_quantized: bool
-) -> Dict[str, mx.array]:
+def read_tensor(name: str, data: np.ndarray, qtype: T) -> Dict[str, mx.array]:
     """``{name.weight: ...}`` or, for natively mapped types, weight/scales/biases."""
     base = name[: -len(".weight")] if name.endswith(".weight") else None
     if qtype in FLOATS:
         if qtype == T.BF16:
             return {name: mx.array(data.view(np.uint16)).view(mx.bfloat16)}
         return {name: mx.array(np.ascontiguousarray(data))}
-    if qtype in NATIVE and keep_quantized and base is not None:
+    if qtype in NATIVE and base is not None:
         w, s, b = repack(np.asarray(data), qtype)
         return {f"{base}.weight": w, f"{base}.scales": s, f"{base}.biases": b}
     try:

@@ -9,7 +9,7 @@ trunk's own ``sanitize``, which leaves mlx-lm names alone.
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -41,9 +41,6 @@ class Source:
     config: Dict[str, Any]
     weights: Dict[str, mx.array]
     write_tokenizer: Optional[Callable[[Path], None]] = None
-    # raw bytes per tensor on disk, for progress and info
-    sizes: Dict[str, int] = field(default_factory=dict)
-    notes: List[str] = field(default_factory=list)
 
 
 def weight_files(folder: Path) -> List[Path]:
@@ -88,5 +85,4 @@ def read_hf_folder(path: Path, need_tokenizer: bool = True) -> Source:
         raise MTPError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model)")
     files = weight_files(path)
     weights = read_safetensors(files)
-    sizes = {k: v.nbytes for k, v in weights.items()}
-    return Source(path, config, weights, copy_tokenizer(path), sizes)
+    return Source(path, config, weights, copy_tokenizer(path))

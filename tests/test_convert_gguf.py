@@ -199,3 +199,25 @@ def test_unsupported_gguf_architecture_is_refused(tmp_path):
     with pytest.raises(MTPError, match="lxama"):
         convert(tmp_path / "x.gguf", tmp_path / "out")
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_unsupported_quant_type_and_missing_tokenizer_are_refused(tmp_path):
+    import gguf
+
+    config, weights = tiny_plain.plain_weights(
+        "llama", hidden_size=256, intermediate_size=256, head_dim=64
+    )
+    name = "model.layers.0.mlp.up_proj.weight"
+    rows, cols = weights[name].shape
+    raw = np.zeros((rows, cols // 256 * gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), np.uint8)
+    path = tiny_plain.write_gguf(
+        tmp_path / "q8k.gguf", "llama", config, {**weights, name: raw}, raw_type=Q.Q8_K
+    )
+    with pytest.raises(MTPError, match="unsupported quantization type Q8_K"):
+        convert(path, tmp_path / "out")
+    bare = tiny_plain.write_gguf(
+        tmp_path / "bare.gguf", "llama", config, weights, tokenizer=False
+    )
+    with pytest.raises(MTPError, match="no tokenizer"):
+        convert(bare, tmp_path / "out")
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())

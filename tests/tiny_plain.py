@@ -148,7 +148,9 @@ def _tokenizer_metadata(writer, eos_id: int) -> None:
     writer.add_chat_template(tiny.CHAT_TEMPLATE)
 
 
-def write_gguf(path: Path, arch: str, config: dict, weights, qtype=None, raw_type=None):
+def write_gguf(
+    path: Path, arch: str, config: dict, weights, qtype=None, raw_type=None, tokenizer=True
+):
     """Write ``weights`` as a GGUF file; matrices at ``qtype`` (a GGMLQuantizationType).
 
     Values given as numpy uint8 are raw blocks of type ``raw_type``, written as they are.
@@ -185,7 +187,8 @@ def write_gguf(path: Path, arch: str, config: dict, weights, qtype=None, raw_typ
         )
     if n_mtp:
         writer.add_nextn_predict_layers(n_mtp)
-    _tokenizer_metadata(writer, config["eos_token_id"])
+    if tokenizer:
+        _tokenizer_metadata(writer, config["eos_token_id"])
     for name, w in gguf_tensors(arch, config, weights).items():
         if w.dtype == np.uint8:
             writer.add_tensor(name, w, raw_dtype=raw_type)
