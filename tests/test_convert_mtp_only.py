@@ -105,3 +105,23 @@ def test_hub_repo_fetches_only_mtp_shards(tiny_folders, tmp_path, monkeypatch):
     )
     with pytest.raises(MTPError, match="tiny-org/absent"):
         add_mtp("tiny-org/absent", trunk, force=True)
+
+
+def test_hub_repo_converts_from_the_cache(tiny_folders, tmp_path, monkeypatch):
+    """A repo id as SRC: the snapshot comes from the (offline) cache, then converts."""
+    from huggingface_hub import constants
+
+    src = tiny_folders("mimo")[0]
+    files = {p.name: p for p in src.iterdir() if p.is_file()}
+    cache = _fake_hub_cache(tmp_path / "hf", "tiny-org/mimo", files)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = convert("tiny-org/mimo", tmp_path / "out")
+    local = convert(src, tmp_path / "local")
+    np.testing.assert_array_equal(
+        np.array(mtp_logits(mlx_mtp.load_model(local), TOKENS)),
+        np.array(mtp_logits(mlx_mtp.load_model(out), TOKENS)),
+    )
+    with pytest.raises(MTPError, match="tiny-org/absent"):
+        convert("tiny-org/absent", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
