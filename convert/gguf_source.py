@@ -33,6 +33,13 @@ ARCHS = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "glm4moe": "glm4_moe",
+    "deepseek2": "deepseek_v3",  # deepseek_v2 when its gating is softmax
+}
+# mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
+# (llama.cpp splits kv_b_proj exactly as mlx-lm's sanitize does: k_b transposed)
+MLX_ALIASES = {
+    ".self_attn.embed_q.": ".self_attn.k_b_proj.",
+    ".self_attn.unembed_out.": ".self_attn.v_b_proj.",
 }
 PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py
 NORM_PLUS_ONE = {"gemma3", "qwen3next", "qwen35", "qwen35moe"}
@@ -121,6 +128,8 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         if isinstance(pattern, list):  # one flag per layer, the global layers False
             pattern = pattern.index(False) + 1 if False in pattern else len(pattern)
         config["sliding_window_pattern"] = int(pattern)
+    if meta.arch == "deepseek2":
+        _mla_config(meta, config)
     if "n_routed_experts" in config:
         gating = meta.arch_key("expert_gating_func", 2)
         config["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
@@ -140,9 +149,41 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
     return config
 
 
+def _mla_config(meta: Metadata, config: Dict[str, Any]) -> None:
+    """DeepSeek-V2/V3 attention. llama.cpp runs MLA as MQA: ``head_count_kv`` 1 and
+    ``key_length`` the latent width; the per-head sizes sit in ``*_mla`` keys
+    (older files: in ``key_length``/``value_length`` themselves)."""
+    rope = int(meta.arch_key("rope.dimension_count"))
+    key = meta.arch_key(
+        "attention.key_length_mla", meta.arch_key("attention.key_length")
+    )
+    value = meta.arch_key(
+        "attention.value_length_mla", meta.arch_key("attention.value_length")
+    )
+    config.update(
+        num_key_value_heads=config["num_attention_heads"],
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(key) - rope,
+        v_head_dim=int(value),
+        kv_lora_rank=meta.arch_key("attention.kv_lora_rank"),
+        q_lora_rank=meta.arch_key("attention.q_lora_rank"),
+    )
+    for k in ("head_dim", "partial_rotary_factor", "use_qk_norm"):
+        config.pop(k, None)
+    if meta.arch_key("expert_gating_func", 1) != 2:  # softmax routing: DeepSeek-V2
+        config["model_type"] = "deepseek_v2"
+    if (config.get("rope_scaling") or {}).get("type") == "yarn":
+        # llama.cpp stores 0.1 * mscale_all_dim; V2/V3 set mscale to the same
+        mscale = float(meta.arch_key("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
+        config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
+
+
 def _name_variants(name: str):
     """(base, suffix) pairs under which ``TensorNameMap`` may know an mlx-lm name."""
-    for hf in dict.fromkeys([name, name.replace(".switch_mlp.", ".experts.")]):
+    aliased = name.replace(".switch_mlp.", ".experts.")
+    for mlx_name, hf_name in MLX_ALIASES.items():
+        aliased = aliased.replace(mlx_name, hf_name)
+    for hf in dict.fromkeys([name, aliased]):
         base, _, last = hf.rpartition(".")
         if "_" in last:  # e.g. gate.e_score_correction_bias -> exp_probs_b.bias
             stem, _, tail = last.rpartition("_")
@@ -190,13 +231,37 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
         config.get("num_nextn_predict_layers", 0)
     )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
+    nextn = _nextn_names(n_blocks)
     out = {}
     for name in _candidate_names(config):
         for base, suffix in _name_variants(name):
-            found = tmap.get_name(base)
+            found = tmap.get_name(base) or nextn.get(base)
             if found is not None:
                 out.setdefault(found + suffix, name)
                 break
+        if name.endswith(".self_attn.embed_q.weight"):  # older files: kv_b unsplit
+            kv_b = name.replace("embed_q", "kv_b_proj")
+            found = tmap.get_name(kv_b[: -len(".weight")])
+            if found is not None:
+                out.setdefault(found + ".weight", kv_b)
+    return out
+
+
+def _nextn_names(n_blocks: int) -> Dict[str, str]:
+    """HF name -> GGUF name of the NextN (MTP) tensors, from gguf's own tables.
+
+    They are listed only for the architectures llama.cpp runs MTP on; a
+    checkpoint of another one that carries them uses the same names.
+    """
+    import gguf
+
+    out = {}
+    for kind, patterns in gguf.TensorNameMap.block_mappings_cfg.items():
+        if not kind.name.startswith("NEXTN_"):
+            continue
+        for bid in range(n_blocks):
+            for pattern in patterns:
+                out[pattern.format(bid=bid)] = gguf.TENSOR_NAMES[kind].format(bid=bid)
     return out
 
 

@@ -152,25 +152,42 @@ def test_repack_matches_mx_load(tmp_path):
             np.testing.assert_array_equal(np.array(got), np.array(theirs[f"t.{key}"]))
 
 
-def test_glm4_moe_gguf_with_nextn_head(tmp_path, tiny_folders):
-    """blk.N.nextn.* and the MTP block come back as the head: same MTP logits as HF."""
+@pytest.mark.parametrize(
+    "family,arch,joined_kv_b",
+    [
+        ("glm4_moe", "glm4moe", False),
+        ("deepseek_v3", "deepseek2", False),
+        ("deepseek_v3", "deepseek2", True),
+    ],
+)
+def test_moe_gguf_with_nextn_head(tmp_path, tiny_folders, family, arch, joined_kv_b):
+    """blk.N.nextn.* and the MTP block come back as the head: same logits as HF.
+
+    DeepSeek's MLA comes as llama.cpp splits it (attn_k_b, attn_v_b, MQA keys),
+    or, as older files have it, joined (attn_kv_b).
+    """
     from mlx.utils import tree_flatten
+
     from mlx_mtp.convert.model import head_tensors
 
-    config = dict(tiny.CONFIGS["glm4_moe"], model_type="glm4_moe")
-    hf_out = convert(tiny_folders("glm4_moe")[0], tmp_path / "hf")
-    # the GGUF holds mlx-lm names (stacked experts), as llama.cpp stores them
-    ref_model = mlx_mtp.load_model(hf_out)
-
+    config = dict(tiny.CONFIGS[family], model_type=family)
+    # the GGUF holds mlx-lm names (stacked experts, split MLA), as llama.cpp stores them
+    ref_model = mlx_mtp.load_model(convert(tiny_folders(family)[0], tmp_path / "hf"))
     weights = dict(tree_flatten(ref_model.trunk.model.parameters()))
     weights.update(head_tensors("model.layers.2.", ref_model.head))
-    config = dict(config, head_dim=16)
-    path = tiny_plain.write_gguf(tmp_path / "glm.gguf", "glm4moe", config, weights)
+    if joined_kv_b:
+        attn = {k: v for k, v in weights.items() if ".self_attn." in k}
+        weights = {k: v for k, v in weights.items() if k not in attn}
+        weights.update(tiny._unsanitize(attn, config))
+        assert "model.layers.0.self_attn.kv_b_proj.weight" in weights
+    path = tiny_plain.write_gguf(tmp_path / "m.gguf", arch, config, weights)
     out = convert(path, tmp_path / "out", dtype="float32")
     ref = tiny.save_folder(tmp_path / "ref", config, roundtrip_weights(weights, None))
-    got = mlx_mtp.load_model(out)
-    expect = mlx_mtp.load_model(ref)
-    assert got.head is not None
+    got, expect = mlx_mtp.load_model(out), mlx_mtp.load_model(ref)
+    assert got.model_type == family and got.head is not None
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < 1e-5
     assert rel_error(mtp_logits(expect, TOKENS), mtp_logits(got, TOKENS)) < 1e-5
 
 

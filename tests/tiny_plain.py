@@ -101,19 +101,20 @@ def gguf_tensors(
     the row permutation applies to those just the same.
     """
     import gguf
-    from mlx_mtp.convert.gguf_source import _name_variants
+    from mlx_mtp.convert.gguf_source import _name_variants, _nextn_names
 
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     n_blocks = config["num_hidden_layers"] + int(
         config.get("num_nextn_predict_layers", 0)
     )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
+    nextn = _nextn_names(n_blocks)
     out = {}
     for name, value in weights.items():
         raw = isinstance(value, np.ndarray)
         w = value if raw else np.array(value.astype(mx.float32))
         for base, suffix in _name_variants(name):
-            found = tmap.get_name(base)
+            found = tmap.get_name(base) or nextn.get(base)
             if found is not None:
                 break
         else:
@@ -148,8 +149,27 @@ def _tokenizer_metadata(writer, eos_id: int) -> None:
     writer.add_chat_template(tiny.CHAT_TEMPLATE)
 
 
+def _mla_metadata(writer, config: dict) -> None:
+    """llama.cpp's DeepSeek-V2/V3 keys: MLA run as MQA over the latent."""
+    rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    writer.add_head_count_kv(1)
+    writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(config["kv_lora_rank"])
+    writer.add_key_length(config["kv_lora_rank"] + rope)
+    writer.add_value_length(config["kv_lora_rank"])
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_rope_dimension_count(rope)
+
+
 def write_gguf(
-    path: Path, arch: str, config: dict, weights, qtype=None, raw_type=None, tokenizer=True
+    path: Path,
+    arch: str,
+    config: dict,
+    weights,
+    qtype=None,
+    raw_type=None,
+    tokenizer=True,
 ):
     """Write ``weights`` as a GGUF file; matrices at ``qtype`` (a GGMLQuantizationType).
 
@@ -164,9 +184,13 @@ def write_gguf(
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    if arch != "deepseek2":
+        writer.add_head_count_kv(config["num_key_value_heads"])
+    if arch == "deepseek2":
+        _mla_metadata(writer, config)
+    else:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
@@ -182,9 +206,9 @@ def write_gguf(
         writer.add_expert_weights_scale(config["routed_scaling_factor"])
         writer.add_expert_weights_norm(config["norm_topk_prob"])
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        writer.add_rope_dimension_count(
-            int(config["head_dim"] * config["partial_rotary_factor"])
-        )
+        if arch != "deepseek2":  # its rope width is among the MLA keys
+            rope = int(config["head_dim"] * config["partial_rotary_factor"])
+            writer.add_rope_dimension_count(rope)
     if n_mtp:
         writer.add_nextn_predict_layers(n_mtp)
     if tokenizer:
