@@ -167,7 +167,6 @@ def test_moe_gguf_with_nextn_head(tmp_path, tiny_folders, family, arch, joined_k
     or, as older files have it, joined (attn_kv_b).
     """
     from mlx.utils import tree_flatten
-
     from mlx_mtp.convert.model import head_tensors
 
     config = dict(tiny.CONFIGS[family], model_type=family)
