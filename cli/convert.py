@@ -31,7 +31,7 @@ def convert(
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the trunk.", rich_help_panel=QUANT),
     q_bits: int = typer.Option(DEFAULT_Q_BITS, "--q-bits", help="Bits per weight of the quantized trunk.", rich_help_panel=QUANT),
     q_group_size: int = typer.Option(DEFAULT_Q_GROUP_SIZE, "--q-group-size", help="Group size of the quantized trunk.", rich_help_panel=QUANT),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized weights (default: the source's; float16 for GGUF).", rich_help_panel=QUANT),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized weights (default: the source's; for GGUF float16, float32 on a CPU-only machine).", rich_help_panel=QUANT),
     mtp_bits: int = typer.Option(DEFAULT_MTP_BITS, "--mtp-bits", help="MTP block precision when the trunk is quantized: 8 (8-bit) or 16 (unquantized).", rich_help_panel=QUANT),
     dequantize: bool = typer.Option(False, "--dequantize", help="Store every weight unquantized.", rich_help_panel=QUANT),
     force: bool = typer.Option(False, "--force", help="Replace OUT (or an existing head) if it exists.", rich_help_panel=OUTPUT),

@@ -22,7 +22,8 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import mtp_logits
 
 TOKENS = list(range(40, 72))
-# float16 activations against float32: max |logit error| / max |logit|
+# the default GGUF dtype (float16 where a GPU runs it) against float32 activations:
+# max |logit error| / max |logit|
 BOUND_F16 = 5e-3
 
 
