@@ -125,3 +125,23 @@ def test_hub_repo_converts_from_the_cache(tiny_folders, tmp_path, monkeypatch):
     with pytest.raises(MTPError, match="tiny-org/absent"):
         convert("tiny-org/absent", tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+def test_head_from_a_gguf(tiny_folders, tmp_path):
+    """--mtp-only with a GGUF holding blk.N.nextn.*: the same head as from HF."""
+    import tiny_plain
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.convert.model import head_tensors
+
+    full = convert(tiny_folders("glm4_moe")[0], tmp_path / "full")
+    model = mlx_mtp.load_model(full)
+    weights = dict(tree_flatten(model.trunk.model.parameters()))
+    weights.update(head_tensors("model.layers.2.", model.head))
+    config = dict(tiny.CONFIGS["glm4_moe"], model_type="glm4_moe")
+    gguf_path = tiny_plain.write_gguf(tmp_path / "glm.gguf", "glm4moe", config, weights)
+    trunk = convert(tiny_folders("glm4_moe")[1], tmp_path / "trunk")
+    add_mtp(gguf_path, trunk)
+    a = np.array(mtp_logits(model, TOKENS))
+    b = np.array(mtp_logits(mlx_mtp.load_model(trunk), TOKENS))
+    np.testing.assert_allclose(a, b, atol=1e-2 * np.abs(a).max())  # GGUF matrices are F16
