@@ -78,6 +78,24 @@ def test_float_round_trip_is_exact(sources, converted, family):
         )
 
 
+# dense families only: MLX's CPU MoE kernel (GatherMM) runs float32 alone
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5", "gemma3_text"])
+def test_bfloat16_round_trip_is_exact(sources, converted, family):
+    """--dtype bfloat16 stores exactly the source weights rounded to bfloat16."""
+    from mlx_mtp.convert.precision import cast
+
+    src = mlx_mtp.load_model(sources(family))
+    cast(src.trunk.model, "bfloat16")
+    out = mlx_mtp.load_model(converted(family, dtype="bfloat16"))
+    np.testing.assert_array_equal(trunk_logits(src), trunk_logits(out))
+    if family not in HEADS:
+        return
+    cast(src.head, "bfloat16")
+    a = mtp_logits(src, TOKENS).astype(mx.float32)
+    b = mtp_logits(out, TOKENS).astype(mx.float32)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
 @pytest.mark.parametrize("family", HEADS)
 def test_quantized_round_trip_within_bound(sources, converted, family):
     src = mlx_mtp.load_model(sources(family))
