@@ -9,7 +9,7 @@ layer is layer ``N = num_hidden_layers`` (``blk.N.nextn.*`` plus an ordinary
 block), so building the model with ``N + n_mtp`` layers names it too.
 
 Two llama.cpp conversions are undone: the Q/K row permutation of llama-style
-rope, and the +1 added to zero-centred norms (Gemma, Qwen3-Next/3.5).
+rope, and the +1 added to zero-centred (Gemma) norms.
 """
 
 import json
@@ -42,7 +42,9 @@ MLX_ALIASES = {
     ".self_attn.unembed_out.": ".self_attn.v_b_proj.",
 }
 PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py
-NORM_PLUS_ONE = {"gemma3", "qwen3next", "qwen35", "qwen35moe"}
+# llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files too,
+# whose gated-delta layers are not mapped yet)
+NORM_PLUS_ONE = {"gemma3"}
 IGNORED = ("rope_freqs.weight",)
 
 # GGUF metadata key (after "{arch}.") -> config key
