@@ -45,7 +45,6 @@ PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.
 # llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files too,
 # whose gated-delta layers are not mapped yet)
 NORM_PLUS_ONE = {"gemma3"}
-IGNORED = ("rope_freqs.weight",)
 
 # GGUF metadata key (after "{arch}.") -> config key
 CONFIG_KEYS = {
@@ -303,14 +302,13 @@ def _read_tensors(reader, arch, config, names, bar=None):
         task = bar.add_task("GGUF", total=total, done=0, count=len(reader.tensors))
     for i, t in enumerate(reader.tensors):
         target = names.get(t.name)
-        if target is None and t.name not in IGNORED:
+        if target is None:
             model_type = config["model_type"]
             raise MTPError(
                 f"tensor {t.name} has no counterpart in mlx-lm's {model_type}"
             )
-        if target is not None:
-            got = read_tensor(target, t.data, t.tensor_type)
-            weights.update(_fix(arch, config, target, got))
+        got = read_tensor(target, t.data, t.tensor_type)
+        weights.update(_fix(arch, config, target, got))
         if bar is not None:
             bar.update(task, advance=t.n_bytes, done=i + 1)
     if bar is not None:
