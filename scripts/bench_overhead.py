@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import tiny  # noqa: E402
 
 import mlx_mtp  # noqa: E402
+from mlx_mtp.sampling import SamplingConfig, make_verifier  # noqa: E402
 from mlx_mtp.speculative import speculative_generate_step  # noqa: E402
 from mlx_mtp.stats import MTPStats  # noqa: E402
 
@@ -67,15 +68,25 @@ def main():
             mx.array(prompt), reference, max_tokens=args.tokens, sampler=argmax
         )
 
-    def ours(k, stats=None):
+    def ours(k, stats=None, verifier=None):
         return speculative_generate_step(
-            prompt, model, max_tokens=args.tokens, draft_max=k, stats=stats
+            prompt, model, max_tokens=args.tokens, draft_max=k, stats=stats,
+            verifier=verifier,
         )
 
-    times = {"mlx-lm plain step": [], "mlx-mtp round, 0 drafts": []}
+    # the verifier users get by default (the full sampler chain, at temp 0)
+    default = lambda: make_verifier(SamplingConfig(), None, None)  # noqa: E731
+    times = {
+        "mlx-lm plain step": [],
+        "mlx-mtp round, 0 drafts": [],
+        "  same, default verifier": [],
+    }
     for _ in range(args.reps):
         times["mlx-lm plain step"].append(per_token_time(plain()))
         times["mlx-mtp round, 0 drafts"].append(per_token_time(ours(0)))
+        times["  same, default verifier"].append(
+            per_token_time(ours(0, verifier=default()))
+        )
     base = statistics.median(times["mlx-lm plain step"])
     print(f"backend: {mx.default_device()}, model: {args.family} hidden {args.hidden}, "
           f"{args.layers} layers, f32, {args.tokens} tokens, median of {args.reps}")
