@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from mlx_mtp.default_model import default_model_path
 from mlx_mtp.generate import DEFAULT_MAX_TOKENS, stream_generate
 from mlx_mtp.loader import load
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
@@ -33,7 +34,7 @@ def apply_template(tokenizer, prompt: str, system: Optional[str], use_template: 
 
 @app.command()
 def generate(
-    model: Path = typer.Option(..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).", rich_help_panel=MODEL),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or - to read stdin."),
     mtp: Optional[Path] = typer.Option(None, "--mtp", help="Attach the MTP head from this folder or file.", rich_help_panel=MODEL),
     hidden_tap: Optional[str] = typer.Option(None, "--hidden-tap", help="Hidden state fed to the head: post (after the final norm) or pre.", rich_help_panel=MODEL),
@@ -64,6 +65,8 @@ def generate(
         frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
     )
     text = read_prompt(prompt)
+    if model is None:
+        model = default_model_path(lambda line: print(line, file=sys.stderr))
     loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
     if loaded.notice and not no_mtp:
         print(f"notice: {loaded.notice}", file=sys.stderr)

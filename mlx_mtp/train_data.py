@@ -13,7 +13,7 @@ import random
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import MTPError
 
@@ -206,11 +206,15 @@ def self_distill(
                     )
             if progress is not None:
                 progress(len(answer))
-            yield seq
+            yield seq, len(prompt_ids)
 
 
-def read_data_file(path: Path, tokenizer: Any) -> List[List[int]]:
-    """Token sequences from a text file, or from JSON lines with "tokens" or "text"."""
+def read_data_file(path: Path, tokenizer: Any) -> List[Tuple[List[int], int]]:
+    """``(tokens, answer_start)`` from a text file, or JSON lines with "tokens" or "text".
+
+    A JSON line's optional "prompt_len" marks where the answer starts; only
+    tokens from there on are targets (a head never drafts inside a prompt).
+    """
     path = Path(path)
     try:
         raw = path.read_text(encoding="utf-8", errors="replace")
@@ -226,25 +230,29 @@ def read_data_file(path: Path, tokenizer: Any) -> List[List[int]]:
             except json.JSONDecodeError:
                 raise MTPError(f"{path}:{n}: not a JSON line") from None
             if "tokens" in row:
-                seqs.append([int(t) for t in row["tokens"]])
+                tokens = [int(t) for t in row["tokens"]]
+                seqs.append((tokens, int(row.get("prompt_len", 0))))
             elif "text" in row:
-                seqs.append(tokenizer.encode(row["text"]))
+                seqs.append((tokenizer.encode(row["text"]), 0))
             else:
                 raise MTPError(f'{path}:{n}: a line needs "tokens" or "text"')
         return seqs
-    return [tokenizer.encode(raw)]
+    return [(tokenizer.encode(raw), 0)]
 
 
 def chunk_sequences(
-    seqs: Iterable[List[int]], length: int, min_len: int = 8
-) -> List[List[int]]:
-    """Cut sequences into training windows of at most ``length`` tokens."""
+    seqs: Iterable[Tuple[List[int], int]], length: int, min_len: int = 8
+) -> List[Tuple[List[int], int]]:
+    """Cut ``(tokens, answer_start)`` sequences into windows of at most ``length``.
+
+    Each window keeps where its answer starts, relative to the window.
+    """
     out = []
-    for seq in seqs:
+    for seq, start in seqs:
         for i in range(0, len(seq), length):
             piece = seq[i : i + length]
-            if len(piece) >= min_len:
-                out.append(piece)
+            if len(piece) >= min_len and i + len(piece) > start + 1:
+                out.append((piece, max(0, start - i)))
     return out
 
 

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -152,6 +152,13 @@ def save_head(head: MTPHead, config: Dict[str, Any], out: Path, dtype: str, info
 SOFT_TOP = 8  # trunk probabilities kept per position for distillation
 
 
+Window = Union[List[int], Tuple[List[int], int]]  # tokens, or (tokens, answer start)
+
+
+def _split(window: Window) -> Tuple[List[int], int]:
+    return window if isinstance(window, tuple) else (window, 0)
+
+
 def trunk_view(
     mtp_model: MTPModel, windows: Sequence[List[int]], seq_len: int, batch: int = 8
 ):
@@ -172,7 +179,7 @@ def trunk_view(
 
 def build_dataset(
     mtp_model: MTPModel,
-    windows: Sequence[List[int]],
+    windows: Sequence[Window],
     seq_len: int,
     progress: Optional[Callable[[int], None]] = None,
 ) -> Dataset:
@@ -180,14 +187,21 @@ def build_dataset(
 
     The target at ``i`` is the trunk's greedy token after ``t_{i+1}`` (the
     argmax at position ``i + 1``), which is what a verify pass compares a
-    draft with. Padding positions carry no target.
+    draft with. Padding positions carry no target, and neither do positions
+    whose target lies before the window's answer start: a head drafts only
+    after a prompt, and a prompt's fixed parts (system prompt, template)
+    would otherwise inflate the held-out agreement.
     """
-    parts = []
+    parts, done = [], 0
+    split = [_split(w) for w in windows]
     for group, tokens, hidden, greedy, (ids, probs) in trunk_view(
-        mtp_model, windows, seq_len
+        mtp_model, [t for t, _ in split], seq_len
     ):
         lengths = mx.array([len(w) for w in group])[:, None]
-        valid = mx.arange(seq_len - 1)[None] < lengths - 1
+        first = mx.array([s for _, s in split[done : done + len(group)]])[:, None]
+        done += len(group)
+        pos = mx.arange(seq_len - 1)[None]
+        valid = (pos < lengths - 1) & (pos + 2 >= first)
         parts.append(
             (
                 hidden[:, :-1],
@@ -470,14 +484,10 @@ class Hooks:
     message: Callable[[str], Any] = lambda text: None
 
 
-def _sequences(path: Path) -> List[List[int]]:
-    if not path.exists():
-        return []
-    return [
-        json.loads(line)["tokens"]
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+def _sequences(path: Path) -> List[Tuple[List[int], int]]:
+    rows = path.read_text().splitlines() if path.exists() else []
+    rows = [json.loads(line) for line in rows if line.strip()]
+    return [(r["tokens"], r.get("prompt_len", 0)) for r in rows]
 
 
 def _distilled(
@@ -499,7 +509,7 @@ def _distilled(
             path,
             hooks.advance,
         ):
-            done.append(seq)
+            done.append(seq)  # (tokens, prompt length)
     return done
 
 
@@ -599,7 +609,7 @@ def train_head(
     )
 
     # 4) train
-    head = init_head(mtp_model, cfg.eh_init, sample=windows[0])
+    head = init_head(mtp_model, cfg.eh_init, sample=windows[0][0])
     hooks.phase("training (steps)", cfg.steps)
     result = train(
         head, train_ds, eval_ds, cfg, out, resume, hooks.step, hooks.evaluated

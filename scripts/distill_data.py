@@ -29,7 +29,7 @@ def main():
     prompts = distill_prompts(args.prompts, args.seed, default_snippet_files())
     done = sum(1 for _ in open(args.out)) if args.out.exists() else 0
     start, tokens = time.time(), 0
-    for i, seq in enumerate(
+    for i, (seq, _) in enumerate(
         self_distill(
             model, tokenizer, prompts[done:], args.max_tokens, args.batch_size, args.out
         ),

@@ -209,3 +209,16 @@ def test_train_head_cli(llama_folder, data_file, tmp_path, capsys):
     assert (out / "mtp.safetensors").exists()
     assert run_app(["train-head", str(llama_folder), str(tmp_path / "x")]) == 1
     assert "no training data" in capsys.readouterr().err
+
+
+def test_prompt_positions_carry_no_target(llama_folder):
+    from mlx_mtp.train_data import chunk_sequences
+
+    model, tokenizer = load(llama_folder)
+    ids = tokenizer.encode(TEXT)[:40]
+    windows = chunk_sequences([(ids, 12), (ids, 0)], 32)
+    assert [s for _, s in windows] == [12, 0, 0, 0]
+    ds = build_dataset(model, windows, 32)
+    # row j predicts t_{j+2}: targets before the answer start are masked
+    assert not ds.mask[0, :10].any() and ds.mask[0, 10:31].all()
+    assert ds.mask[2].all() and ds.mask[1, :7].all() and not ds.mask[1, 7:].any()
