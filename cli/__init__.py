@@ -18,5 +18,8 @@ for _name in ("info", "convert", "chat", "bench", "train_head"):
             raise
 
 
+__all__ = ["app", "main", "run_app"]
+
+
 def main() -> None:
     sys.exit(run_app())

@@ -1,7 +1,6 @@
 """``mlx-mtp bench``: mlx-lm against mlx-mtp side by side (work: ``mlx_mtp.bench``)."""
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,11 +15,10 @@ from mlx_mtp.bench import (
     load_prompts,
     run_bench,
 )
-from mlx_mtp.loader import load
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
-from mlx_mtp.trunk import HIDDEN_TAPS
 
-from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
+from . import options as o
+from .app import OUTPUT, SPECULATIVE, app
 
 
 def regime_line(regime: dict) -> str:
@@ -98,21 +96,9 @@ def kinds_table(result: BenchResult) -> Table:
 
 @app.command(no_args_is_help=True)
 def bench(
-    model: Path = typer.Option(
-        ..., "--model", "-m", help="MLX model folder.", rich_help_panel=MODEL
-    ),
-    mtp: Optional[Path] = typer.Option(
-        None,
-        "--mtp",
-        help="Attach the MTP head from this folder or file.",
-        rich_help_panel=MODEL,
-    ),
-    hidden_tap: Optional[str] = typer.Option(
-        None,
-        "--hidden-tap",
-        help="Hidden state fed to the head: post (after the final norm) or pre.",
-        rich_help_panel=MODEL,
-    ),
+    model: o.ModelPath = None,
+    mtp: o.HeadPath = None,
+    hidden_tap: o.HiddenTap = None,
     prompts: Optional[Path] = typer.Option(
         None,
         "--prompts",
@@ -152,12 +138,8 @@ def bench(
     ),
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
-    if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
-        raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
     bench_prompts = load_prompts(prompts)
-    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
-    if loaded.notice:
-        print(f"notice: {loaded.notice}", file=sys.stderr)
+    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
     err = Console(stderr=True, highlight=False)
     if as_json:
         result = run_bench(

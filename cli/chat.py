@@ -1,22 +1,17 @@
 """``mlx-mtp chat``: a terminal chat; the conversation logic is ``mlx_mtp.chat``."""
 
-import sys
-from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
 from mlx_mtp.chat import ChatSession
-from mlx_mtp.default_model import default_model_path
 from mlx_mtp.generate import DEFAULT_MAX_TOKENS
-from mlx_mtp.loader import load
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from mlx_mtp.stats import MTPStats
-from mlx_mtp.trunk import HIDDEN_TAPS
 
 from . import options as o
-from .app import MODEL, OUTPUT, SPECULATIVE, app, fail
+from .app import OUTPUT, app, fail
 
 HELP = """\
 /reset  forget the conversation (the system prompt stays)
@@ -96,26 +91,9 @@ def _read(console: Console) -> Optional[str]:
 
 @app.command()
 def chat(
-    model: Optional[Path] = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="MLX model folder"
-        " (default: SmolLM2-135M-Instruct with its shipped MTP head).",
-        rich_help_panel=MODEL,
-    ),
-    mtp: Optional[Path] = typer.Option(
-        None,
-        "--mtp",
-        help="Attach the MTP head from this folder or file.",
-        rich_help_panel=MODEL,
-    ),
-    hidden_tap: Optional[str] = typer.Option(
-        None,
-        "--hidden-tap",
-        help="Hidden state fed to the head: post (after the final norm) or pre.",
-        rich_help_panel=MODEL,
-    ),
+    model: o.ModelPath = None,
+    mtp: o.HeadPath = None,
+    hidden_tap: o.HiddenTap = None,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(
         DEFAULT_MAX_TOKENS,
@@ -137,12 +115,7 @@ def chat(
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = False,
-    no_mtp: bool = typer.Option(
-        False,
-        "--no-mtp",
-        help="Generate without MTP (same loop, no drafts).",
-        rich_help_panel=SPECULATIVE,
-    ),
+    no_mtp: o.NoMTP = False,
     show_drafts: bool = typer.Option(
         False,
         "--show-drafts",
@@ -151,8 +124,6 @@ def chat(
     ),
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
-    if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
-        raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
     sampling = o.sampling_kwargs(
         temp,
         top_p,
@@ -166,13 +137,9 @@ def chat(
         draft_sampling,
         adaptive_draft,
     )
-    if model is None:
-        model = default_model_path(lambda line: print(line, file=sys.stderr))
-    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
+    model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")
-    if loaded.notice and not no_mtp:
-        print(f"notice: {loaded.notice}", file=sys.stderr)
     session = ChatSession(
         loaded,
         tokenizer,

@@ -5,12 +5,16 @@ to the API with ``sampling_kwargs(...)``, so every command spells, documents
 and forwards them the same way.
 """
 
+import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Dict, List, Optional
 
 import typer
 
-from .app import SAMPLING, SPECULATIVE, fail
+from mlx_mtp.trunk import HIDDEN_TAPS
+
+from .app import MODEL, SAMPLING, SPECULATIVE, fail
 
 
 class DraftSampling(str, Enum):
@@ -22,6 +26,10 @@ def _option(*names, panel=SAMPLING, **kwargs):
     return typer.Option(*names, rich_help_panel=panel, **kwargs)
 
 
+ModelPath = Annotated[Optional[Path], _option("--model", "-m", panel=MODEL, help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).")]
+HeadPath = Annotated[Optional[Path], _option("--mtp", panel=MODEL, help="Attach the MTP head from this folder or file.")]
+HiddenTap = Annotated[Optional[str], _option("--hidden-tap", panel=MODEL, help="Hidden state fed to the head: post (after the final norm) or pre.")]
+NoMTP = Annotated[bool, _option("--no-mtp", panel=SPECULATIVE, help="Generate without MTP (same loop, no drafts).")]
 Temp = Annotated[float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, _option("--top-p", min=0.0, max=1.0, help="Keep the most likely tokens holding this much probability (0: off).")]
 TopK = Annotated[int, _option("--top-k", min=0, help="Keep the k most likely tokens (0: off).")]
@@ -35,6 +43,25 @@ DraftMax = Annotated[int, _option("--draft-max", min=0, panel=SPECULATIVE, help=
 DraftPMin = Annotated[float, _option("--draft-p-min", min=0.0, max=1.0, panel=SPECULATIVE, help="Stop drafting when the draft's top probability falls below this.")]
 DraftSamplingOption = Annotated[DraftSampling, _option("--draft-sampling", panel=SPECULATIVE, help="greedy: draft the head's top token; sample: sample drafts through the sampler chain (temp > 0).")]
 AdaptiveDraft = Annotated[bool, _option("--adaptive-draft", panel=SPECULATIVE, help="Pick each round's draft length from the running per-position acceptance.")]
+
+
+def load_model(model: Optional[Path], mtp: Optional[Path], hidden_tap: Optional[str], no_mtp: bool = False):
+    """Check the model options, fall back to the default model, and load it.
+
+    Returns ``(path, model, tokenizer)``; a notice (no MTP head) goes to stderr.
+    """
+    from mlx_mtp.default_model import default_model_path
+    from mlx_mtp.loader import load
+
+    if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
+        raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    if model is None:
+        model = default_model_path(lambda line: print(line, file=sys.stderr))
+    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
+    if loaded.notice and not no_mtp:
+        print(f"notice: {loaded.notice}", file=sys.stderr)
+    return model, loaded, tokenizer
+
 
 def parse_logit_bias(items: Optional[List[str]]) -> Optional[Dict[int, float]]:
     """``["ID=BIAS", ...]`` -> ``{ID: BIAS}``; a malformed item is a one-line error."""

@@ -327,7 +327,7 @@ def test_bench_mtp_and_hidden_tap(folders, one_prompt):
 
 
 def test_chat_without_model_uses_the_default(folders, monkeypatch):
-    import mlx_mtp.cli.chat as chat_cli
+    import mlx_mtp.default_model as default_model
 
     notices = []
 
@@ -336,7 +336,7 @@ def test_chat_without_model_uses_the_default(folders, monkeypatch):
         notices.append(True)
         return folders[0]
 
-    monkeypatch.setattr(chat_cli, "default_model_path", default)
+    monkeypatch.setattr(default_model, "default_model_path", default)
     result = invoke("chat", "-n", 3, input="hi\n")
     assert notices and FOOTER.search(result.output)
 
