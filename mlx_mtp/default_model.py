@@ -95,4 +95,7 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in target.parent.glob(f"{MODEL_NAME}-*"):  # builds for an older head
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
     return target

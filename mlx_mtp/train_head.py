@@ -80,6 +80,7 @@ class TrainResult:
     initial_agreement: float
     losses: List[float] = field(default_factory=list)
     seconds: float = 0.0
+    vocab: Optional[List[int]] = None  # the subset the softmax was trained over
 
 
 # -- the head -----------------------------------------------------------------
@@ -138,7 +139,8 @@ def save_head(head: MTPHead, config: Dict[str, Any], out: Path, dtype: str, info
     weights = {}
     for name, value in tree_flatten(head.trainable_parameters()):
         rel = name[len("block.") :] if name.startswith("block.") else name
-        weights[f"{pre}{rel}"] = value.astype(getattr(mx, dtype))
+        floating = mx.issubdtype(value.dtype, mx.floating)
+        weights[f"{pre}{rel}"] = value.astype(getattr(mx, dtype)) if floating else value
     tmp = out / f".{HEAD_FILE}.tmp.safetensors"
     mx.save_safetensors(str(tmp), weights, metadata={"mtp_family": "deepseek"})
     tmp.replace(out / HEAD_FILE)
@@ -349,8 +351,9 @@ def train(
 
     out_rows, targets, mask = None, train_ds.targets, train_ds.mask
     soft_ids, soft_probs = train_ds.soft_ids, train_ds.soft_probs
+    vocab = None
     if cfg.vocab_top:
-        out_rows, targets, mask, soft_ids, soft_probs = _vocab_subset(
+        vocab, out_rows, targets, mask, soft_ids, soft_probs = _vocab_subset(
             head, train_ds, cfg.vocab_top
         )
     n = train_ds.hidden.shape[0]
@@ -397,6 +400,7 @@ def train(
         initial_agreement=best["initial_agreement"],
         losses=losses,
         seconds=time.time() - t0,
+        vocab=vocab,
     )
 
 
@@ -417,6 +421,7 @@ def _vocab_subset(head: MTPHead, ds: Dataset, k: int):
     d = head.eh_proj.weight.shape[0]
     rows = head.logits(mx.eye(d))[:, mx.array(keep)].T.astype(mx.float32)
     return (
+        keep.tolist(),
         mx.stop_gradient(rows),
         mx.array(np.maximum(mapped, 0).astype(np.int32)),
         ds.mask & mx.array(mapped >= 0),
@@ -614,6 +619,8 @@ def train_head(
     result = train(
         head, train_ds, eval_ds, cfg, out, resume, hooks.step, hooks.evaluated
     )
+    if result.vocab is not None:  # draft from the tokens the head was trained on
+        head.draft_vocab = mx.array(result.vocab, dtype=mx.int32)
     report = {
         "base": str(base),
         "train_tokens": train_ds.tokens,

@@ -90,6 +90,10 @@ def test_build_is_atomic_and_reused(cache, fake_build):
     assert dm.default_model_path() == path
     assert len(fake_build) == 1  # reused, not rebuilt
 
+    (dm.HEAD_DIR / "mtp_config.json").write_text('{"family": "deepseek", "v": 2}')
+    newer = dm.default_model_path()
+    assert newer != path and [p.name for p in cache.iterdir()] == [newer.name]
+
 
 def test_failed_build_leaves_nothing(cache, fake_build, monkeypatch):
     monkeypatch.setattr(dm, "_precision", lambda: {"fail": True})

@@ -222,3 +222,35 @@ def test_prompt_positions_carry_no_target(llama_folder):
     # row j predicts t_{j+2}: targets before the answer start are masked
     assert not ds.mask[0, :10].any() and ds.mask[0, 10:31].all()
     assert ds.mask[2].all() and ds.mask[1, :7].all() and not ds.mask[1, 7:].any()
+
+
+def test_vocab_subset_head_drafts_from_its_subset(llama_folder, data_file, tmp_path):
+    out = tmp_path / "head"
+    cfg = TrainConfig(
+        steps=12,
+        batch_size=4,
+        seq_len=48,
+        lr=3e-3,
+        warmup=2,
+        eval_every=6,
+        vocab_top=24,
+    )
+    train_head(
+        llama_folder,
+        out,
+        data=[data_file],
+        cfg=cfg,
+        eval_tokens=16,
+        eval_draft_maxes=(),
+    )
+    model, tokenizer = load(llama_folder, mtp=out)
+    vocab = model.head.draft_vocab
+    assert vocab.dtype == mx.int32 and 0 < vocab.shape[0] <= 24
+    logits = mtp_logits(model, tokenizer.encode(TEXT[:40]))
+    inside = set(vocab.tolist())
+    outside = mx.array([t for t in range(tiny.VOCAB) if t not in inside])
+    assert mx.all(mx.isinf(logits[:, outside])).item()
+    assert mx.all(mx.isfinite(logits[:, vocab])).item()
+    prompt = tokenizer.encode("for i in range(10):")
+    plain = generate(model, tokenizer, prompt, 32, mtp=False)
+    assert generate(model, tokenizer, prompt, 32, draft_max=2) == plain

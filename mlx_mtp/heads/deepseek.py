@@ -31,9 +31,16 @@ class SharedHead(nn.Module):
 
 
 class DeepSeekMTP(MTPHead):
-    OWN = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head")
+    OWN = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head", "draft_vocab")
 
-    def __init__(self, args: Any, block: nn.Module, has_embed: bool, has_head: bool):
+    def __init__(
+        self,
+        args: Any,
+        block: nn.Module,
+        has_embed: bool,
+        has_head: bool,
+        draft_vocab: int = 0,
+    ):
         super().__init__()
         dims, eps = args.hidden_size, args.rms_norm_eps
         self.enorm = nn.RMSNorm(dims, eps=eps)
@@ -43,6 +50,12 @@ class DeepSeekMTP(MTPHead):
         if has_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, dims)
         self.block = block
+        if draft_vocab:
+            # A head trained by train-head may draft from a token subset only:
+            # the full output projection is a quarter of a small model's
+            # forward, and the drafts only need their argmax (the trunk's
+            # verify keeps the output exact).
+            self.draft_vocab = mx.zeros((draft_vocab,), mx.int32)
 
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
@@ -59,7 +72,20 @@ class DeepSeekMTP(MTPHead):
     def logits(self, h: mx.array) -> mx.array:
         if "head" in self.shared_head:
             return self.shared_head.head(h)
+        if "draft_vocab" in self:
+            return self._subset_logits(h)
         return super().logits(h)
+
+    def _subset_logits(self, h: mx.array) -> mx.array:
+        """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
+        if getattr(self._shared, "rows", None) is None:
+            eye = mx.eye(h.shape[-1], dtype=h.dtype)
+            self._shared.rows = super().logits(eye)[:, self.draft_vocab].T
+            self._shared.vocab_size = super().logits(eye[:1]).shape[-1]
+        sub = h @ self._shared.rows.T
+        full = mx.full((*h.shape[:-1], self._shared.vocab_size), -mx.inf, sub.dtype)
+        idx = mx.broadcast_to(self.draft_vocab, sub.shape)
+        return mx.put_along_axis(full, idx, sub, axis=-1)
 
 
 def make_block(backbone: nn.Module, args: Any, index: int) -> nn.Module:
@@ -99,9 +125,11 @@ def build(
 ) -> MTPHead:
     pre = prefix(config)
     block = make_block(backbone, args, args.num_hidden_layers)
+    vocab = weights.get(f"{pre}draft_vocab")
     return DeepSeekMTP(
         args,
         block,
         has_embed=f"{pre}embed_tokens.weight" in weights,
         has_head=any(k.startswith(f"{pre}shared_head.head.") for k in weights),
+        draft_vocab=0 if vocab is None else vocab.shape[0],
     )
