@@ -338,19 +338,51 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     weights = _read_tensors(reader, meta.arch, config, names, bar)
     if mtp_reader is not None:
         weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar))
-    return Source(path, config, weights, gguf_tokenizer_writer(path))
+    return Source(path, config, weights, gguf_tokenizer_writer(path, reader.fields))
 
 
-def gguf_tokenizer_writer(path: Path):
-    """Write tokenizer files built by transformers from the GGUF's tokenizer metadata."""
+# GGUF special-token ids -> the tokenizer_config names transformers uses
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def gguf_tokenizer_writer(path: Path, fields: Dict[str, Any]):
+    """Write tokenizer files built from the GGUF's tokenizer metadata.
+
+    transformers' own GGUF reader imports torch, so the metadata comes from our
+    reader and only transformers' tokenizer builders are used.
+    """
 
     def write(out: Path) -> None:
         from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
 
+        grouped = {
+            group: {
+                name: fields[f"tokenizer.{key}"]
+                for key, name in renames.items()
+                if f"tokenizer.{key}" in fields
+            }
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        }
+        tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
+        if tokens.get("tokenizer_type") == "llama":
+            config.setdefault("add_bos_token", True)  # as llama.cpp does
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = fields.get(f"tokenizer.ggml.{key}")
+            config[name] = None if token_id is None else tokens["tokens"][token_id]
         try:
-            tok = PreTrainedTokenizerFast.from_pretrained(
-                str(path.parent), gguf_file=path.name
+            backend, extra = convert_gguf_tokenizer(
+                fields["general.architecture"], tokens
             )
+            tok = PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
         except Exception as e:
             text = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise MTPError(f"{path}: cannot build its tokenizer ({text})") from None
