@@ -41,10 +41,6 @@ class MTPModel:
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 
-    @property
-    def can_speculate(self) -> bool:
-        return self.head is not None and can_rollback(self.trunk.make_cache())
-
     def make_cache(self) -> MTPCache:
         head_cache = self.head.make_cache() if self.head is not None else []
         return MTPCache(trunk=self.trunk.make_cache(), head=head_cache)
