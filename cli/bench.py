@@ -141,8 +141,9 @@ def bench(
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
     err = Console(stderr=True, highlight=False)
-    if as_json:
-        result = run_bench(
+
+    def bench_run(progress=None):
+        return run_bench(
             loaded,
             tokenizer,
             bench_prompts,
@@ -150,20 +151,14 @@ def bench(
             draft_p_min,
             repeats,
             max_tokens,
+            progress=progress,
         )
-        print(json.dumps(result.to_dict()))
+
+    if as_json:
+        print(json.dumps(bench_run().to_dict()))
         return
     with err.status("benchmarking") as status:
-        result = run_bench(
-            loaded,
-            tokenizer,
-            bench_prompts,
-            draft_max,
-            draft_p_min,
-            repeats,
-            max_tokens,
-            progress=lambda msg: status.update(f"benchmarking: {msg}"),
-        )
+        result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)
