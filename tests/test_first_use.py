@@ -13,6 +13,7 @@ from statistics import median
 
 import mlx.core as mx
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
 # A large vocabulary makes a full-vocabulary matmul on first use stand out
@@ -82,28 +83,10 @@ def test_first_head_call_costs_no_more_than_a_later_one(tmp_path, tied, bits):
     mx.save_safetensors(str(base / "model.safetensors"), weights)
     (base / "config.json").write_text(json.dumps(config))
 
-    # a head as train-head writes it: DeepSeek-style, drafting from 512 tokens
-    n = CONFIG["num_hidden_layers"]
-    d = CONFIG["hidden_size"]
-    block = llama.TransformerBlock(llama.ModelArgs.from_dict(CONFIG))
-    head = {f"block.{k}": v for k, v in tree_flatten(block.parameters())}
-    head.update(
-        {
-            "enorm.weight": mx.ones((d,)),
-            "hnorm.weight": mx.ones((d,)),
-            "eh_proj.weight": mx.random.normal((d, 2 * d)) * d**-0.5,
-            "shared_head.norm.weight": mx.ones((d,)),
-            "draft_vocab": mx.arange(0, 65536, 128, dtype=mx.int32),
-        }
+    # a head as train-head writes it, drafting from 512 tokens
+    head_dir = tiny.write_trained_head(
+        tmp_path / "head", CONFIG, draft_vocab=list(range(0, 65536, 128))
     )
-    head_dir = tmp_path / "head"
-    head_dir.mkdir()
-    pre = f"model.layers.{n}."
-    names = {k.removeprefix("block."): v for k, v in head.items()}
-    mx.save_safetensors(
-        str(head_dir / "mtp.safetensors"), {pre + k: v for k, v in names.items()}
-    )
-    (head_dir / "mtp_config.json").write_text(json.dumps({"family": "deepseek"}))
 
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(base), str(head_dir)],
