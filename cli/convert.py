@@ -7,13 +7,11 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.convert import add_mtp
-from mlx_mtp.convert import convert as convert_model
-from mlx_mtp.convert.describe import describe, format_precision, format_size
 from mlx_mtp.convert.precision import (
     DEFAULT_MTP_BITS,
     DEFAULT_Q_BITS,
     DEFAULT_Q_GROUP_SIZE,
+    DTYPES,
 )
 
 from .app import MODEL, OUTPUT, app, fail
@@ -31,12 +29,15 @@ def convert(
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the trunk.", rich_help_panel=QUANT),
     q_bits: int = typer.Option(DEFAULT_Q_BITS, "--q-bits", help="Bits per weight of the quantized trunk.", rich_help_panel=QUANT),
     q_group_size: int = typer.Option(DEFAULT_Q_GROUP_SIZE, "--q-group-size", help="Group size of the quantized trunk.", rich_help_panel=QUANT),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized weights (default: the source's; for GGUF float16, float32 on a CPU-only machine).", rich_help_panel=QUANT),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="|".join(DTYPES), show_default="the source's; GGUF: float16, float32 where MLX has no GPU", help="Float type of the unquantized weights.", rich_help_panel=QUANT),
     mtp_bits: int = typer.Option(DEFAULT_MTP_BITS, "--mtp-bits", help="MTP block precision when the trunk is quantized: 8 (8-bit) or 16 (unquantized).", rich_help_panel=QUANT),
     dequantize: bool = typer.Option(False, "--dequantize", help="Store every weight unquantized.", rich_help_panel=QUANT),
-    force: bool = typer.Option(False, "--force", help="Replace OUT (or an existing head) if it exists.", rich_help_panel=OUTPUT),
+    force: bool = typer.Option(False, "--force", help="Replace OUT when it holds a model or is empty (with --mtp-only: the head in --into).", rich_help_panel=OUTPUT),
 ):
     """Convert a GGUF file or Hugging Face model into an MLX folder with its MTP head."""
+    from mlx_mtp.convert import add_mtp
+    from mlx_mtp.convert import convert as convert_model
+
     start = time.perf_counter()
     if mtp_only:
         if into is None or out is not None:
@@ -69,6 +70,8 @@ def convert(
 
 
 def _summary(path: Path) -> None:
+    from mlx_mtp.convert.describe import describe, format_precision, format_size
+
     info = describe(path)
     mtp = format_precision(info.mtp_precision) if info.mtp_layers else "none"
     print(
