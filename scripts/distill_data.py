@@ -2,7 +2,7 @@
 
 The trunk's greedy answers to ``distill_prompts(N, SEED)``, as JSON lines of
 token ids, appended batch by batch so that a stopped run resumes where it was.
-Run with OpenBLAS preloaded (MEASURE.md); f32 weights.
+Run with OpenBLAS preloaded (docs/performance.md); f32 weights.
 
     python scripts/distill_data.py MODEL OUT.jsonl --prompts 6000 --seed 0
 """
