@@ -98,7 +98,7 @@ def kernel_call(q, k, v, g, beta, state, mask=None) -> Dict[str, Any]:
 
 
 def _backend() -> Optional[str]:
-    """ "metal" or "cuda" where the default device is a GPU with kernels, else None."""
+    """The GPU backend whose kernels the dispatch runs: "metal", "cuda" or None."""
     if mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
@@ -176,36 +176,33 @@ def gated_delta_keep(
     backend = _backend() if use_kernel and Dk >= 32 and Dk % 32 == 0 else None
     if backend is not None:
         variant = (backend, mask is not None, g.ndim == 4)
-        call = kernel_call(q, k, v, g, beta, state, mask)
-        if _kernel_trusted(variant, call, (q, k, v, g, beta, state, mask)):
+        if _kernel_trusted(variant, (q, k, v, g, beta, state, mask)):
+            call = kernel_call(q, k, v, g, beta, state, mask)
             return tuple(_build_kernel(*variant)(**call))
     return gated_delta_keep_ops(q, k, v, g, beta, state, mask)
 
 
 # Self-check on first use. The kernels are tested on the CPU through an
 # emulator (tests/kernel_harness), which cannot prove that a Metal compiler
-# accepts them or that a GPU runs them as emulated; so the first call of each
-# kernel instance in a process is checked against the reference on a small
-# random input, and a kernel that fails or disagrees is replaced by the
-# reference, with one line on stderr.
-CHECK_TOKENS = 4
+# accepts them or that a GPU runs them as emulated. So each kernel instance
+# (variant, input shapes and dtypes) is checked against the reference on
+# random inputs the first time a process uses it; one that fails or disagrees
+# is replaced by the reference, with one line on stderr.
 _verdicts: Dict[tuple, bool] = {}
 _warned = False
 
 
-def _kernel_trusted(variant: tuple, call: Dict[str, Any], args: tuple) -> bool:
-    key = (
-        variant,
-        tuple(a.dtype for a in args if a is not None),
-        tuple(v for _, v in call["template"]),
-    )
+def _kernel_trusted(variant: tuple, args: tuple) -> bool:
+    key = (variant, tuple((a.shape, a.dtype) for a in args if a is not None))
     if key not in _verdicts:
         problem = _self_check(variant, *args)
         _verdicts[key] = problem is None
         if problem is not None:
-            _warn_once(f"the {variant[0]} kernel {kernel_spec(*variant)['name']} "
-                       f"{problem}; using the pure-MLX reference instead (slower). "
-                       "Please report this.")  # fmt: skip
+            name = kernel_spec(*variant)["name"]
+            _warn_once(
+                f"the {variant[0]} kernel {name} {problem}; using the pure-MLX "
+                "reference instead (slower). Please report this."
+            )
     return _verdicts[key]
 
 
@@ -216,23 +213,26 @@ def _warn_once(message: str) -> None:
         print(f"warning: mlx-mtp: {message}", file=sys.stderr, flush=True)
 
 
-def check_inputs(q, k, v, g, beta, state, mask=None, T: int = CHECK_TOKENS):
-    """Random inputs of one sequence of ``T`` tokens with the head sizes,
-    dtypes, gate layout and mask presence of the given ones (its first token
-    masked). Drawn from a fixed key: the global random state is left alone."""
-    Hk, Dk = k.shape[2:]
-    Hv, Dv = v.shape[2:]
+def check_inputs(q, k, v, g, beta, state, mask=None):
+    """Random inputs with the shapes and dtypes of the given ones, scaled as a
+    model's (unit-norm keys, decays in (0.5, 1)); with a mask, sequence 0's
+    first token is masked. Drawn from a fixed key: the global random state
+    is left alone."""
+    B, T, _, Dk = k.shape
     kq, kk, kv, kg, kb, ks = mx.random.split(mx.random.key(0), 6)
-    q_ = mx.random.normal((1, T, Hk, Dk), key=kq) * Dk**-0.5
-    k_ = mx.random.normal((1, T, Hk, Dk), key=kk)
+    q_ = mx.random.normal(q.shape, key=kq) * Dk**-0.5
+    k_ = mx.random.normal(k.shape, key=kk)
     k_ = k_ / mx.linalg.norm(k_, axis=-1, keepdims=True)  # as normalize_qk does
-    v_ = mx.random.normal((1, T, Hv, Dv), key=kv)
-    g_ = mx.random.uniform(0.5, 1.0, (1, T) + g.shape[2:], key=kg)
-    b_ = mx.random.uniform(0.0, 1.0, (1, T, Hv), key=kb)
-    s_ = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=ks)
-    out = [x.astype(ref.dtype) for x, ref in zip((q_, k_, v_, g_, b_, s_),
-                                                  (q, k, v, g, beta, state))]  # fmt: skip
-    return (*out, None if mask is None else mx.arange(T)[None] >= 1)
+    v_ = mx.random.normal(v.shape, key=kv)
+    g_ = mx.random.uniform(0.5, 1.0, g.shape, key=kg)
+    b_ = mx.random.uniform(0.0, 1.0, beta.shape, key=kb)
+    s_ = 0.1 * mx.random.normal(state.shape, key=ks)
+    like = (q, k, v, g, beta, state)
+    out = [x.astype(a.dtype) for x, a in zip((q_, k_, v_, g_, b_, s_), like)]
+    if mask is not None:
+        start = mx.array([1 if T > 1 else 0] + [0] * (B - 1))
+        mask = mx.arange(T)[None] >= start[:, None]
+    return (*out, mask)
 
 
 def kernel_disagreement(outputs, inputs, atol: float = 1e-4) -> Optional[str]:
@@ -255,7 +255,8 @@ def kernel_disagreement(outputs, inputs, atol: float = 1e-4) -> Optional[str]:
         err = mx.abs(got.astype(mx.float32) - ref) * keep
         bound = atol + rtol * mx.abs(ref)
         if not mx.all(err <= bound).item():  # NaN fails too
-            return f"disagrees with the reference (max |diff| in {name} {mx.max(err).item():.3g})"
+            worst = mx.max(err).item()
+            return f"disagrees with the reference (max |diff| in {name} {worst:.3g})"
     return None
 
 
@@ -265,7 +266,7 @@ def _self_check(variant: tuple, *args) -> Optional[str]:
         outputs = _build_kernel(*variant)(**kernel_call(*inputs))
         mx.eval(outputs)
     except Exception as e:  # a Metal compile error, a launch failure
-        return f"failed ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        return f"failed ({(str(e).strip() or type(e).__name__).splitlines()[0]})"
     return kernel_disagreement(outputs, inputs)
 
 

@@ -65,6 +65,11 @@ METAL_ATTRIBUTES = [
 ]
 
 
+def as_array(x) -> mx.array:
+    """An input as the binding passes it: a Python scalar becomes a 0-d array."""
+    return x if isinstance(x, mx.array) else mx.array(x)
+
+
 class ArgInfo(NamedTuple):
     """What the generated signature depends on for one input."""
 
