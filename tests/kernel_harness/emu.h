@@ -1,7 +1,7 @@
 // Runtime of the kernel emulator: GPU threads as fibers on one CPU thread.
 //
 // A launch runs one threadgroup (Metal) or block (CUDA) at a time. Each of its
-// threads is a fiber (ucontext) with its own stack that runs the kernel body
+// threads is a fiber with its own stack that runs the kernel body
 // until it returns or calls a collective (simd_sum, __shfl_xor_sync,
 // __syncwarp, a barrier). A collective parks the fiber; once every fiber of
 // the block is parked or done, the scheduler completes each collective whose

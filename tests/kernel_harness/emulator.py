@@ -125,14 +125,17 @@ class EmulatedKernel:
         header: str = "",
         ensure_row_contiguous: bool = True,
         atomic_outputs: bool = False,
+        shared_memory: int = 0,
         *,
         workdir: Path,
         sanitize: bool = True,
     ):
         if backend not in SHIMS:
             raise ValueError(f"backend must be one of {list(SHIMS)}")
-        if atomic_outputs:
-            raise NotImplementedError("atomic outputs are not emulated")
+        if atomic_outputs or shared_memory or not ensure_row_contiguous:
+            raise NotImplementedError(
+                "atomic outputs, shared memory and strided inputs are not emulated"
+            )
         if "#include" in header:
             raise NotImplementedError("a header with #include is not emulated")
         self.backend, self.name = backend, name
@@ -208,12 +211,13 @@ class EmulatedKernel:
         exe = self.workdir / f"{self.name}-{self.backend}-{key.hexdigest()[:16]}"
         if not exe.exists():
             self.workdir.mkdir(parents=True, exist_ok=True)
-            src = exe.with_suffix(".cpp")
+            src, tmp = exe.with_suffix(".cpp"), exe.with_suffix(".tmp")
             src.write_text(tu)
-            cmd = [compiler(), *self.flags, "-I", str(HERE), str(src), "-o", str(exe)]
+            cmd = [compiler(), *self.flags, "-I", str(HERE), str(src), "-o", str(tmp)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise KernelRunError(f"compile failed: {' '.join(cmd)}\n{r.stderr}")
+            os.replace(tmp, exe)
         return exe
 
     def plan(self, calls: Sequence[Dict[str, Any]]) -> "Plan":
