@@ -9,6 +9,9 @@ Three implementations of one op, all matching mlx-lm's ``gated_delta_ops``:
 a pure-MLX reference (CPU and the fallback everywhere), a Metal kernel that is
 mlx-lm's shipped kernel plus one output, and its CUDA twin. Like mlx-lm's op,
 this one takes q and k already normalized and scaled (``normalize_qk``).
+``kernel_spec`` and ``kernel_call`` give the kernel builder's and a call's
+arguments: the dispatch and the CPU emulator in the tests share them. A
+kernel is checked against the reference the first time a process uses it.
 """
 
 import importlib.resources

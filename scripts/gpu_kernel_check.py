@@ -144,6 +144,10 @@ def tiny_qwen3_next():
     return MTPModel(trunk=wrapped, head=head, config=config), reference
 
 
+def _argmax(logprobs):
+    return mx.argmax(logprobs, axis=-1)
+
+
 def check_greedy(max_tokens: int) -> list:
     from mlx_lm.generate import generate_step
 
@@ -152,11 +156,10 @@ def check_greedy(max_tokens: int) -> list:
 
     model, reference = tiny_qwen3_next()
     prompt = list(range(40, 70))
-    argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
     expected = [
         int(t)
         for t, _ in generate_step(
-            mx.array(prompt), reference, max_tokens=max_tokens, sampler=argmax
+            mx.array(prompt), reference, max_tokens=max_tokens, sampler=_argmax
         )
     ]
     stats = MTPStats()

@@ -55,8 +55,7 @@ _COMMON = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
     torch_dtype="float32",
-    eos_token_id=VOCAB
-    - 1,  # a token the models never favour; tests pick their own stops
+    eos_token_id=VOCAB - 1,  # a token the models never favour; tests pick their own stops
 )
 _MLA = dict(
     q_lora_rank=32,
@@ -119,7 +118,9 @@ def _shrink_outputs(params: Dict[str, mx.array], factor: float) -> None:
             params[k] = params[k] * factor
 
 
-def build_weights(model_type: str, seed: int = 0, agreeable: bool = True, **overrides):
+def build_weights(
+    model_type: str, seed: int = 0, agreeable: bool = True, **overrides
+):
     """Random weights for the trunk and MTP layer, with checkpoint names.
 
     ``overrides`` change the config (e.g. ``hidden_size`` for a bigger model).
