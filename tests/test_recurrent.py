@@ -1,0 +1,211 @@
+"""Recurrent hybrids beyond GDN: Nemotron-H (Mamba2), Kimi-Linear (KDA), Ling (GLA).
+
+Greedy MTP output equals mlx-lm's greedy output at draft-max 1..4, with stop
+tokens and token limits inside a draft; after every round each recurrent
+state and conv window equals mlx-lm's after the kept tokens one at a time; a
+round costs one trunk forward (rollback picks a kept state, never replays);
+rollback of every length and a pass in two pieces; the head's logits equal an
+independent numpy forward of the checkpoint tensors.
+"""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny_recurrent
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from test_hybrid import CountingTrunk, _first_accepted_draft
+from test_speculative import (
+    PREFILL,
+    assert_same_or_near_tie,
+    mtp_greedy,
+    reference_greedy,
+)
+
+import mlx_mtp
+from mlx_mtp.cache import rollback, start_verify
+from mlx_mtp.keep_states import KeepStatesCache
+from mlx_mtp.speculative import speculative_generate_step
+from mlx_mtp.stats import MTPStats
+
+FAMILIES = list(tiny_recurrent.MODEL_TYPES)
+# float32 states; the keep ops run mlx-lm's per-token arithmetic (measured on
+# CPU: equal to a few ulps, mlx-lm's one-token SSM path sums in another order).
+STATE_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recurrent")
+    loaded = {}
+
+    def get(model_type):
+        if model_type not in loaded:
+            full, trunk = tiny_recurrent.build_folder(root / model_type, model_type)
+            reference, _ = mlx_lm_load_model(trunk)
+            loaded[model_type] = (mlx_mtp.load_model(full), reference, full)
+        return loaded[model_type]
+
+    return get
+
+
+def _recurrent_state(c):
+    if not isinstance(c, ArraysCache):
+        return None
+    assert isinstance(c, KeepStatesCache) and not c.verifying  # nothing kept
+    return list(c.cache)
+
+
+def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
+    """Greedy MTP run that records the recurrent caches after every round."""
+    counting = CountingTrunk(model.trunk)
+    model = dataclasses.replace(model, trunk=counting)
+    cache = model.make_cache()
+    snapshots, offset, out = [], 0, []
+    stats = MTPStats(trace=[])
+    prefill_calls = -(-(len(prompt) - 1) // PREFILL)
+    for tok, _ in speculative_generate_step(
+        prompt,
+        model,
+        max_tokens=max_tokens,
+        draft_max=draft_max,
+        stop_tokens=stop,
+        prompt_cache=cache,
+        prefill_step_size=PREFILL,
+        stats=stats,
+    ):
+        if cache.offset != offset:  # a new round has rolled back
+            offset = cache.offset
+            snapshots.append((offset, [_recurrent_state(c) for c in cache.trunk]))
+        out.append(tok)
+    return out, stats, snapshots, counting.calls - prefill_calls
+
+
+def assert_states_match(reference, prompt, out, snapshots):
+    """Each snapshot equals mlx-lm's caches after the same tokens, one at a time."""
+    tokens = prompt + out
+    cache = make_prompt_cache(reference)
+    done = 0
+    for s in range(0, len(prompt) - 1, PREFILL):  # the same prefill chunks
+        chunk = prompt[s : min(s + PREFILL, len(prompt) - 1)]
+        reference(mx.array(chunk)[None], cache=cache)
+        done += len(chunk)
+    for offset, states in snapshots:
+        for t in tokens[done:offset]:
+            reference(mx.array([[t]]), cache=cache)
+        done = offset
+        assert max(c.offset for c in cache if hasattr(c, "offset")) == offset
+        assert sum(s is not None for s in states) >= 2
+        for got, ref in zip(states, cache):
+            if got is None:
+                continue
+            assert len(got) == len(ref.cache)
+            for a, b in zip(got, ref.cache):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=STATE_ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("draft_max", [1, 2, 3, 4])
+def test_greedy_identical_and_states_after_every_round(models, family, draft_max):
+    model, reference, _ = models(family)
+    prompt = list(range(40, 40 + 3 * PREFILL + 5))  # spans several prefill chunks
+    expected = reference_greedy(reference, prompt, 40)
+    got, stats, snapshots, forwards = run_with_snapshots(model, prompt, 40, draft_max)
+    assert_same_or_near_tie(reference, prompt, expected, got)
+    assert 0 < stats.accepted < stats.drafted  # accepted and rejected drafts both ran
+    assert stats.generation_tokens == len(got) == stats.rounds + stats.accepted
+    # one trunk forward per round: no replay for the rollback
+    assert forwards == stats.rounds == len(snapshots)
+    assert forwards / len(got) == pytest.approx(1 / stats.mean_accepted_length)
+    assert stats.mean_accepted_length > 1
+    assert_states_match(reference, prompt, got, snapshots)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("draft_max", [1, 2, 3, 4])
+def test_stop_and_max_tokens_inside_a_draft(models, family, draft_max):
+    model, reference, _ = models(family)
+    prompt = list(range(100, 130))
+    free, stats, _ = mtp_greedy(model, prompt, 48, draft_max)
+    found = _first_accepted_draft(free, stats.trace)
+    assert found is not None
+    pos, stop = found
+    # a stop token that is accepted as a draft, with drafts after it
+    expected = reference_greedy(reference, prompt, 48, stop={stop})
+    got, st, snapshots, _ = run_with_snapshots(model, prompt, 48, draft_max, {stop})
+    assert_same_or_near_tie(reference, prompt, expected, got)
+    assert got[-1] == stop and len(got) == pos + 1
+    assert st.generation_tokens == len(got) == st.rounds + st.accepted
+    assert_states_match(reference, prompt, got, snapshots)
+    # a token limit that ends right after the same accepted draft
+    expected = reference_greedy(reference, prompt, pos + 1)
+    got, st, snapshots, _ = run_with_snapshots(model, prompt, pos + 1, draft_max)
+    assert got == expected and len(got) == pos + 1
+    assert_states_match(reference, prompt, got, snapshots)
+
+
+def check_rollback(model, reference, n, split):
+    """Verify 4 tokens (in one forward or two), roll back n: the caches hold 4 - n."""
+    prompt, verified = list(range(50, 70)), [7, 8, 9, 10]
+    cache = model.make_cache().trunk
+    model.trunk(mx.array(prompt)[None], cache)
+    start_verify(cache)
+    model.trunk(mx.array(verified[:split])[None], cache)
+    if split < len(verified):
+        model.trunk(mx.array(verified[split:])[None], cache)
+    rollback(cache, n)
+    ref = make_prompt_cache(reference)
+    reference(mx.array(prompt)[None], cache=ref)
+    for t in verified[: len(verified) - n]:
+        reference(mx.array([[t]]), cache=ref)
+    for c, r in zip(cache, ref):
+        if isinstance(c, KeepStatesCache):
+            assert not c.verifying and c.nbytes == r.nbytes
+            for a, b in zip(c.cache, r.cache):
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=STATE_ATOL)
+        else:
+            assert c.offset == r.offset
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_of_every_length(models, family):
+    model, reference, _ = models(family)
+    for n, split in [(0, 4), (1, 4), (2, 4), (3, 4), (1, 2), (3, 1)]:
+        check_rollback(model, reference, n, split)
+    cache = model.make_cache().trunk
+    start_verify(cache)
+    model.trunk(mx.array([7, 8, 9, 10])[None], cache)
+    with pytest.raises(ValueError, match="cannot roll back 4 of 4"):
+        rollback(cache, 4)
+
+
+def _mutant_rollback(shift_states: int, shift_windows: int):
+    """``KeepStatesCache.rollback`` picking a neighbouring slot or window."""
+
+    def rollback_(self, n):
+        kept_slots, self._verify = self._verify, None
+        for slot, (seq, window) in (kept_slots or {}).items():
+            kept = seq.shape[1] - window - n
+            if window:
+                start = kept + shift_windows
+                self[slot] = seq[:, start : start + window]
+            else:
+                self[slot] = seq[:, kept - 1 + shift_states]
+
+    return rollback_
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mutant", ["state slot", "window"])
+def test_a_wrong_slot_or_window_is_caught(models, family, mutant, monkeypatch):
+    """The state checks above are strict enough to see an off-by-one rollback."""
+    if mutant == "window" and family == "bailing_hybrid":
+        pytest.skip("lightning attention has no conv window")
+    shifts = (-1, 0) if mutant == "state slot" else (0, -1)
+    monkeypatch.setattr(KeepStatesCache, "rollback", _mutant_rollback(*shifts))
+    model, reference, _ = models(family)
+    with pytest.raises(AssertionError):
+        check_rollback(model, reference, 1, 4)
