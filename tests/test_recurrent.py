@@ -33,7 +33,11 @@ from mlx_mtp.stats import MTPStats
 FAMILIES = list(tiny_recurrent.MODEL_TYPES)
 # float32 states; the keep ops run mlx-lm's per-token arithmetic (measured on
 # CPU: equal to a few ulps, mlx-lm's one-token SSM path sums in another order).
-STATE_ATOL = 1e-5
+# On a CUDA GPU mlx-lm's own matmuls run at reduced precision (measured there:
+# states 5e-4 off, 3e-4 relative on Ling's larger states), so the reference
+# holds only to a looser bound.
+CUDA = mx.default_device() == mx.gpu and not mx.metal.is_available()
+STATE_ATOL, STATE_RTOL = (2e-3, 1e-3) if CUDA else (1e-5, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +108,9 @@ def assert_states_match(reference, prompt, out, snapshots):
             assert len(got) == len(ref.cache)
             for a, b in zip(got, ref.cache):
                 assert a.shape == b.shape and a.dtype == b.dtype
-                np.testing.assert_allclose(np.array(a), np.array(b), atol=STATE_ATOL)
+                np.testing.assert_allclose(
+                    np.array(a), np.array(b), atol=STATE_ATOL, rtol=STATE_RTOL
+                )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -165,7 +171,9 @@ def check_rollback(model, reference, n, split):
         if isinstance(c, KeepStatesCache):
             assert not c.verifying and c.nbytes == r.nbytes
             for a, b in zip(c.cache, r.cache):
-                np.testing.assert_allclose(np.array(a), np.array(b), atol=STATE_ATOL)
+                np.testing.assert_allclose(
+                    np.array(a), np.array(b), atol=STATE_ATOL, rtol=STATE_RTOL
+                )
         else:
             assert c.offset == r.offset
 
