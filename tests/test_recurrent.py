@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny_recurrent
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from test_hybrid import CountingTrunk, _first_accepted_draft
 from test_speculative import (
@@ -217,3 +218,97 @@ def test_a_wrong_slot_or_window_is_caught(models, family, mutant, monkeypatch):
     model, reference, _ = models(family)
     with pytest.raises(AssertionError):
         check_rollback(model, reference, 1, 4)
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def reference_blocks(model_type, config, weights):
+    """mlx-lm's own layers for the MTP block, loaded through the trunk's sanitize.
+
+    Kimi-Linear's and Ling's block is the decoder layer at index N (placed at a
+    trunk layer of its kind for sanitize: MoE at 1 in Kimi, 0 in Ling); each of
+    Nemotron-H's sub-layers is a ``NemotronHBlock`` of its pattern character.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    args = args_class.from_dict(config)
+    trunk = model_class(args)
+    if model_type == "nemotron_h":
+        from mlx_lm.models.nemotron_h import NemotronHBlock
+
+        blocks = []
+        for i, c in enumerate(config["mtp_hybrid_override_pattern"]):
+            pre = f"mtp.layers.{i}."
+            raw = {f"backbone.layers.{i}.{k[len(pre):]}": v
+                   for k, v in weights.items() if k.startswith(pre + "mixer.")
+                   or k == pre + "norm.weight"}  # fmt: skip
+            clean = trunk.sanitize(raw)
+            block = NemotronHBlock(args, c)
+            strip = len(f"backbone.layers.{i}.")
+            block.load_weights([(k[strip:], v) for k, v in clean.items()])
+            blocks.append(block)
+        return blocks
+    own = {"enorm", "hnorm", "eh_proj", "shared_head", "final_layernorm"}
+    n = config["num_hidden_layers"]
+    slot = "model.layers.1." if model_type == "kimi_linear" else "model.layers.0."
+    pre = f"model.layers.{n}."
+    raw = {slot + k[len(pre) :]: v for k, v in weights.items()
+           if k.startswith(pre) and k[len(pre) :].split(".")[0] not in own}  # fmt: skip
+    block = type(trunk.layers[0])(args, n)
+    clean = trunk.sanitize(raw)
+    block.load_weights([(k[len(slot) :], v) for k, v in clean.items()])
+    return [block]
+
+
+def numpy_head(model_type, config, w, hidden, tokens, blocks):
+    """The head's wiring in numpy (vLLM's, see the head modules), blocks from mlx-lm."""
+    if model_type == "nemotron_h":
+        pre, eps = "mtp.layers.0.", config["layer_norm_epsilon"]
+        e = np.array(w["backbone.embeddings.weight"])[tokens]  # position 0 kept
+    else:
+        pre, eps = (
+            f"model.layers.{config['num_hidden_layers']}.",
+            config["rms_norm_eps"],
+        )
+        name = "embed_tokens" if model_type == "kimi_linear" else "word_embeddings"
+        e = np.array(w[f"model.{name}.weight"])[tokens]
+        e[0] = 0  # vLLM zeroes the embedding at position 0
+    g = lambda name: np.array(w[pre + name])  # noqa: E731
+    x = (
+        np.concatenate(
+            [rms(e, g("enorm.weight"), eps), rms(hidden, g("hnorm.weight"), eps)], -1
+        )
+        @ g("eh_proj.weight").T
+    )
+    xm = mx.array(x)[None]
+    mask = create_attention_mask(xm, None, return_array=True)
+    for block in blocks:
+        cache = KVCache() if getattr(block, "block_type", "*") == "*" else None
+        xm = block(xm, mask, cache)
+    y = np.array(xm)[0]
+    if model_type == "nemotron_h":
+        h = rms(y, np.array(w["mtp.layers.1.final_layernorm.weight"]), eps)
+    elif model_type == "kimi_linear":
+        h = rms(y, g("shared_head.norm.weight"), eps)
+    else:
+        h = rms(y, g("final_layernorm.weight"), eps)
+    return h @ np.array(w["lm_head.weight"]).T
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_logits_match_numpy(models, family):
+    model, _, folder = models(family)
+    weights = mx.load(str(folder / "model.safetensors"))
+    config = model.config
+    blocks = reference_blocks(family, config, weights)
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((6, config["hidden_size"])).astype(np.float32)
+    tokens = rng.integers(0, 256, 6)
+    expected = numpy_head(family, config, weights, hidden, tokens, blocks)
+    got, _ = model.head(
+        mx.array(hidden)[None], mx.array(tokens)[None], model.head.make_cache()
+    )
+    np.testing.assert_allclose(np.array(got[0]), expected, rtol=1e-4, atol=1e-4)
