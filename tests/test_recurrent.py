@@ -9,6 +9,7 @@ independent numpy forward of the checkpoint tensors.
 """
 
 import dataclasses
+import gc
 
 import mlx.core as mx
 import numpy as np
@@ -312,3 +313,88 @@ def test_head_logits_match_numpy(models, family):
         mx.array(hidden)[None], mx.array(tokens)[None], model.head.make_cache()
     )
     np.testing.assert_allclose(np.array(got[0]), expected, rtol=1e-4, atol=1e-4)
+
+
+# Per-layer recurrent shapes of released checkpoints, everything else tiny:
+# Nemotron 3 Super 120B-A12B: mamba_num_heads 128, mamba_head_dim 64,
+#   ssm_state_size 128, n_groups 8, conv_kernel 4 (its config.json; 40 Mamba
+#   layers): a float32 SSM state is 128*64*128*4 B = 4 MiB per layer;
+# Kimi-Linear-48B-A3B: linear_attn_config num_heads 32, head_dim 128, 20
+#   kda_layers: a float32 KDA state is 32*128*128*4 B = 2 MiB per layer.
+# A verify pass of T tokens keeps T states per layer (plus conv inputs, a few
+# hundred KiB): for T = 4, 640 MiB on the 120B and 160 MiB on the 48B.
+HEAVY = {
+    "nemotron_h": (
+        dict(
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            hybrid_override_pattern="M*M",
+        ),  # fmt: skip
+        128 * 64 * 128 * 4,
+    ),
+    "kimi_linear": (
+        dict(
+            linear_attn_config=dict(
+                num_heads=32,
+                head_dim=128,
+                short_conv_kernel_size=4,
+                kda_layers=[1, 3],
+                full_attn_layers=[2],
+            ),
+            num_hidden_layers=3,
+        ),  # fmt: skip
+        32 * 128 * 128 * 4,
+    ),
+}
+
+
+def _verify_memory(model, keep: bool):
+    """Above resident, in a T = 4 verify: (peak, held once evaluated, after it)."""
+    cache = model.make_cache()
+    model(mx.array([list(range(30, 60))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    gc.collect()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    if keep:
+        start_verify(cache)
+    logits = model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    kept = [c._verify for c in cache if getattr(c, "_verify", None)]
+    mx.eval(logits, [c.state for c in cache], kept)
+    peak, held = mx.get_peak_memory() - base, mx.get_active_memory() - base
+    rollback(cache, 2 if keep else 0)
+    mx.eval([c.state for c in cache])
+    del logits, kept
+    gc.collect()
+    return peak, held, mx.get_active_memory() - base
+
+
+@pytest.mark.parametrize("family", list(HEAVY))
+def test_verify_keeps_t_states_per_layer_and_releases_them(family):
+    from mlx_lm.utils import _get_classes
+
+    from mlx_mtp.heads import family_for
+
+    shape, state_bytes = HEAVY[family]
+    config = dict(tiny_recurrent.CONFIGS[family], model_type=family, **shape)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+    family_for(family).patch_trunk(model)
+    n_recurrent = sum(type(c) is not KVCache for c in model.make_cache())
+    plain = _verify_memory(model, keep=False)
+    keeping = _verify_memory(model, keep=True)
+    kept = n_recurrent * 4 * state_bytes  # T = 4 states per recurrent layer
+    held, peak = keeping[1] - plain[1], keeping[0] - plain[0]
+    print(f"{family}: {n_recurrent} layers, T=4 states {kept / 2**20:.1f} MiB, "
+          f"held {held / 2**20:.2f} MiB, peak +{peak / 2**20:.2f} MiB")  # fmt: skip
+    # held: the kept states, plus the conv inputs (under 1 MiB at these shapes)
+    assert kept <= held <= kept + 2**20
+    # peak: the pure-MLX reference (the CPU's op) holds each token's state and
+    # their stack at once, so up to twice that; the GPU kernels write the kept
+    # states directly
+    assert peak <= 2 * kept + 4 * state_bytes
+    # the rollback pins no kept buffer (a few bytes of scalars may differ)
+    assert keeping[2] - plain[2] < 1024
