@@ -398,3 +398,26 @@ def test_verify_keeps_t_states_per_layer_and_releases_them(family):
     assert peak <= 2 * kept + 4 * state_bytes
     # the rollback pins no kept buffer (a few bytes of scalars may differ)
     assert keeping[2] - plain[2] < 1024
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_convert_keeps_the_head_and_mtp_only_adds_it(models, tmp_path, family):
+    """convert: the MTP tensors survive under their names; --mtp-only adds them."""
+    from mlx_mtp.convert import add_mtp, convert
+
+    from mlx_mtp.generate import mtp_logits
+
+    model, _, source = models(family)
+    tokens = list(range(40, 72))
+    full = mlx_mtp.load_model(convert(source, tmp_path / "full"))
+    expected = np.array(mtp_logits(model, tokens))
+    np.testing.assert_array_equal(np.array(mtp_logits(full, tokens)), expected)
+    trunk_src = source.parent / f"{source.name}-trunk"
+    trunk = convert(trunk_src, tmp_path / "trunk")
+    assert mlx_mtp.load_model(trunk).head is None
+    add_mtp(source, trunk)
+    added = mlx_mtp.load_model(trunk)
+    np.testing.assert_array_equal(np.array(mtp_logits(added, tokens)), expected)
+    # the converted folder speculates like the source
+    prompt = list(range(60, 90))
+    assert mtp_greedy(added, prompt, 20, 3)[0] == mtp_greedy(model, prompt, 20, 3)[0]
