@@ -35,11 +35,12 @@ from mlx_mtp.stats import MTPStats
 FAMILIES = list(tiny_recurrent.MODEL_TYPES)
 # float32 states; the keep ops run mlx-lm's per-token arithmetic (measured on
 # CPU: equal to a few ulps, mlx-lm's one-token SSM path sums in another order).
-# On a CUDA GPU mlx-lm's own matmuls run at reduced precision (measured there:
-# states 5e-4 off, 3e-4 relative on Ling's larger states), so the reference
-# holds only to a looser bound.
+# On a CUDA GPU mlx-lm's own matmuls run at reduced precision (measured on an
+# H100: states up to 2.2e-3 off, logits 8e-4), so the references hold only to
+# a looser bound there.
 CUDA = mx.default_device() == mx.gpu and not mx.metal.is_available()
-STATE_ATOL, STATE_RTOL = (2e-3, 1e-3) if CUDA else (1e-5, 0.0)
+STATE_ATOL, STATE_RTOL = (5e-3, 1e-3) if CUDA else (1e-5, 0.0)
+LOGITS_TOL = 2e-3 if CUDA else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +313,9 @@ def test_head_logits_match_numpy(models, family):
     got, _ = model.head(
         mx.array(hidden)[None], mx.array(tokens)[None], model.head.make_cache()
     )
-    np.testing.assert_allclose(np.array(got[0]), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(got[0]), expected, rtol=LOGITS_TOL, atol=LOGITS_TOL
+    )
 
 
 # Per-layer recurrent shapes of released checkpoints, everything else tiny:
