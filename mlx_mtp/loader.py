@@ -146,6 +146,8 @@ def _check_model_type(config: Dict[str, Any]) -> None:
 def _sanitize_block(model: nn.Module, family, weights):
     """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
     layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
+    if callable(layer):  # the trunk sanitizes some layers only as their kind needs
+        layer = layer(model)
     sanitize = getattr(model, "sanitize", lambda w: w)
     out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
     return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}

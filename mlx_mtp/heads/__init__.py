@@ -10,7 +10,8 @@ A family module provides:
   ``MultiLayerHead`` when its layers draft successive depths); the loader
   loads ``prefix(config, j)`` into ``head.layer(j)``.
 
-Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0),
+Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0;
+or a function of the trunk model naming a trunk layer of the block's kind),
 ``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
 ``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
 caches that roll back).
@@ -22,7 +23,14 @@ from typing import Optional
 
 from .base import MTPHead, MultiLayerHead, load_head_weights
 
-FAMILY_MODULES = ("deepseek", "mimo", "qwen3_next")
+FAMILY_MODULES = (
+    "deepseek",
+    "mimo",
+    "qwen3_next",
+    "nemotron_h",
+    "kimi_linear",
+    "bailing_hybrid",
+)
 
 
 def family_for(model_type: str) -> Optional[ModuleType]:
