@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_mtp.errors import MTPError
-from mlx_mtp.heads import family_for
+from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.loader import read_config
 
 
@@ -79,14 +79,7 @@ def _nbytes(e: Dict[str, Any]) -> int:
 
 
 def _mtp_layer_count(config: Dict[str, Any], family, names: List[str]) -> int:
-    if family is None:
-        return 0
-    count = 0
-    for j in range(max(family.num_layers(config), 1) + 4):
-        prefix = family.prefix(config, j)
-        if any(n.startswith(prefix) for n in names):
-            count += 1
-    return count
+    return 0 if family is None else layers_present(family, config, names)
 
 
 def describe_folder(path: Path) -> ModelInfo:
@@ -109,7 +102,9 @@ def describe_folder(path: Path) -> ModelInfo:
         path=str(path),
         format="MLX folder" if is_mlx else "Hugging Face folder",
         architecture=config["model_type"],
-        layers=int(config.get("num_hidden_layers", 0)),
+        layers=int(
+            config.get("text_config", config).get("num_hidden_layers", 0)
+        ),
         mtp_layers=_mtp_layer_count(config, family, list(head)),
         trunk_precision=dict(_folder_precision(trunk, quant)),
         mtp_precision=dict(_folder_precision(head, quant)),

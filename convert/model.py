@@ -71,7 +71,11 @@ def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Modu
 def build_heads(
     model: nn.Module, config: Dict[str, Any], mtp: Dict[str, mx.array]
 ) -> Tuple[List[Tuple[str, nn.Module]], Dict[str, mx.array]]:
-    """One loaded head per MTP layer present, and MTP tensors no head took."""
+    """(prefix, loaded layer) per MTP layer, and MTP tensors no layer took.
+
+    Layers that share tensors (Qwen3-Next's ``mtp.fc``) share one prefix and
+    modules; their tensors come out once.
+    """
     family = family_for(config["model_type"])
     if family is None or not mtp:
         return [], dict(mtp)
@@ -81,24 +85,22 @@ def build_heads(
     sanitize = getattr(family, "sanitize_block", None) or (
         lambda w: _sanitize_block(model, family, w)
     )
-    heads, taken = [], set()
-    prefixes = dict.fromkeys(
-        family.prefix(config, j) for j in range(max(family.num_layers(config), 1))
-    )
-    for prefix in prefixes:  # Qwen3-Next keeps all its layers under one prefix
-        if not any(k.startswith(prefix) for k in mtp):
-            continue
-        head = family.build(args, config, backbone, mtp)
+    if not any(k.startswith(family.prefix(config, 0)) for k in mtp):
+        return [], dict(mtp)
+    head = family.build(args, config, backbone, mtp)
+    layers = []
+    for j in range(head.num_layers):
+        prefix = family.prefix(config, j)
         try:
-            load_head_weights(head, prefix, mtp, sanitize, None)
+            load_head_weights(head.layer(j), prefix, mtp, sanitize, None)
         except ValueError as e:
             raise MTPError(
                 f"MTP layer {prefix} does not fit the model ({_first_line(e)})"
             ) from None
-        head.bind(backbone.embed_tokens, output_head(model))
-        heads.append((prefix, head))
-        taken.update(k for k in mtp if k.startswith(prefix))
-    return heads, {k: v for k, v in mtp.items() if k not in taken}
+        layers.append((prefix, head.layer(j)))
+    head.bind(backbone.embed_tokens, output_head(model))
+    taken = {k for k in mtp for prefix, _ in layers if k.startswith(prefix)}
+    return layers, {k: v for k, v in mtp.items() if k not in taken}
 
 
 def _checkpoint_path(prefix: str, path: str) -> str:

@@ -128,13 +128,22 @@ def _mild(params: Dict[str, mx.array]) -> None:
             params[k] = v * 0.5
 
 
-def build_weights(model_type: str, seed: int = 0, agreeable: bool = True):
-    """Random trunk and ``mtp.*`` tensors, named and valued as in the checkpoint."""
+def build_weights(
+    model_type: str, seed: int = 0, agreeable: bool = True, mtp_layers: int = 1
+):
+    """Random trunk and ``mtp.*`` tensors, named and valued as in the checkpoint.
+
+    ``mtp_layers`` > 1 gives ``mtp.layers.{0..}`` sharing ``fc`` and the norms.
+    """
     from mlx_lm.utils import _get_classes
 
     from mlx_mtp.heads import qwen3_next as family
 
     config = config_for(model_type)
+    if "text_config" in config:
+        config["text_config"]["mtp_num_hidden_layers"] = mtp_layers
+    else:
+        config["num_nextn_predict_layers"] = mtp_layers
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -142,13 +151,17 @@ def build_weights(model_type: str, seed: int = 0, agreeable: bool = True):
     backbone = model.language_model.model if "text_config" in config else model.model
     args = family._text_args(model.args, type(backbone.layers[0]))
     moe = getattr(args, "num_experts", 0) > 0
-    layer = family._mtp_layer(args, type(backbone.layers[0]), moe)
-    block = dict(tree_flatten(layer.parameters()))
+    blocks = [
+        dict(tree_flatten(family._mtp_layer(args, type(backbone.layers[0]), moe).parameters()))
+        for _ in range(mtp_layers)
+    ]
     _mild(params)
-    _mild(block)
+    for block in blocks:
+        _mild(block)
     if agreeable:
         _shrink_outputs(params, 0.1)
-        _shrink_outputs(block, 0.1)
+        for block in blocks:
+            _shrink_outputs(block, 0.1)
     embed = next(k for k in params if k.endswith("embed_tokens.weight"))
     params[embed] = mx.random.normal(params[embed].shape)
     trunk_w = _to_hf(params, model_type)
@@ -165,14 +178,22 @@ def build_weights(model_type: str, seed: int = 0, agreeable: bool = True):
         "norm.weight": 0.1 * mx.random.normal((d,)),
     }
     # the head's norms compute 1 + w: its weights are zero-centred already
-    block = {f"layers.0.{k}": v for k, v in block.items()}
-    mtp.update(_to_hf(block, model_type, shifted=False))
+    for j, block in enumerate(blocks):
+        block = {f"layers.{j}.{k}": v for k, v in block.items()}
+        mtp.update(_to_hf(block, model_type, shifted=False))
     return config, trunk_w, {f"mtp.{k}": v for k, v in mtp.items()}
 
 
-def build_folder(path: Path, model_type: str, seed: int = 0, agreeable: bool = True):
+def build_folder(
+    path: Path,
+    model_type: str,
+    seed: int = 0,
+    agreeable: bool = True,
+    mtp_layers: int = 1,
+):
     """A folder with trunk + ``mtp.*`` head, and ``path-trunk`` without the head."""
-    config, trunk_w, mtp_w = build_weights(model_type, seed, agreeable)
+    config, trunk_w, mtp_w = build_weights(model_type, seed, agreeable, mtp_layers)
     full = save_folder(Path(path), config, trunk_w, mtp_w)
     trunk_only = save_folder(Path(str(path) + "-trunk"), config, trunk_w)
     return full, trunk_only
+

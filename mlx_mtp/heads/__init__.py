@@ -20,7 +20,16 @@ from typing import Optional
 
 from .base import MTPHead, load_head_weights
 
-FAMILY_MODULES = ("deepseek", "mimo", "qwen3_next")
+FAMILY_MODULES = (
+    "deepseek",
+    "mimo",
+    "qwen3_next",
+    "ernie",
+    "exaone_moe",
+    "longcat",
+    "step3p5",
+    "mimo_v2_flash",
+)
 
 
 def family_for(model_type: str) -> Optional[ModuleType]:
@@ -32,6 +41,19 @@ def family_for(model_type: str) -> Optional[ModuleType]:
     return None
 
 
+def layers_present(family: ModuleType, config, names) -> int:
+    """How many MTP layers the tensor ``names`` of a checkpoint hold."""
+    if hasattr(family, "layers_present"):  # layers sharing one prefix
+        return family.layers_present(names, config)
+    n, prefixes = 0, set()
+    while family.prefix(config, n) not in prefixes and any(
+        k.startswith(family.prefix(config, n)) for k in names
+    ):
+        prefixes.add(family.prefix(config, n))
+        n += 1
+    return n
+
+
 def supported_model_types():
     return [
         t
@@ -40,4 +62,10 @@ def supported_model_types():
     ]
 
 
-__all__ = ["MTPHead", "family_for", "load_head_weights", "supported_model_types"]
+__all__ = [
+    "MTPHead",
+    "family_for",
+    "layers_present",
+    "load_head_weights",
+    "supported_model_types",
+]
