@@ -115,6 +115,7 @@ def describe_folder(path: Path) -> ModelInfo:
 
 
 def describe_gguf(path: Path) -> ModelInfo:
+    from .gguf_hybrid import ARCHS as HYBRID
     from .gguf_source import ARCHS, Metadata, _open
 
     reader = _open(path)
@@ -136,11 +137,12 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
+    archs = {**ARCHS, **HYBRID}
     return ModelInfo(
         path=str(path),
         format="GGUF",
-        architecture=f"{arch} ({ARCHS[arch]})"
-        if arch in ARCHS
+        architecture=f"{arch} ({archs[arch]})"
+        if arch in archs
         else f"{arch} (not supported)",
         layers=first_mtp,
         mtp_layers=len(present),

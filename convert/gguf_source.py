@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 
+from . import gguf_hybrid
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -42,8 +43,8 @@ MLX_ALIASES = {
     ".self_attn.unembed_out.": ".self_attn.v_b_proj.",
 }
 PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py
-# llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files too,
-# whose gated-delta layers are not mapped yet)
+# llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files:
+# see gguf_hybrid)
 NORM_PLUS_ONE = {"gemma3"}
 
 # GGUF metadata key (after "{arch}.") -> config key
@@ -88,9 +89,12 @@ def _open(path: Path) -> GGUFFile:
 
 
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
+    if meta.arch in gguf_hybrid.ARCHS:
+        return gguf_hybrid.build_config(meta, tensor_names)
     if meta.arch not in ARCHS:
+        supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS])
         raise MTPError(
-            f"unsupported GGUF architecture {meta.arch!r} (supported: {', '.join(ARCHS)})"
+            f"unsupported GGUF architecture {meta.arch!r} (supported: {supported})"
         )
     config: Dict[str, Any] = {"model_type": ARCHS[meta.arch]}
     for key, name in CONFIG_KEYS.items():
@@ -228,6 +232,8 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
     import gguf
 
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    if arch in gguf_hybrid.ARCHS:
+        return _hybrid_name_map(arch, arch_enum, config)
     n_blocks = config["num_hidden_layers"] + int(
         config.get("num_nextn_predict_layers", 0)
     )
@@ -246,6 +252,21 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
             if found is not None:
                 out.setdefault(found + ".weight", kv_b)
     return out
+
+
+def _hybrid_name_map(arch: str, arch_enum, config: Dict[str, Any]) -> Dict[str, str]:
+    import gguf
+    from mlx.utils import tree_flatten
+
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazy: nothing is computed
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    cfg = gguf_hybrid.text(config)
+    n_blocks = cfg["num_hidden_layers"] + int(
+        cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0))
+    )
+    tmap = gguf.TensorNameMap(arch_enum, n_blocks)
+    return gguf_hybrid.name_map(arch, config, tmap, names, _name_variants)
 
 
 def _nextn_names(n_blocks: int) -> Dict[str, str]:
@@ -277,6 +298,8 @@ def _unpermute(w: mx.array, n_head: int) -> mx.array:
 
 
 def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
+    if arch in gguf_hybrid.ARCHS:
+        return gguf_hybrid.fix(arch, config, name, tensors)
     if arch in PERMUTED_QK:
         heads = None
         if name.endswith("self_attn.q_proj.weight"):
@@ -332,12 +355,16 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     if mtp_gguf is not None:
         mtp_reader = _open(mtp_gguf)
         mtp_meta = Metadata(mtp_reader)
-        n = mtp_meta.arch_key("nextn_predict_layers") or 1
-        config["num_nextn_predict_layers"] = int(n)
+        n = int(mtp_meta.arch_key("nextn_predict_layers") or 1)
+        if "text_config" in config:  # Qwen3.5's key
+            config["text_config"]["mtp_num_hidden_layers"] = n
+        else:
+            config["num_nextn_predict_layers"] = n
     names = name_map(meta.arch, config)
     weights = _read_tensors(reader, meta.arch, config, names, bar)
     if mtp_reader is not None:
         weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar))
+    weights = gguf_hybrid.finish(meta.arch, config, weights)
     return Source(path, config, weights, gguf_tokenizer_writer(path, reader.fields))
 
 
