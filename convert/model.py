@@ -6,6 +6,7 @@ real modules lets quantization act on final module shapes (stacked experts,
 split MLA projections) and checks every tensor's shape on the way.
 """
 
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_mtp.errors import MTPError
-from mlx_mtp.heads import family_for, load_head_weights
+from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import _first_line, _sanitize_block
 from mlx_mtp.trunk import find_backbone, output_head
 
@@ -99,6 +100,9 @@ def build_heads(
             ) from None
         layers.append((prefix, head.layer(j)))
     head.bind(backbone.embed_tokens, output_head(model))
+    # a head norm in the other convention than its family's is shifted back
+    for note in norms.fix(head, [p for p, _ in layers], model):
+        print(f"warning: {note}", file=sys.stderr)
     taken = {k for k in mtp for prefix, _ in layers if k.startswith(prefix)}
     return layers, {k: v for k, v in mtp.items() if k not in taken}
 
