@@ -100,7 +100,11 @@ def build_config(meta, tensor_names: List[str]) -> Dict[str, Any]:
             "partial_rotary_factor": partial,
         },
     )
-    return {**top, "tie_word_embeddings": cfg["tie_word_embeddings"], "text_config": cfg}
+    return {
+        **top,
+        "tie_word_embeddings": cfg["tie_word_embeddings"],
+        "text_config": cfg,
+    }
 
 
 def _hf_alias(name: str) -> str:
@@ -109,7 +113,9 @@ def _hf_alias(name: str) -> str:
     return name.replace("language_model.lm_head.", "lm_head.", 1)
 
 
-def name_map(arch: str, config: Dict[str, Any], tmap, candidates, variants) -> Dict[str, str]:
+def name_map(
+    arch: str, config: Dict[str, Any], tmap, candidates, variants
+) -> Dict[str, str]:
     """GGUF name -> the name the converter carries it under.
 
     Trunk tensors get mlx-lm's names; MTP tensors the head's checkpoint names
@@ -139,7 +145,9 @@ def name_map(arch: str, config: Dict[str, Any], tmap, candidates, variants) -> D
             if found is not None:
                 out.setdefault(found + suffix, name)
                 break
-    n_mtp = int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)))
+    n_mtp = int(
+        cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0))
+    )
     for gguf_name, hf in NEXTN.items():
         out[f"blk.{n}.{gguf_name}.weight"] = f"{hf}.weight"
     # an MTP layer is a full-attention layer of the trunk's kind
@@ -150,7 +158,7 @@ def name_map(arch: str, config: Dict[str, Any], tmap, candidates, variants) -> D
         for gguf_name, name in list(out.items()):
             if gguf_name.startswith(f"blk.{full}."):
                 rest = _hf_alias(name).split(f"model.layers.{full}.", 1)[1]
-                out[f"blk.{n + j}.{gguf_name[len(f'blk.{full}.'):]}"] = (
+                out[f"blk.{n + j}.{gguf_name[len(f'blk.{full}.') :]}"] = (
                     f"mtp.layers.{j}.{rest}"
                 )
     return out

@@ -26,7 +26,10 @@ FAMILIES = list(tiny_hybrid.GGUF_ARCH)
 
 def f16(weights):
     """What an F16 GGUF holds: matrices rounded to float16, vectors kept."""
-    return {k: v.astype(mx.float16).astype(mx.float32) if v.ndim >= 2 else v for k, v in weights.items()}
+    return {
+        k: v.astype(mx.float16).astype(mx.float32) if v.ndim >= 2 else v
+        for k, v in weights.items()
+    }
 
 
 def rel_error(a, b):
@@ -47,7 +50,9 @@ def built(tmp_path_factory):
         if family not in done:
             config, trunk_w, mtp_w = tiny_hybrid.build_weights(family)
             weights = {**trunk_w, **mtp_w}
-            path = tiny_hybrid.write_gguf(root / f"{family}.gguf", family, config, weights)
+            path = tiny_hybrid.write_gguf(
+                root / f"{family}.gguf", family, config, weights
+            )
             ref = tiny.save_folder(root / f"{family}-ref", config, f16(weights))
             done[family] = (path, ref, config, weights)
         return done[family]
@@ -72,7 +77,9 @@ def test_gguf_gives_the_hf_trunk_and_head(built, tmp_path, family):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_quantized_gguf_stays_close(built, tmp_path, family):
     _, ref, config, weights = built(family)
-    path = tiny_hybrid.write_gguf(tmp_path / "q.gguf", family, config, weights, qtype=Q.Q8_0)
+    path = tiny_hybrid.write_gguf(
+        tmp_path / "q.gguf", family, config, weights, qtype=Q.Q8_0
+    )
     got = mlx_mtp.load_model(convert(path, tmp_path / "out", dtype="float32"))
     expect = mlx_mtp.load_model(ref)
     assert rel_error(trunk_logits(expect), trunk_logits(got)) < 0.03
@@ -83,7 +90,9 @@ def test_quantized_gguf_stays_close(built, tmp_path, family):
 def test_mtp_only_onto_a_gguf_trunk(built, tmp_path, family):
     """A trunk from a head-less GGUF takes its head later: from the HF folder or a GGUF."""
     path, ref, config, weights = built(family)
-    bare = tiny_hybrid.write_gguf(tmp_path / "bare.gguf", family, config, weights, mtp=False)
+    bare = tiny_hybrid.write_gguf(
+        tmp_path / "bare.gguf", family, config, weights, mtp=False
+    )
     trunk = convert(bare, tmp_path / "trunk", dtype="float32")
     assert mlx_mtp.load_model(trunk).head is None
     # qwen3next GGUFs have no head to give: it comes from the Hugging Face folder
@@ -99,14 +108,23 @@ def test_separate_mtp_gguf(built, tmp_path):
     import gguf
 
     path, ref, config, weights = built("qwen3_5")
-    bare = tiny_hybrid.write_gguf(tmp_path / "bare.gguf", "qwen3_5", config, weights, mtp=False)
+    bare = tiny_hybrid.write_gguf(
+        tmp_path / "bare.gguf", "qwen3_5", config, weights, mtp=False
+    )
     reader = gguf.GGUFReader(str(path))
     n = config["text_config"]["num_hidden_layers"]
     keep = ("token_embd.", "output_norm.", "output.", f"blk.{n}.")
     head_only = {
-        k: v for k, v in weights.items() if k.startswith("mtp.") or "embed_tokens" in k or k == "lm_head.weight" or k.endswith("language_model.norm.weight")
+        k: v
+        for k, v in weights.items()
+        if k.startswith("mtp.")
+        or "embed_tokens" in k
+        or k == "lm_head.weight"
+        or k.endswith("language_model.norm.weight")
     }
-    mtp_path = tiny_hybrid.write_gguf(tmp_path / "mtp-x.gguf", "qwen3_5", config, head_only)
+    mtp_path = tiny_hybrid.write_gguf(
+        tmp_path / "mtp-x.gguf", "qwen3_5", config, head_only
+    )
     names = [t.name for t in gguf.GGUFReader(str(mtp_path)).tensors]
     assert names and all(name.startswith(keep) for name in names)
     assert len(reader.tensors) > len(names)

@@ -147,21 +147,34 @@ def step3p5_layer(model, w, j, hidden, tokens):
     g, eps, n = (lambda k: np.array(w[k])), args.rms_norm_eps, args.num_hidden_layers
     pre = f"model.layers.{n + j}."
     e = g("model.embed_tokens.weight")[tokens]
-    x = np.concatenate(
-        [rms(e, 1 + g(pre + "enorm.weight"), eps), rms(hidden, 1 + g(pre + "hnorm.weight"), eps)],
-        -1,
-    ) @ g(pre + "eh_proj.weight").T
+    x = (
+        np.concatenate(
+            [
+                rms(e, 1 + g(pre + "enorm.weight"), eps),
+                rms(hidden, 1 + g(pre + "hnorm.weight"), eps),
+            ],
+            -1,
+        )
+        @ g(pre + "eh_proj.weight").T
+    )
     # mlx-lm's decoder layer at index N + j; its sanitize maps the MoE names,
     # and its norms take 1 + w (what its sanitize adds to a Hugging Face file)
     ext = replace(args, rope_theta=list(args.rope_theta) + [args.rope_theta[-1]] * 3)
     layer = type(model.trunk.backbone.layers[0])(ext, n + j)
     block = {k[len(pre) :]: v for k, v in w.items() if k.startswith(pre)}
     block = {
-        k: v for k, v in block.items() if k.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head")
+        k: v
+        for k, v in block.items()
+        if k.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head")
     }
-    clean = model.trunk.model.sanitize({f"model.layers.0.{k}": v for k, v in block.items()})
+    clean = model.trunk.model.sanitize(
+        {f"model.layers.0.{k}": v for k, v in block.items()}
+    )
     clean = {k[len("model.layers.0.") :]: v for k, v in clean.items()}
-    clean = {k: (v + 1 if "norm" in k and not block_is_moe(block) else v) for k, v in clean.items()}
+    clean = {
+        k: (v + 1 if "norm" in k and not block_is_moe(block) else v)
+        for k, v in clean.items()
+    }
     layer.load_weights(list(clean.items()))
     window = args.sliding_window if layer.is_sliding else None
     y = run(layer, x, window)
@@ -180,15 +193,26 @@ def mimo_v2_layer(model, w, j, hidden, tokens):
     g, eps = (lambda k: np.array(w[k])), args.layernorm_epsilon
     pre = f"model.mtp.layers.{j}."
     e = g("model.embed_tokens.weight")[tokens]
-    x = np.concatenate(
-        [rms(e, g(pre + "enorm.weight"), eps), rms(hidden, g(pre + "hnorm.weight"), eps)], -1
-    ) @ g(pre + "eh_proj.weight").T
-    layer = type(model.trunk.backbone.layers[0])(args, is_moe=False, is_sliding_window=True)
+    x = (
+        np.concatenate(
+            [
+                rms(e, g(pre + "enorm.weight"), eps),
+                rms(hidden, g(pre + "hnorm.weight"), eps),
+            ],
+            -1,
+        )
+        @ g(pre + "eh_proj.weight").T
+    )
+    layer = type(model.trunk.backbone.layers[0])(
+        args, is_moe=False, is_sliding_window=True
+    )
     # vLLM's pre_mlp_layernorm is the norm mlx-lm's layer calls post_attention_layernorm
     block = {
         k[len(pre) :].replace("pre_mlp_layernorm.", "post_attention_layernorm."): v
         for k, v in w.items()
-        if k.startswith(pre) and k[len(pre) :].split(".")[0] in ("input_layernorm", "self_attn", "pre_mlp_layernorm", "mlp")
+        if k.startswith(pre)
+        and k[len(pre) :].split(".")[0]
+        in ("input_layernorm", "self_attn", "pre_mlp_layernorm", "mlp")
     }
     layer.load_weights(list(block.items()))
     y = run(layer, x, args.sliding_window_size)
@@ -232,7 +256,11 @@ def test_qwen_layers_share_fc_and_norms(qwen):
     head = model.head
     assert isinstance(head, MultiLayerHead) and head.num_layers == 2
     a, b = head.layer(0), head.layer(1)
-    assert a.fc is b.fc and a.norm is b.norm and a.pre_fc_norm_hidden is b.pre_fc_norm_hidden
+    assert (
+        a.fc is b.fc
+        and a.norm is b.norm
+        and a.pre_fc_norm_hidden is b.pre_fc_norm_hidden
+    )
     assert a.block.layers[1] is b.block.layers[1]  # one list of layers, held once
     assert (a.block.depth, b.block.depth) == (0, 1)
 
