@@ -32,6 +32,26 @@ FAMILY_MODULES = (
 )
 
 
+# What ``mlx-mtp info`` lists: model_type -> (models, MTP layers of the released
+# checkpoints, how they draft: "depth" when layer j drafts depth j + 1)
+RELEASED = {
+    "deepseek_v3": ("DeepSeek-V3/R1", 1, ""),
+    "deepseek_v32": ("DeepSeek-V3.2", 1, ""),
+    "glm4_moe": ("GLM-4.5/4.6/4.7", 1, ""),
+    "glm4_moe_lite": ("GLM-4.7-Flash", 1, ""),
+    "glm_moe_dsa": ("GLM-5", 1, ""),
+    "mimo": ("MiMo-7B", 1, ""),
+    "mimo_v2_flash": ("MiMo-V2-Flash", 3, "depth"),
+    "step3p5": ("Step-3.5/3.7-Flash", 3, "depth"),
+    "qwen3_next": ("Qwen3-Next", 1, ""),
+    "qwen3_5": ("Qwen3.5/3.6", 1, ""),
+    "qwen3_5_moe": ("Qwen3.5/3.6 MoE", 1, ""),
+    "ernie4_5_moe": ("ERNIE-4.5 MoE", 1, ""),
+    "exaone_moe": ("EXAONE-MoE, K-EXAONE", 1, ""),
+    "longcat_flash": ("LongCat-Flash", 1, ""),
+}
+
+
 def family_for(model_type: str) -> Optional[ModuleType]:
     """The head family serving ``model_type``, or None when MTP is unsupported."""
     for name in FAMILY_MODULES:
@@ -66,6 +86,7 @@ __all__ = [
     "MTPHead",
     "family_for",
     "layers_present",
+    "RELEASED",
     "load_head_weights",
     "supported_model_types",
 ]
