@@ -35,6 +35,7 @@ ARCHS = {
     "gemma3": "gemma3_text",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",  # deepseek_v2 when its gating is softmax
+    "glm-dsa": "glm_moe_dsa",  # GLM-5: deepseek2's MLA plus the DSA indexer
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
 # (llama.cpp splits kv_b_proj exactly as mlx-lm's sanitize does: k_b transposed)
@@ -133,8 +134,10 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         if isinstance(pattern, list):  # one flag per layer, the global layers False
             pattern = pattern.index(False) + 1 if False in pattern else len(pattern)
         config["sliding_window_pattern"] = int(pattern)
-    if meta.arch == "deepseek2":
+    if meta.arch in ("deepseek2", "glm-dsa"):
         _mla_config(meta, config)
+    if meta.arch == "glm-dsa":
+        _dsa_config(meta, config)
     if "n_routed_experts" in config:
         gating = meta.arch_key("expert_gating_func", 2)
         config["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
@@ -152,6 +155,22 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
             config[name] = int(value)
     config["torch_dtype"] = "float16"
     return config
+
+
+def _dsa_config(meta: Metadata, config: Dict[str, Any]) -> None:
+    """GLM-5 (llama.cpp ``conversion/glm.py``, ``GlmMoeDsaModel``: DeepSeek-V2's
+    conversion plus the indexer's head count, key length and top-k)."""
+    config.update(
+        model_type="glm_moe_dsa",  # sigmoid routing, whatever _mla_config guessed
+        index_n_heads=meta.arch_key("attention.indexer.head_count"),
+        index_head_dim=meta.arch_key("attention.indexer.key_length"),
+        index_topk=meta.arch_key("attention.indexer.top_k"),
+        moe_layer_freq=1,
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+    )
+    if config.get("rope_scaling"):
+        config["rope_parameters"].update(config.pop("rope_scaling"))
+        config["rope_parameters"]["rope_type"] = config["rope_parameters"].pop("type")
 
 
 def _mla_config(meta: Metadata, config: Dict[str, Any]) -> None:
