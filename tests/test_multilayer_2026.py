@@ -302,3 +302,30 @@ def test_qwen_round_trip_keeps_both_layers(qwen, tmp_path):
             np.array(layer(h, t, layer.make_cache())[0]),
             np.array(layer2(h, t, layer2.make_cache())[0]),
         )
+
+
+def test_step3p5_tensors_under_transformer_load_the_same(models, tmp_path):
+    """Step's checkpoints nest the shared head under ``.transformer.`` (vLLM and llama.cpp drop it)."""
+    import json
+
+    import tiny
+
+    model, _, weights = models("step3p5")
+    n = model.config["num_hidden_layers"]
+    nested = {}
+    for k, v in weights.items():
+        for j in range(LAYERS):
+            pre = f"model.layers.{n + j}."
+            if k.startswith(pre + "shared_head.") or k.startswith(pre + "self_attn."):
+                k = pre + "transformer." + k[len(pre) :]
+        nested[k] = v
+    folder = tiny.save_folder(tmp_path / "nested", model.config, nested)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "step3p5"
+    again = mlx_mtp.load_model(folder)
+    for j in range(LAYERS):
+        a, b = model.head.layer(j), again.head.layer(j)
+        h = mx.random.normal((1, 5, model.config["hidden_size"]))
+        t = mx.array([[1, 2, 3, 4, 5]])
+        np.testing.assert_array_equal(
+            np.array(a(h, t, a.make_cache())[0]), np.array(b(h, t, b.make_cache())[0])
+        )

@@ -5,8 +5,9 @@ Checkpoint layout (``N = num_hidden_layers``, ``num_nextn_predict_layers`` = 3):
     model.layers.{N+j}.enorm / hnorm / eh_proj            fuse, embedding FIRST
     model.layers.{N+j}.shared_head.norm / .output         each layer's own head
     model.layers.{N+j}.input_layernorm, self_attn.*, post_attention_layernorm,
-        mlp.* (dense) or moe.* + share_expert.*           (some files nest all of
-                                                           these under .transformer.)
+        mlp.* (dense) or moe.* + share_expert.*
+    (the shared head, or more, may sit under model.layers.{N+j}.transformer.:
+    vLLM drops the infix, llama.cpp's conversion does too)
 
 Wiring from vLLM ``models/step3p5_mtp.py`` and ``v1/spec_decode/step3p5.py``
 (also SGLang ``models/step3p5_mtp.py``, llama.cpp ``src/models/step35.cpp``):
@@ -83,6 +84,15 @@ class Step3p5MTP(MTPHead):
             return self.shared_head.output(h)
         return super().logits(h)
 
+    def load_weights(self, weights, strict: bool = True):
+        # tensors nested under ``transformer.`` reach us as block tensors
+        # (sanitize_block strips the infix); the head's own go back to it
+        own = tuple(f"block.{name}." for name in self.OWN)
+        weights = [
+            (k[len("block.") :] if k.startswith(own) else k, v) for k, v in weights
+        ]
+        return super().load_weights(weights, strict)
+
 
 def num_layers(config: Dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers", 0) or 0)
@@ -135,7 +145,8 @@ def _layer(args, config, backbone, weights, j: int) -> Step3p5MTP:
         setattr(layer.self_attn, name, ZeroCentredRMSNorm(args.head_dim, eps))
     block = windowed(layer, args.sliding_window if layer.is_sliding else None)
     pre = prefix(config, j)
-    has_head = any(k.startswith(f"{pre}shared_head.output.") for k in weights)
+    heads = (f"{pre}shared_head.output.", f"{pre}transformer.shared_head.output.")
+    has_head = any(k.startswith(heads) for k in weights)
     return Step3p5MTP(args, block, has_head)
 
 
