@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 
-from . import gguf_hybrid
+from . import gguf_hybrid, gguf_step35
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -36,6 +36,7 @@ ARCHS = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",  # deepseek_v2 when its gating is softmax
     "glm-dsa": "glm_moe_dsa",  # GLM-5: deepseek2's MLA plus the DSA indexer
+    "step35": "step3p5",  # see gguf_step35
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
 # (llama.cpp splits kv_b_proj exactly as mlx-lm's sanitize does: k_b transposed)
@@ -92,6 +93,8 @@ def _open(path: Path) -> GGUFFile:
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
     if meta.arch in gguf_hybrid.ARCHS:
         return gguf_hybrid.build_config(meta, tensor_names)
+    if meta.arch == "step35":
+        return gguf_step35.build_config(meta, tensor_names)
     if meta.arch not in ARCHS:
         supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS])
         raise MTPError(
@@ -235,11 +238,13 @@ def _candidate_names(config: Dict[str, Any]) -> List[str]:
             everything = {
                 f"{prefix}embed_tokens.weight": 0,
                 f"{prefix}shared_head.head.weight": 0,
+                f"{prefix}shared_head.output.weight": 0,  # Step-3.5's name
             }
             head = family.build(args, config, backbone, everything)
+            layer = head.layer(min(j, head.num_layers - 1))
             own = [
                 k
-                for k, _ in tree_flatten(head.parameters())
+                for k, _ in tree_flatten(layer.parameters())
                 if not k.startswith("block.")
             ]
             names += [prefix + k for k in own]
@@ -258,6 +263,9 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
     )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
     nextn = _nextn_names(n_blocks)
+    if arch == "step35":
+        names = _candidate_names(config)
+        return gguf_step35.name_map(config, tmap, nextn, names, _name_variants)
     out = {}
     for name in _candidate_names(config):
         for base, suffix in _name_variants(name):
@@ -319,6 +327,8 @@ def _unpermute(w: mx.array, n_head: int) -> mx.array:
 def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
     if arch in gguf_hybrid.ARCHS:
         return gguf_hybrid.fix(arch, config, name, tensors)
+    if arch == "step35":
+        return gguf_step35.fix(config, name, tensors)
     if arch in PERMUTED_QK:
         heads = None
         if name.endswith("self_attn.q_proj.weight"):

@@ -146,3 +146,40 @@ def test_older_qwen3next_layout_is_refused(built, tmp_path):
     with pytest.raises(MTPError, match="ssm_in"):
         convert(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_step35_gguf_gives_the_hf_trunk_and_every_mtp_layer(tmp_path):
+    """Step-3.5's three MTP layers come back from ``blk.{N+j}`` (llama.cpp's step35)."""
+    import tiny_2026
+
+    config, trunk_w, mtp_w = tiny_2026.build_weights("step3p5")
+    weights = {**trunk_w, **mtp_w}
+    path = tiny_2026.write_step35_gguf(tmp_path / "s.gguf", config, weights)
+    ref = tiny.save_folder(tmp_path / "ref", config, f16(weights))
+    got = mlx_mtp.load_model(convert(path, tmp_path / "out", dtype="float32"))
+    expect = mlx_mtp.load_model(ref)
+    assert describe(path).mtp_layers == 3 and got.head.num_layers == 3
+    assert rel_error(trunk_logits(expect), trunk_logits(got)) < 1e-5
+    for j in range(3):
+        a, b = expect.head.layer(j), got.head.layer(j)
+        h = mx.random.normal((1, 9, config["hidden_size"]))
+        t = mx.array(TOKENS[:9])[None]
+        assert rel_error(a(h, t, a.make_cache())[0], b(h, t, b.make_cache())[0]) < 1e-5
+
+
+def test_step35_mtp_only_onto_a_gguf_trunk(tmp_path):
+    import tiny_2026
+
+    config, trunk_w, mtp_w = tiny_2026.build_weights("step3p5")
+    weights = {**trunk_w, **mtp_w}
+    full = tiny_2026.write_step35_gguf(tmp_path / "s.gguf", config, weights)
+    bare = tiny_2026.write_step35_gguf(tmp_path / "b.gguf", config, trunk_w, mtp=False)
+    trunk = convert(bare, tmp_path / "trunk", dtype="float32")
+    assert mlx_mtp.load_model(trunk).head is None
+    add_mtp(full, trunk)
+    got = mlx_mtp.load_model(trunk)
+    expect = mlx_mtp.load_model(
+        tiny.save_folder(tmp_path / "ref", config, f16(weights))
+    )
+    assert got.head.num_layers == 3
+    assert rel_error(mtp_logits(expect, TOKENS), mtp_logits(got, TOKENS)) < 1e-5

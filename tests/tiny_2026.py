@@ -344,3 +344,103 @@ def build_folder(path: Path, model_type: str, seed: int = 0, agreeable: bool = T
     full = save_folder(Path(path), config, trunk, mtp)
     trunk_only = save_folder(Path(str(path) + "-trunk"), config, trunk)
     return full, trunk_only
+
+
+def write_step35_gguf(path: Path, config: dict, weights: Weights, mtp: bool = True):
+    """Step-3.5 as llama.cpp's converter writes it (``Step35Model``), spelled out here.
+
+    Norms + 1, ``moe.router_bias`` as ``exp_probs_b.bias``, the MTP layers at
+    ``blk.{N+j}`` with ``.transformer.`` dropped and ``shared_head.output`` as
+    ``nextn.shared_head_head``; per-layer head counts and sliding pattern.
+    """
+    import gguf
+    import numpy as np
+    from tiny_plain import _tokenizer_metadata
+
+    n, n_mtp = (
+        config["num_hidden_layers"],
+        config["num_nextn_predict_layers"] if mtp else 0,
+    )
+    blocks = n + n_mtp
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == "step35")
+    tmap = gguf.TensorNameMap(arch, blocks)
+    nextn = {}  # gguf's NextN table, for any arch
+    for kind, patterns in gguf.TensorNameMap.block_mappings_cfg.items():
+        if kind.name.startswith("NEXTN_"):
+            for bid in range(blocks):
+                for p in patterns:
+                    nextn[p.format(bid=bid)] = gguf.TENSOR_NAMES[kind].format(bid=bid)
+    writer = gguf.GGUFWriter(str(path), "step35")
+    types = config["layer_types"][:blocks]
+    other = config["attention_other_setting"]
+    sliding = [t == "sliding_attention" for t in types]
+    writer.add_block_count(blocks)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(
+        [
+            other["num_attention_heads"] if s else config["num_attention_heads"]
+            for s in sliding
+        ]
+    )
+    writer.add_head_count_kv(
+        [
+            other["num_attention_groups"] if s else config["num_attention_groups"]
+            for s in sliding
+        ]
+    )
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])  # halved on full layers
+    writer.add_rope_freq_base(config["rope_theta"][0])
+    writer.add_rope_freq_base_swa(config["rope_theta"][1])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_expert_count(config["moe_num_experts"])
+    writer.add_expert_used_count(config["moe_top_k"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["share_expert_dim"])
+    writer.add_expert_weights_scale(config["moe_router_scaling_factor"])
+    writer.add_expert_weights_norm(config.get("norm_expert_weight", True))
+    moe = sorted(int(i) for i in config["moe_layers_enum"].split(","))
+    writer.add_leading_dense_block_count(moe[0])
+    writer.add_moe_every_n_layers(1)
+    if n_mtp:
+        writer.add_nextn_predict_layers(n_mtp)
+    _tokenizer_metadata(writer, config["eos_token_id"])
+    for name, v in weights.items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if layer >= blocks:
+            continue
+        w = np.array(v.astype(mx.float32))
+        if name.endswith(".moe.router_bias"):
+            name += ".bias"
+        if layer >= n:
+            name = name.replace(".transformer.", ".").replace(
+                "shared_head.output", "shared_head.head"
+            )
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        base, _, suffix = name.rpartition(".")
+        found = (
+            {
+                "model.embed_tokens": "token_embd",
+                "model.norm": "output_norm",
+                "lm_head": "output",
+            }.get(base)
+            or tmap.get_name(base)
+            or nextn.get(base)
+        )
+        if found is None:
+            raise KeyError(name)
+        writer.add_tensor(
+            f"{found}.{suffix}", w.astype(np.float32 if w.ndim < 2 else np.float16)
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

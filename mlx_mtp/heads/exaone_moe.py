@@ -29,6 +29,8 @@ from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 
 MODEL_TYPES = ("exaone_moe",)
 PREFIX = "mtp."
+# config keys of the MTP layers, brought along by --mtp-only
+HEAD_CONFIG_KEYS = ("mtp_layer_types", "mtp_sliding_windows")
 
 
 class ExaoneMoeMTP(MTPHead):

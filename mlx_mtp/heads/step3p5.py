@@ -37,6 +37,16 @@ from .qwen3_next import ZeroCentredRMSNorm
 
 MODEL_TYPES = ("step3p5",)
 DEFAULT_HIDDEN_TAP = "pre"
+# per-layer config lists that reach past the trunk into the MTP layers: a head
+# added to a trunk converted without it (--mtp-only) brings them along
+HEAD_CONFIG_KEYS = (
+    "layer_types",
+    "moe_layers_enum",
+    "partial_rotary_factors",
+    "rope_theta",
+    "swiglu_limits",
+    "swiglu_limits_shared",
+)
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _ATTN_NORMS = ("q_norm", "k_norm")
 # mlx-lm's Step3p5 sanitize: Hugging Face MoE names -> its modules
@@ -153,6 +163,8 @@ def _layer(args, config, backbone, weights, j: int) -> Step3p5MTP:
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
+    # the config's per-layer lists win: a trunk converted alone may lack the MTP part
+    args = replace(args, **{k: config[k] for k in HEAD_CONFIG_KEYS if k in config})
     n = max(1, num_layers(config))
     layers = [_layer(args, config, backbone, weights, j) for j in range(n)]
     return layers[0] if n == 1 else MultiLayerHead(layers)
