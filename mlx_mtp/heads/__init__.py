@@ -6,7 +6,9 @@ A family module provides:
 - ``num_layers(config)``: MTP layers the config declares;
 - ``prefix(config, j)``: where layer ``j``'s tensors live in a checkpoint;
 - ``is_mtp_key(key, config)``: whether a checkpoint tensor belongs to the head;
-- ``build(args, config, backbone, weights)``: an unloaded ``MTPHead``.
+- ``build(args, config, backbone, weights)``: an unloaded ``MTPHead`` (a
+  ``MultiLayerHead`` when its layers draft successive depths); the loader
+  loads ``prefix(config, j)`` into ``head.layer(j)``.
 
 Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0),
 ``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
@@ -18,7 +20,7 @@ import importlib
 from types import ModuleType
 from typing import Optional
 
-from .base import MTPHead, load_head_weights
+from .base import MTPHead, MultiLayerHead, load_head_weights
 
 FAMILY_MODULES = (
     "deepseek",
@@ -84,6 +86,7 @@ def supported_model_types():
 
 __all__ = [
     "MTPHead",
+    "MultiLayerHead",
     "family_for",
     "layers_present",
     "RELEASED",

@@ -25,7 +25,6 @@ from typing import Any, Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
-
 from mlx_lm.models.cache import KVCache
 
 from .base import MTPHead, MultiLayerHead
