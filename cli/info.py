@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -33,12 +34,24 @@ def _mtp_layers(info) -> str:
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="GGUF file, Hugging Face folder or MLX folder."),
+    path: Optional[Path] = typer.Argument(
+        None, help="GGUF file, Hugging Face folder or MLX folder (none: the MTP families)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object.", rich_help_panel=OUTPUT),
 ):
     """Show a model's architecture, layers, MTP layers, precision per part and size."""
-    from mlx_mtp.convert.describe import describe
+    from mlx_mtp.convert.describe import describe, families
 
+    if path is None:
+        rows = families()
+        if as_json:
+            print(json.dumps(rows))
+            return
+        for row in rows:
+            depth = ", layer j drafts depth j + 1" if row["layer_per_depth"] else ""
+            print(f"{row['model_type']:<15} {row['models']:<22} MTP layers: "
+                  f"{row['mtp_layers']}{depth}")
+        return
     described = describe(path)
     if as_json:
         print(json.dumps(described.to_dict()))
