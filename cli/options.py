@@ -5,6 +5,7 @@ to the API with ``sampling_kwargs(...)``, so every command spells, documents
 and forwards them the same way.
 """
 
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -60,6 +61,10 @@ def processes():
     """
     group = distributed.world()
     distributed.quiet_other_ranks(group)
+    if group.size() > 1:
+        # Ctrl-C reaches the processes at different moments, and mlx.launch
+        # stops forwarding input: end them all at once rather than hang.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     return group
 
 

@@ -93,6 +93,10 @@ class _Process:
         self.proc.stdin.write(stdin)
         self.proc.stdin.flush()
 
+    def read_out(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
     def kill(self):
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -112,24 +116,31 @@ class _Process:
         return code, self.out.read(), self.err.read()
 
 
-def run_ranks(commands, stdin: str = ""):
+def start_ranks(commands, stdin: str = ""):
     """One process per rank, started as mlx.launch starts them (MLX_RANK and a
     ring hostfile): here each rank's exit code is seen, which mlx.launch hides."""
     port = _ports()
     hosts = Path(tempfile.mkdtemp()) / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    procs = [
+    return [
         _Process(
             argv, dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hosts)), stdin
         )
         for rank, argv in enumerate(commands)
     ]
-    deadline = time.monotonic() + TIMEOUT
+
+
+def finish_ranks(procs, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
     try:
         return [p.finish(deadline) for p in procs]
     finally:
         for p in procs:
             p.kill()
+
+
+def run_ranks(commands, stdin: str = ""):
+    return finish_ranks(start_ranks(commands, stdin))
 
 
 def launch(*command, stdin: str = ""):
@@ -272,6 +283,21 @@ def test_chat_over_two_ranks_with_tensor_sharding(tiny_folders):
     assert err.strip() == "distributed: tensor over 2 processes"
     assert out.count("mean accepted length") == 1, out  # the answer's footer
     assert "collective: " in out  # /stats totals
+
+
+def test_ctrl_c_ends_a_distributed_chat(tiny_folders):
+    """Ctrl-C reaches every process (a terminal signals the whole group), each at
+    its own moment: they must all end, not wait on each other for ever."""
+    full, _ = tiny_folders("glm4_moe")
+    procs = start_ranks(both("chat", "-m", full, "-n", 100000), stdin="hello\n")
+    deadline = time.monotonic() + TIMEOUT
+    while not procs[0].read_out().partition(">>> ")[2]:  # the answer has begun
+        assert time.monotonic() < deadline and procs[0].proc.poll() is None
+        time.sleep(0.2)
+    for p in procs:
+        p.proc.send_signal(signal.SIGINT)
+    results = finish_ranks(procs, timeout=60)
+    assert [code for code, _, _ in results] == [-signal.SIGINT] * 2
 
 
 def test_bench_over_two_ranks_reports_the_collective(tiny_folders, tmp_path):
