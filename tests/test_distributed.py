@@ -285,6 +285,21 @@ def test_chat_over_two_ranks_with_tensor_sharding(tiny_folders):
     assert "collective: " in out  # /stats totals
 
 
+def test_ranks_drafting_differently_stop_together(tiny_folders):
+    """A rank whose head differs (say, another MLX build) would verify other
+    tokens than those emitted: every rank stops with one line instead."""
+    full, _ = tiny_folders("glm4_moe")
+    other, _ = tiny_folders("glm4_moe", seed=1)
+    args = ["generate", "-m", full, "-p", "hello", "-n", 16, "--draft-max", 2]
+    head = other / "model.safetensors"  # holds the MTP layer of another model
+    results = run_ranks([mtp_cli(*args), mtp_cli(*args, "--mtp", head)])
+    assert [code for code, _, _ in results] == [1, 1], results
+    err = "".join(e for _, _, e in results)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "drafted different tokens" in errors[0], err
+    assert "Traceback" not in err
+
+
 def test_ctrl_c_ends_a_distributed_chat(tiny_folders):
     """Ctrl-C reaches every process (a terminal signals the whole group), each at
     its own moment: they must all end, not wait on each other for ever."""
