@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for, load_head_weights
 from mlx_mtp.loader import _first_line, _sanitize_block
-from mlx_mtp.trunk import find_backbone, output_head
+from mlx_mtp.trunk import embedding, find_backbone, output_head
 
 from .precision import is_quantized
 
@@ -95,7 +95,7 @@ def build_heads(
             raise MTPError(
                 f"MTP layer {prefix} does not fit the model ({_first_line(e)})"
             ) from None
-        head.bind(backbone.embed_tokens, output_head(model))
+        head.bind(embedding(backbone), output_head(model))
         heads.append((prefix, head))
         taken.update(k for k in mtp if k.startswith(prefix))
     return heads, {k: v for k, v in mtp.items() if k not in taken}

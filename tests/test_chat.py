@@ -148,7 +148,7 @@ def test_truncate_equals_a_fresh_prefill(loaded, keep):
             prompt, model, max_tokens=1, prompt_cache=cache
         )
     )
-    kept = truncate(cache, keep)
+    kept = truncate(model, cache, keep)
     assert kept in (keep, keep - 1, 0)
     assert_cache_holds(model, cache, prompt[:kept], prompt[kept])
     more = [

@@ -6,9 +6,12 @@ A family module provides:
 - ``num_layers(config)``: MTP layers the config declares;
 - ``prefix(config, j)``: where layer ``j``'s tensors live in a checkpoint;
 - ``is_mtp_key(key, config)``: whether a checkpoint tensor belongs to the head;
-- ``build(args, config, backbone, weights)``: an unloaded ``MTPHead``.
+- ``build(args, config, backbone, weights)``: an unloaded ``MTPHead`` (a
+  ``MultiLayerHead`` when its layers draft successive depths); the loader
+  loads ``prefix(config, j)`` into ``head.layer(j)``.
 
-Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0),
+Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0;
+or a function of the trunk model naming a trunk layer of the block's kind),
 ``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
 ``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
 caches that roll back).
@@ -18,9 +21,16 @@ import importlib
 from types import ModuleType
 from typing import Optional
 
-from .base import MTPHead, load_head_weights
+from .base import MTPHead, MultiLayerHead, load_head_weights
 
-FAMILY_MODULES = ("deepseek", "mimo", "qwen3_next")
+FAMILY_MODULES = (
+    "deepseek",
+    "mimo",
+    "qwen3_next",
+    "nemotron_h",
+    "kimi_linear",
+    "bailing_hybrid",
+)
 
 
 def family_for(model_type: str) -> Optional[ModuleType]:
@@ -40,4 +50,10 @@ def supported_model_types():
     ]
 
 
-__all__ = ["MTPHead", "family_for", "load_head_weights", "supported_model_types"]
+__all__ = [
+    "MTPHead",
+    "MultiLayerHead",
+    "family_for",
+    "load_head_weights",
+    "supported_model_types",
+]

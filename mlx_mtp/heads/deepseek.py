@@ -17,7 +17,7 @@ from typing import Any, Dict
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import MTPHead
+from .base import MTPHead, MultiLayerHead
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
@@ -120,11 +120,9 @@ def is_mtp_key(key: str, config: Dict[str, Any]) -> bool:
     )
 
 
-def build(
-    args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
-) -> MTPHead:
-    pre = prefix(config)
-    block = make_block(backbone, args, args.num_hidden_layers)
+def _layer(args, config, backbone, weights, j: int) -> DeepSeekMTP:
+    pre = prefix(config, j)
+    block = make_block(backbone, args, args.num_hidden_layers + j)
     vocab = weights.get(f"{pre}draft_vocab")
     return DeepSeekMTP(
         args,
@@ -133,3 +131,12 @@ def build(
         has_head=any(k.startswith(f"{pre}shared_head.head.") for k in weights),
         draft_vocab=0 if vocab is None else vocab.shape[0],
     )
+
+
+def build(
+    args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
+) -> MTPHead:
+    # vLLM's deepseek_mtp runs layer ``spec_step_idx % n``: layer j drafts depth j+1
+    n = max(1, num_layers(config))
+    layers = [_layer(args, config, backbone, weights, j) for j in range(n)]
+    return layers[0] if n == 1 else MultiLayerHead(layers)
