@@ -124,19 +124,18 @@ class _Sharder:
             model.model.pipeline(self.group)
         elif self.mode == "tensor":
             layers = model.model.layers
-            block = getattr(head, "block", None)
-            # The head's block is a trunk layer (layer N of the checkpoint):
-            # shard it with the trunk's own rules, as one more layer.
-            extra = block is not None and type(block) is type(layers[0])
-            if extra:
-                layers.append(block)
+            # The head's blocks are trunk layers (layers N.. of the checkpoint):
+            # shard them with the trunk's own rules, as more layers.
+            n = head.num_layers if head is not None else 0
+            blocks = [getattr(head.layer(j), "block", None) for j in range(n)]
+            blocks = [b for b in blocks if type(b) is type(layers[0])]
+            layers.extend(blocks)
             try:
                 model.shard(self.group)
             finally:
-                if extra:
-                    layers.pop()
-            if extra:  # loaded whole before: keep only this rank's slices
-                mx.eval(block.parameters())
+                del layers[len(layers) - len(blocks) :]
+            for b in blocks:  # loaded whole before: keep only this rank's slices
+                mx.eval(b.parameters())
 
 
 def _gather(row: mx.array, group) -> mx.array:
