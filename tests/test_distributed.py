@@ -21,11 +21,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
+from test_multilayer import build_multilayer
 
 TIMEOUT = 300  # seconds per launch: generous for a loaded 2-core CI machine
 MAX_TOKENS = 24
 PROMPT = list(range(3, 40))
 FAMILIES = ["deepseek_v3", "glm4_moe"]
+MULTI = "deepseek_v3, 3 MTP layers"
 # mlx.launch's own entry point (the console script may not be on PATH)
 LAUNCH = (
     "import sys; from mlx._distributed_utils.launch import main; "
@@ -167,11 +169,20 @@ def plain_greedy(folder, prompt, n=MAX_TOKENS):
 
 
 @pytest.fixture(scope="module")
-def api_runs(tiny_folders):
-    """One launch: both families, pipeline and tensor, draft-max 0..3."""
+def models(tiny_folders, tmp_path_factory):
+    """(folder with MTP, trunk alone) per model: the two families, and DeepSeek-V3
+    with 3 MTP layers (layer j drafts depth j + 1)."""
+    out = {f: tiny_folders(f) for f in FAMILIES}
+    out[MULTI] = build_multilayer(tmp_path_factory.mktemp("multi") / "ds3")
+    return out
+
+
+@pytest.fixture(scope="module")
+def api_runs(models):
+    """One launch: every model, pipeline and tensor, draft-max 0..3."""
     specs = [
-        f"{tiny_folders(f)[0]}@{mode}"
-        for f in FAMILIES
+        f"{full}@{mode}"
+        for full, _ in models.values()
         for mode in ("pipeline", "tensor")
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,12 +195,10 @@ def api_runs(tiny_folders):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, MULTI])
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
-def test_sharded_mtp_matches_single_process_greedy(
-    api_runs, tiny_folders, family, mode
-):
-    full, trunk = tiny_folders(family)
+def test_sharded_mtp_matches_single_process_greedy(api_runs, models, name, mode):
+    full, trunk = models[name]
     expected = plain_greedy(trunk, PROMPT)
     runs = [r for r in api_runs if r["spec"] == f"{full}@{mode}"]
     assert sorted((r["rank"], r["k"]) for r in runs) == [
