@@ -21,7 +21,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mlx_mtp import distributed, stream_generate
+from mlx_mtp import distributed, speculative, stream_generate
 
 OPS = ("all_sum", "all_gather", "send", "recv", "recv_like")
 counts = Counter()
@@ -40,8 +40,11 @@ def count_collectives():
 
 
 def in_phase(name, fn):
+    """Count the collectives ``fn`` issues under ``name`` (prefill: not per round)."""
+
     def wrapped(*args, **kwargs):
-        phase[0], before = name, phase[0]
+        before = phase[0]
+        phase[0] = before if before == "prefill" else name
         try:
             return fn(*args, **kwargs)
         finally:
@@ -75,7 +78,9 @@ def main():
     model, tokenizer = distributed.load(args.model, sharding=args.sharding)
     count_collectives()
     model.trunk.__class__.__call__ = in_phase("trunk", model.trunk.__class__.__call__)
-    head_cls = model.head.__class__
+    head_cls = type(model.head.layer(0))  # the loop calls the head's layers
+    prefill = speculative.prefill
+    speculative.prefill = in_phase("prefill", prefill)
     head_cls.__call__ = in_phase("head", head_cls.__call__)
     verify = distributed.SyncedVerifier.verify
     distributed.SyncedVerifier.verify = in_phase("decision", verify)
@@ -89,11 +94,11 @@ def main():
             trunk_call, head_call = model.trunk.__class__.__call__, head_cls.__call__
 
             def tc(*a, **kw):
-                trunk_calls[0] += 1
+                trunk_calls[0] += phase[0] != "prefill"
                 return trunk_call(*a, **kw)
 
             def hc(*a, **kw):
-                head_calls[0] += 1
+                head_calls[0] += phase[0] != "prefill"
                 return head_call(*a, **kw)
 
             model.trunk.__class__.__call__, head_cls.__call__ = tc, hc
@@ -127,7 +132,7 @@ def main():
             "rounds": rounds,
             "mean_accepted_length": round(s.mean_accepted_length, 2),
             "trunk_collectives_per_forward": per_forward,
-            "head_calls_per_round": round((head_n - 1) / rounds, 2) if head_n else 0,
+            "head_calls_per_round": round(head_n / rounds, 2),
             "head_collectives_per_call": per_head,
             "decision_collectives_per_round": c.get(("decision", "all_gather"), 0)
             / rounds,
