@@ -7,7 +7,7 @@ ends a forward holding the final hidden state (mlx-lm's pipeline all-gathers
 it; tensor-parallel layers all-sum their outputs) and the output head (every
 pipeline stage keeps the embedding, final norm and ``lm_head``), so every
 process also holds the MTP head and drafts the same tokens without a transfer.
-In tensor mode the head's block is sharded like a trunk layer.
+In tensor mode the head's blocks are sharded like trunk layers.
 
 Every process runs the same speculative loop. ``SyncedVerifier`` adds the one
 collective of a round: an ``all_gather`` of each rank's verify decision and
