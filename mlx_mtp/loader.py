@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from .cache import MTPCache, Pending, can_rollback
 from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights
+from .heads import MTPHead, family_for, load_head_weights, norms
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
@@ -261,6 +261,9 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
     except ValueError as e:
         raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
     head.bind(trunk.embed_tokens, output_head(model))
+    # a norm in the other convention drafts garbage: convert fixes it, we refuse
+    prefixes = [family.prefix(config, j) for j in range(head.num_layers)]
+    norms.check(head, prefixes, model)
     return head
 
 
