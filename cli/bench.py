@@ -14,6 +14,7 @@ from mlx_mtp.defaults import (
     DEFAULT_REPEATS,
     MAX_DRAFT_MAX,
 )
+from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
@@ -106,11 +107,27 @@ def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: fl
     )
 
 
+def distributed_summary(result, sharding) -> dict:
+    """How the model was spread, and the per-round collective over all mlx-mtp runs."""
+    total = MTPStats()
+    for run in result.runs:
+        if run.stats is not None:
+            total.add(run.stats)
+    return {
+        "sharding": sharding.mode,
+        "processes": sharding.size,
+        "syncs": total.syncs,
+        "sync_ms": 1e3 * total.sync_time / total.syncs if total.syncs else 0.0,
+        "sync_share": total.sync_share,
+    }
+
+
 @app.command()
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
+    sharding: o.ShardingOption = o.Sharding.auto,
     prompts: Optional[Path] = typer.Option(
         None,
         "--prompts",
@@ -155,8 +172,9 @@ def bench(
 
     from mlx_mtp.bench import cannot_gain_notice, configurations, load_prompts, run_bench
 
+    o.processes()
     bench_prompts = load_prompts(prompts)
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
+    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
     n_configs = len(configurations(draft_max))
 
@@ -178,7 +196,11 @@ def bench(
         )
 
     if as_json:
-        print(json.dumps(bench_run().to_dict()))
+        result = bench_run()
+        out = result.to_dict()
+        if loaded.sharding is not None:
+            out["distributed"] = distributed_summary(result, loaded.sharding)
+        print(json.dumps(out))
         return
     with err.status("benchmarking: warming up") as status:
         result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
@@ -186,6 +208,16 @@ def bench(
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)
     console.print(regime_line(result.regime), markup=False, soft_wrap=True)
+    if loaded.sharding is not None:
+        d = distributed_summary(result, loaded.sharding)
+        console.print(
+            f"distributed: {d['sharding']} over {d['processes']} processes; "
+            f"{d['syncs']} collectives (1 per mlx-mtp round), "
+            f"{d['sync_ms']:.3f} ms each, {100 * d['sync_share']:.1f}% of "
+            "mlx-mtp's generation time",
+            markup=False,
+            soft_wrap=True,
+        )
     notice = cannot_gain_notice()
     if notice is not None:
         console.print(f"note: {notice}", style="yellow", markup=False)
