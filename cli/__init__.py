@@ -10,7 +10,7 @@ import sys
 from . import app as _app
 
 __all__ = ["app", "main", "run_app"]
-del app  # the submodule; ``app`` is the typer app below
+globals().pop("app")  # the submodule: ``app`` is the typer app (``__getattr__``)
 
 run_app = _app.run_app
 

@@ -18,15 +18,17 @@ from mlx_mtp.errors import MTPError
 # name: (module in this package, one-line help = the first line of its docstring)
 COMMANDS = {
     "generate": ("generate", "Generate text with MTP speculative decoding."),
-    "chat": ("chat", "Chat with a model in the terminal, with MTP speculative decoding."),
+    "chat": (
+        "chat",
+        "Chat with a model in the terminal, with MTP speculative decoding.",
+    ),
     "bench": (
         "bench",
         "Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side.",
     ),
     "convert": (
         "convert",
-        "Convert a GGUF file or Hugging Face model into an MLX folder with its MTP "
-        "head.",
+        "Convert a GGUF file or Hugging Face model to an MLX folder with its MTP head.",
     ),
     "info": (
         "info",

@@ -170,7 +170,12 @@ def bench(
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
 
-    from mlx_mtp.bench import cannot_gain_notice, configurations, load_prompts, run_bench
+    from mlx_mtp.bench import (
+        cannot_gain_notice,
+        configurations,
+        load_prompts,
+        run_bench,
+    )
 
     o.processes()
     bench_prompts = load_prompts(prompts)

@@ -100,14 +100,32 @@ class PrefillBar:
 @app.command()
 def generate(
     model: o.ModelPath = None,
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or - to read stdin."),
+    prompt: str = typer.Option(
+        ..., "--prompt", "-p", help="Prompt text, or - to read stdin."
+    ),
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
     sharding: o.ShardingOption = o.Sharding.auto,
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as is."),
-    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens to generate at most (generation also stops at the end of the model's context)."),
-    truncate_prompt: bool = typer.Option(False, "--truncate-prompt", help="Drop the oldest tokens of a prompt longer than the model's context (keeping a leading BOS) instead of refusing it."),
+    system: Optional[str] = typer.Option(
+        None, "--system", help="System prompt for the chat template."
+    ),
+    no_chat_template: bool = typer.Option(
+        False, "--no-chat-template", help="Use the prompt as is."
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS,
+        "--max-tokens",
+        "-n",
+        min=1,
+        help="Tokens to generate at most (generation also stops at the end of the "
+        "model's context).",
+    ),
+    truncate_prompt: bool = typer.Option(
+        False,
+        "--truncate-prompt",
+        help="Drop the oldest tokens of a prompt longer than the model's context "
+        "(keeping a leading BOS) instead of refusing it.",
+    ),
     temp: o.Temp = 0.0,
     top_p: o.TopP = 0.0,
     top_k: o.TopK = 0,
@@ -122,15 +140,29 @@ def generate(
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = False,
     no_mtp: o.NoMTP = False,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, stats) instead of streaming.", rich_help_panel=OUTPUT),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object (text, tokens, stats) instead of streaming.",
+        rich_help_panel=OUTPUT,
+    ),
 ):
     """Generate text with MTP speculative decoding."""
     from mlx_mtp.generate import stream_generate
 
     group = o.processes()
     sampling = o.sampling_kwargs(
-        temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        seed,
+        draft_sampling,
+        adaptive_draft,
     )
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it

@@ -17,10 +17,10 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
-    from .mtp_only import add_mtp
-    from .pipeline import HEAD_FILE, convert, convert_gguf, convert_source
-    from .precision import Precision
+if TYPE_CHECKING:  # what __getattr__ returns
+    from .mtp_only import add_mtp  # noqa: F401
+    from .pipeline import HEAD_FILE, convert, convert_gguf, convert_source  # noqa: F401
+    from .precision import Precision  # noqa: F401
 
 
 def __getattr__(name: str):

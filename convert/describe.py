@@ -113,9 +113,7 @@ def describe_folder(path: Path) -> ModelInfo:
         path=str(path),
         format="MLX folder" if is_mlx else "Hugging Face folder",
         architecture=config["model_type"],
-        layers=int(
-            config.get("text_config", config).get("num_hidden_layers", 0)
-        ),
+        layers=int(config.get("text_config", config).get("num_hidden_layers", 0)),
         mtp_layers=_mtp_layer_count(config, family, list(head)),
         trunk_precision=dict(_folder_precision(trunk, quant)),
         mtp_precision=dict(_folder_precision(head, quant)),

@@ -30,16 +30,16 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
-    from .cache import MTPCache
-    from .chat import ChatSession
-    from .default_model import default_model_path
-    from .defaults import DEFAULT_DRAFT_MAX
-    from .errors import MTPError
-    from .generate import GenerationResponse, generate, mtp_logits, stream_generate
-    from .loader import MTPModel, load, load_model
-    from .speculative import speculative_generate_step
-    from .stats import DraftRound, MTPStats
+if TYPE_CHECKING:  # what __getattr__ returns
+    from .cache import MTPCache  # noqa: F401
+    from .chat import ChatSession  # noqa: F401
+    from .default_model import default_model_path  # noqa: F401
+    from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401
+    from .errors import MTPError  # noqa: F401
+    from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401
+    from .loader import MTPModel, load, load_model  # noqa: F401
+    from .speculative import speculative_generate_step  # noqa: F401
+    from .stats import DraftRound, MTPStats  # noqa: F401
 
 
 def __getattr__(name: str):

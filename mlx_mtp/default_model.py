@@ -124,7 +124,8 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
             )
         else:
             notify(
-                f"the default model in {target} is incomplete ({problem}): rebuilding it"
+                f"the default model in {target} is incomplete ({problem}): "
+                "rebuilding it"
             )
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(f".{MODEL_NAME}"), dir=root))
     try:

@@ -75,7 +75,7 @@ def test_help_shows_flags_as_flags_and_arguments_by_name():
     for flag in ("--force", "--quantize", "--dequantize", "--mtp-only"):
         assert "<bool>" not in row(convert, flag)
     assert "<bool>" not in help_text("generate")
-    assert "Usage: mlx-mtp info [OPTIONS] PATH" in help_text("info")
+    assert "Usage: mlx-mtp info [OPTIONS] [PATH]" in help_text("info")  # optional
 
 
 def test_help_shows_choices_and_defaults():
