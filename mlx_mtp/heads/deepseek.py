@@ -99,6 +99,11 @@ class DeepSeekMTP(MTPHead):
             return self._subset_logits(h)
         return super().logits(h)
 
+    def bind(self, embed: nn.Module, lm_head) -> None:
+        super().bind(embed, lm_head)
+        if "draft_vocab" in self:  # cut the output rows now, not in the first draft
+            self._shared.rows = _output_rows(lm_head, self.draft_vocab)
+
     def _subset_logits(self, h: mx.array) -> mx.array:
         """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
         if getattr(self._shared, "rows", None) is None:
