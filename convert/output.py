@@ -126,10 +126,14 @@ def _reason(e: BaseException) -> str:
 
 
 def write_error(e: BaseException, where: Path) -> MTPError:
-    """One line for a failed write (MLX's writer raises a bare RuntimeError)."""
+    """One line for a failed write (MLX's writer raises a bare RuntimeError, the
+    tokenizer's a bare Exception)."""
     full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+    folder = Path(where)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     try:
-        full = full or shutil.disk_usage(where).free < 1 << 20
+        full = full or shutil.disk_usage(folder).free < 1 << 20
     except OSError:
         pass
     reason = os.strerror(errno.ENOSPC) if full else _reason(e)
@@ -177,7 +181,9 @@ def writing(where: Path) -> Iterator[None]:
     """Turn a failed write under ``where`` into one line naming the problem."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except MTPError:
+        raise
+    except Exception as e:
         raise write_error(e, where) from None
 
 
