@@ -87,7 +87,7 @@ def describe_folder(path: Path) -> ModelInfo:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise MTPError(f"{path}: no *.safetensors weights")
-    family = family_for(config["model_type"])
+    family = family_for(config)
     entries: Dict[str, Dict[str, Any]] = {}
     is_mlx = "quantization" in config
     for f in files:

@@ -229,7 +229,7 @@ def _candidate_names(config: Dict[str, Any]) -> List[str]:
     model_class, args_class = model_classes(wide)
     model = model_class(args_class.from_dict(wide))  # lazy: nothing is computed
     names = [k for k, _ in tree_flatten(model.parameters())]
-    family = family_for(config["model_type"])
+    family = family_for(config)
     if family is not None and n_mtp:
         backbone = find_backbone(model)
         args = getattr(model, "args", None)

@@ -171,7 +171,7 @@ def load_model(
     config = read_config(path)
     model_type = config["model_type"]
     _check_model_type(config)
-    family = family_for(model_type)
+    family = family_for(config)
     split: Dict[str, mx.array] = {}
     weight_files = glob.glob(str(path / "model*.safetensors"))
     if not weight_files:
