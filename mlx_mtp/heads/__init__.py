@@ -69,6 +69,23 @@ RELEASED = {
 }
 
 
+# Families whose checkpoints carry MTP layers that mlx-mtp cannot use yet, and why
+NOT_YET = {
+    "longcat_flash_ngram": "no engine source pins how its MTP layer reads the "
+    "n-gram embedding",
+    "deepseek_v41": "mlx-lm's LayerCache (sliding window, compressed groups) "
+    "cannot roll back a verify pass",
+}
+
+
+def not_yet(config: Dict[str, Any]) -> Optional[str]:
+    """Why the MTP layers of ``config``'s family cannot be used yet, if they cannot."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = module_type(config)
+    return NOT_YET.get(MODEL_REMAPPING.get(model_type, model_type))
+
+
 def module_type(config: Dict[str, Any]) -> str:
     """``config``'s model_type, or the mlx-lm module its architecture maps it to."""
     from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING
@@ -123,6 +140,7 @@ __all__ = [
     "family_for",
     "layers_present",
     "module_type",
+    "not_yet",
     "RELEASED",
     "load_head_weights",
     "supported_model_types",
