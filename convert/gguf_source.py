@@ -415,6 +415,19 @@ _SPECIAL_TOKENS = {
 }
 
 
+def _gguf_tokenizer_builders():
+    """transformers' GGUF tokenizer tables and builder, where its version keeps them.
+
+    transformers 5.18 moved them from ``integrations.ggml`` (5.7-5.17, the
+    versions mlx-lm 0.32 also accepts) to ``integrations.gguf``.
+    """
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+    except ImportError:
+        from transformers.integrations import ggml as m
+    return m.GGUF_TOKENIZER_MAPPING, m.convert_gguf_tokenizer
+
+
 def gguf_tokenizer_writer(path: Path, fields: Dict[str, Any]):
     """Write tokenizer files built from the GGUF's tokenizer metadata.
 
@@ -424,11 +437,8 @@ def gguf_tokenizer_writer(path: Path, fields: Dict[str, Any]):
 
     def write(out: Path) -> None:
         from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
 
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _gguf_tokenizer_builders()
         grouped = {
             group: {
                 name: fields[f"tokenizer.{key}"]
