@@ -111,7 +111,7 @@ def test_training_lowers_loss_and_raises_agreement(llama_folder, tmp_path):
     )
     assert _loss(head, shards, vocab, cfg)[0] < 0.7 * before_loss
     assert sum(losses[-5:]) < sum(losses[:5])
-    assert result.best_agreement == pytest.approx(agreement(head, shards, vocab, 1))
+    assert result.best_agreement == pytest.approx(agreement(head, shards, vocab, 3))
     assert result.best_agreement[0] > before[0] + 0.2
 
 
@@ -484,7 +484,7 @@ def test_train_head_cli(llama_folder, data_file, tmp_path, capsys):
         "embedding",
         3,
     )
-    assert len(report["agreement"]) == 2
+    assert len(report["agreement"]) == 3  # measured to depth 3
     assert (
         mx.load(str(out / "mtp.safetensors"))["model.layers.2.eh_proj.weight"].dtype
         == mx.float16

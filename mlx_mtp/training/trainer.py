@@ -79,7 +79,9 @@ class Vocab:
         if keep is None:
             self.rows, self.table = mx.stop_gradient(output_rows(head)), None
         else:
-            self.rows = mx.stop_gradient(output_rows(head, mx.array(keep)))
+            self.rows = mx.stop_gradient(
+                output_rows(head, mx.array(keep.astype(np.int32)))
+            )
             self.table = np.full(vocab_size, -1, np.int64)
             self.table[keep] = np.arange(len(keep))
 
@@ -247,11 +249,13 @@ def train(
     ckpt = out / CHECKPOINT_DIR
     keep = choose_vocab(train_set, vocab_size, cfg.vocab_top)
     vocab = Vocab(head, keep, vocab_size)
+    # chains are measured to the default depth even when trained shallower
+    eval_depth = max(cfg.depth, DEFAULT_DEPTH)
     state = {"step": 0, "best_step": 0, "best_score": -1.0, "bad_evals": 0}
     if resume and (ckpt / "state.json").exists():
         state = _load_checkpoint(head, opt, ckpt)
     if "initial_agreement" not in state:
-        state["initial_agreement"] = agreement(head, val_set, vocab, cfg.depth)
+        state["initial_agreement"] = agreement(head, val_set, vocab, eval_depth)
         state["best_agreement"] = state["initial_agreement"]
         state["best_score"] = expected_length(state["initial_agreement"])
         if on_eval is not None:
@@ -278,7 +282,7 @@ def train(
         if on_step is not None:
             on_step(step, losses[-1], int(batch["mask"].sum().item()))
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            acc = agreement(head, val_set, vocab, cfg.depth)
+            acc = agreement(head, val_set, vocab, eval_depth)
             if on_eval is not None:
                 on_eval(step, acc)
             score = expected_length(acc)
