@@ -7,6 +7,7 @@ plain one-token step. The recommended draft-max maximises the expected
 tokens per verify pass over its cost (the bound of ``MTPStats``'s numbers).
 """
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,7 +93,7 @@ def table(results: dict[str, dict[int, MTPStats]]) -> str:
     return "\n".join(lines)
 
 
-def measure_costs(mtp_model: Any, prompt: list[int], k_max: int, repeats: int = 7):
+def measure_costs(mtp_model: Any, prompt: list[int], k_max: int, repeats: int = 15):
     """Median times, relative to a plain one-token step, of a verify forward
     over ``T = 1..k_max + 1`` tokens and of one chained head call."""
     trunk, head = mtp_model.trunk, mtp_model.head
@@ -103,14 +104,6 @@ def measure_costs(mtp_model: Any, prompt: list[int], k_max: int, repeats: int = 
         _, h = head(hidden[:, :-1], mx.array(prompt[1:])[None], cache.head)
         mx.eval(h, [c.state for c in cache.head])
     tokens = mx.array(prompt[-k_max - 1 :])[None]
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            tic = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - tic)
-        return sorted(times[1:])[len(times[1:]) // 2]
 
     def verify(t):
         logits, _ = trunk(tokens[:, :t], cache.trunk)
@@ -124,13 +117,24 @@ def measure_costs(mtp_model: Any, prompt: list[int], k_max: int, repeats: int = 
         for c in cache.head:
             c.trim(1)
 
-    step = timed(lambda: verify(1))
-    costs = {
-        "verify": [timed(lambda t=t: verify(t)) / step for t in range(1, k_max + 2)]
+    calls = [lambda t=t: verify(t) for t in range(1, k_max + 2)]
+    calls += [chained] if head is not None else []
+    times = [[] for _ in calls]
+    for r in range(repeats + 1):  # interleaved, so drifting load hits all alike
+        for fn, seen in zip(calls, times):
+            tic = time.perf_counter()
+            fn()
+            if r:  # the first round warms up
+                seen.append(time.perf_counter() - tic)
+    med = [sorted(t)[len(t) // 2] for t in times]
+    step = med[0]
+    # a forward over more tokens never costs less: noise must not say otherwise
+    verify_costs = list(itertools.accumulate((m / step for m in med[: k_max + 1]), max))
+    return {
+        "verify": verify_costs,
+        "head": med[-1] / step if head is not None else 0.0,
+        "step_seconds": step,
     }
-    costs["head"] = timed(chained) / step if head is not None else 0.0
-    costs["step_seconds"] = step
-    return costs
 
 
 def expected_speedups(per_depth: Sequence[float], costs: dict[str, Any]) -> list[float]:
