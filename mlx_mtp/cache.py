@@ -12,7 +12,7 @@ The loop never touches cache arrays. It brackets each verify pass with
 """
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 
@@ -48,21 +48,68 @@ def cache_length(caches: List[Any]) -> int:
 
 
 @dataclass
+class Pending:
+    """What one head layer has not read yet: its inputs and their successor tokens.
+
+    A head layer at chain position ``i`` reads an input hidden state with the
+    token ``t_{i+1}``; the token for the last input is not known yet, so
+    ``tokens`` holds one fewer than ``hidden`` (none when ``hidden`` is None).
+    """
+
+    hidden: Optional[mx.array] = None  # [B, m, D]
+    tokens: List[int] = field(default_factory=list)  # m - 1
+
+    @property
+    def size(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[1]
+
+    def push(self, hidden: mx.array, read: List[int]) -> None:
+        """Queue inputs made while reading ``read``, the successors of the inputs before.
+
+        Each token read completes the previous input (the first completes the
+        last one queued); the last new input stays incomplete.
+        """
+        if self.hidden is None:
+            self.hidden, self.tokens = hidden, list(read[1:])
+        else:
+            self.hidden = mx.concatenate([self.hidden, hidden], axis=1)
+            self.tokens.extend(read)
+
+    def keep_first(self, n: int) -> None:
+        """Keep the first ``n`` inputs (and their known successors)."""
+        if n <= 0:
+            self.hidden, self.tokens = None, []
+        else:
+            self.hidden, self.tokens = self.hidden[:, :n], self.tokens[: n - 1]
+
+    def drop_first(self, n: int) -> None:
+        """Forget the first ``n`` inputs (read by the layer)."""
+        rest = self.hidden[:, n:]
+        self.hidden = rest if rest.shape[1] else None
+        self.tokens = self.tokens[n:]
+
+    def copy(self) -> "Pending":
+        return Pending(self.hidden, list(self.tokens))
+
+
+@dataclass
 class MTPCache:
     """Everything a generation leaves behind, so that a later call can continue.
 
-    ``trunk`` and ``head`` are the per-layer caches of the main model and the MTP
-    head. The head lags the trunk: the hidden states in ``pending_hidden`` are
-    the trunk's outputs at its last positions, not yet fed to the head because
-    the head pairs each hidden state ``h_i`` with the NEXT token ``t_{i+1}``.
-    ``pending_tokens`` holds the successors already known (one fewer than the
-    hidden states); the last successor is the next token the trunk will read.
+    ``trunk`` is the main model's per-layer caches, ``head`` the MTP head's
+    (flat; ``head.layer_cache(cache.head, j)`` is layer ``j``'s part). The head
+    lags the trunk: layer 0 pairs the trunk's hidden state ``h_i`` with the NEXT
+    token ``t_{i+1}``, so the trunk's last hidden states wait in
+    ``pending[0]`` until their successors are known. Head layer ``j > 0`` reads,
+    at chain position ``i``, layer ``j - 1``'s output at ``i - 1`` with
+    ``t_{i+1}``; its inputs wait in ``pending[j]``. ``start[j]`` is the chain
+    position of layer ``j``'s first cache entry (``j`` for a fresh cache).
     """
 
     trunk: List[Any]
     head: List[Any] = field(default_factory=list)
-    pending_hidden: Optional[mx.array] = None
-    pending_tokens: List[int] = field(default_factory=list)
+    pending: List[Pending] = field(default_factory=lambda: [Pending()])
+    start: List[int] = field(default_factory=lambda: [0])
 
     @property
     def offset(self) -> int:
@@ -71,8 +118,71 @@ class MTPCache:
 
     @property
     def head_offset(self) -> int:
-        """Positions the MTP head has processed."""
+        """Positions the head's first layer has processed."""
         return cache_length(self.head)
+
+    @property
+    def pending_hidden(self) -> Optional[mx.array]:
+        """The trunk's hidden states head layer 0 has not read yet."""
+        return self.pending[0].hidden
+
+    @property
+    def pending_tokens(self) -> List[int]:
+        return self.pending[0].tokens
 
     def state_list(self) -> List[Any]:
         return self.trunk + self.head
+
+    def truncate(self, keep: int, layer_cache: Callable[[List[Any], int], List[Any]]) -> int:
+        """Cut back so the trunk holds at most its first ``keep`` tokens.
+
+        Entries that read tokens past ``keep`` go. Layer 0 cut inside its
+        pending states just drops some; cut below what it has read, it would
+        need the trunk's hidden state at the cut, which is gone, so one more
+        token is dropped and layer 0 and the trunk stop at the same position
+        with nothing pending (as a head that has read every pair it can).
+        A layer ``j > 0`` stays exact when its pending inputs still hold layer
+        ``j - 1``'s output at that layer's new last position; otherwise it (and
+        every layer above it) starts afresh there: its drafts lose context,
+        the output does not change. ``layer_cache`` is the head's
+        ``layer_cache``. Returns how many tokens the trunk still holds.
+        """
+        trunk_n = self.offset
+        if keep >= trunk_n:
+            return trunk_n
+        if not self.head or (self.pending[0].hidden is None and self.head_offset == 0):
+            rollback(self.trunk, trunk_n - keep)  # the head never ran (no MTP)
+            return keep
+        first = self.pending[0]
+        read = cache_length(layer_cache(self.head, 0))
+        if first.hidden is not None and keep > read:
+            first.keep_first(keep - read)
+            last = read - 1  # layer 0's last position
+        else:
+            keep = max(0, keep - 1)
+            rollback(layer_cache(self.head, 0), read - keep)
+            self.pending[0] = Pending()
+            last = keep - 1
+        rollback(self.trunk, trunk_n - keep)
+        fresh = False
+        for j in range(1, len(self.pending)):
+            caches, queue = layer_cache(self.head, j), self.pending[j]
+            n = cache_length(caches)
+            end = self.start[j] + n - 1  # last position read
+            # exact while this layer's inputs still hold layer j-1's output at
+            # ``last``: it reads it at ``last + 1``
+            if not fresh and end <= last and end + queue.size >= last + 1:
+                queue.keep_first(last + 1 - end)
+                last = end
+                continue
+            fresh = True
+            rollback(caches, n)
+            self.pending[j] = Pending()
+            # it next reads layer j-1's first new output, at that output's
+            # position + 1 (the output at ``last`` is gone)
+            self.start[j] = last + 2
+            last = self.start[j] - 1
+        return keep
+
+    def copy_pending(self) -> List[Pending]:
+        return [p.copy() for p in self.pending]

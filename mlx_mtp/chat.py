@@ -33,34 +33,13 @@ def _truncatable(cache: MTPCache) -> bool:
     )
 
 
-def truncate(cache: MTPCache, keep: int) -> int:
+def truncate(model: MTPModel, cache: MTPCache, keep: int) -> int:
     """Cut ``cache`` back so the trunk holds at most its first ``keep`` tokens.
 
-    The head lags the trunk (see ``MTPCache``): it has read the pairs
-    ``(h_i, t_{i+1})`` for ``i < head_offset`` and the trunk's hidden states
-    after that wait in ``pending_hidden``. Cutting inside the pending states
-    just drops some of them. Cutting below ``head_offset`` would need the
-    hidden state at the cut, which is gone, so one more token is dropped and
-    both caches stop at the same position with nothing pending (the state of a
-    head that has read every pair it can, like a fresh cache). Returns how many
-    tokens the trunk still holds.
+    See ``MTPCache.truncate``; returns how many tokens the trunk still holds.
     """
-    trunk_n, head_n = cache.offset, cache.head_offset
-    if keep >= trunk_n:
-        return trunk_n
-    if cache.pending_hidden is None and head_n == 0:  # the head never ran (no MTP)
-        rollback(cache.trunk, trunk_n - keep)
-        return keep
-    if cache.pending_hidden is not None and keep > head_n:
-        rollback(cache.trunk, trunk_n - keep)
-        cache.pending_hidden = cache.pending_hidden[:, : keep - head_n]
-        cache.pending_tokens = cache.pending_tokens[: keep - head_n - 1]
-        return keep
-    keep = max(0, keep - 1)
-    rollback(cache.trunk, trunk_n - keep)
-    rollback(cache.head, head_n - keep)
-    cache.pending_hidden, cache.pending_tokens = None, []
-    return keep
+    layer_cache = model.head.layer_cache if model.head is not None else None
+    return cache.truncate(keep, layer_cache)
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
@@ -79,8 +58,8 @@ class _Saved:
     messages: int
     tokens: List[int]
     marks: List[Any]  # per cache (trunk, then head), see ``_mark``
-    pending_hidden: Any
-    pending_tokens: List[int]
+    pending: List[Any]  # the head layers' pending inputs
+    start: List[int]
 
 
 def _mark(c) -> Optional[tuple]:
@@ -199,7 +178,7 @@ class ChatSession:
         rebuilt = False
         if keep < len(self.cached_tokens):
             if _truncatable(self.cache):
-                keep = truncate(self.cache, keep)
+                keep = truncate(self.model, self.cache, keep)
             else:
                 self.cache, keep, rebuilt = self.model.make_cache(), 0, True
         self.cached_tokens = prompt[:keep]
@@ -219,8 +198,8 @@ class ChatSession:
             n_messages,
             list(self.cached_tokens),
             [_mark(x) for x in c.state_list()],
-            c.pending_hidden,
-            list(c.pending_tokens),
+            c.copy_pending(),
+            list(c.start),
         )
 
     def _undo(self) -> None:
@@ -233,5 +212,5 @@ class ChatSession:
             return
         for x, mark in zip(c.state_list(), saved.marks):
             _restore(x, mark)
-        c.pending_hidden, c.pending_tokens = saved.pending_hidden, saved.pending_tokens
+        c.pending, c.start = [p.copy() for p in saved.pending], list(saved.start)
         self.cached_tokens = saved.tokens

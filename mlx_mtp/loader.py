@@ -17,9 +17,9 @@ from typing import Any, Dict, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import MTPCache, can_rollback
+from .cache import MTPCache, Pending, can_rollback
 from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights
+from .heads import MTPHead, family_for, load_head_weights, norms
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
@@ -42,8 +42,15 @@ class MTPModel:
         return self.config.get("model_type", "")
 
     def make_cache(self) -> MTPCache:
-        head_cache = self.head.make_cache() if self.head is not None else []
-        return MTPCache(trunk=self.trunk.make_cache(), head=head_cache)
+        if self.head is None:
+            return MTPCache(trunk=self.trunk.make_cache())
+        n = self.head.num_layers
+        return MTPCache(
+            trunk=self.trunk.make_cache(),
+            head=self.head.make_cache(),
+            pending=[Pending() for _ in range(n)],
+            start=list(range(n)),
+        )
 
 
 def read_config(path: Path) -> Dict[str, Any]:
@@ -139,6 +146,8 @@ def _check_model_type(config: Dict[str, Any]) -> None:
 def _sanitize_block(model: nn.Module, family, weights):
     """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
     layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
+    if callable(layer):  # the trunk sanitizes some layers only as their kind needs
+        layer = layer(model)
     sanitize = getattr(model, "sanitize", lambda w: w)
     out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
     return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}
@@ -232,16 +241,20 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
     # A family whose block tensors the trunk's sanitize cannot take brings its own.
     sanitize = getattr(family, "sanitize_block", None)
     try:
-        load_head_weights(
-            head,
-            family.prefix(config, 0),
-            weights,
-            sanitize or (lambda w: _sanitize_block(model, family, w)),
-            config.get("quantization"),
-        )
+        for j in range(head.num_layers):
+            load_head_weights(
+                head.layer(j),
+                family.prefix(config, j),
+                weights,
+                sanitize or (lambda w: _sanitize_block(model, family, w)),
+                config.get("quantization"),
+            )
     except ValueError as e:
         raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
     head.bind(trunk.embed_tokens, output_head(model))
+    # a norm in the other convention drafts garbage: convert fixes it, we refuse
+    prefixes = [family.prefix(config, j) for j in range(head.num_layers)]
+    norms.check(head, prefixes, model)
     return head
 
 

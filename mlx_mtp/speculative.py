@@ -5,11 +5,12 @@ token chosen and not yet read. Each round
 
 1) drafts: the head catches up on the hidden states it has not seen (paired
    with their successor tokens) in ONE batched call whose last output is
-   already draft 1, then chains drafts 2..k through its own output;
+   already draft 1; draft j+1 comes from head layer j (the last layer chains
+   on its own output when there are fewer layers than drafts);
 2) verifies ``[y, d_1..d_k]`` in ONE forward of the trunk;
 3) accepts the agreeing prefix plus one token of the main model;
-4) rolls back: the trunk to the tokens it keeps, the head past its chain
-   (chained entries came from draft hidden states, not true ones);
+4) rolls back: the trunk to the tokens it keeps, every head layer past its
+   tentative entries (they came from drafts, not from true tokens);
 5) leaves the new true hidden states pending for the next round's catch-up.
 
 After the prompt there is no plain decode step: every token comes from a
@@ -28,30 +29,30 @@ from .stats import MTPStats
 DEFAULT_DRAFT_MAX = 3
 DEFAULT_DRAFT_P_MIN = 0.0
 DEFAULT_PREFILL_STEP = 2048
+# A head layer that has not drafted for this many positions (rounds without
+# drafts, or deeper than the drafts asked for) catches up, so what waits for it
+# stays small.
+PENDING_LIMIT = 32
 
 
-def _keep_pending(cache: MTPCache, hidden: mx.array, read: List[int]) -> None:
-    """Queue the hidden states the trunk made reading the tokens ``read``.
-
-    Each token read is the successor of the hidden state before it, so it
-    completes the previous pending pair; the last new state stays incomplete.
-    """
-    if cache.pending_hidden is None:
-        cache.pending_hidden, cache.pending_tokens = hidden, list(read[1:])
-    else:
-        cache.pending_hidden = mx.concatenate([cache.pending_hidden, hidden], axis=1)
-        cache.pending_tokens.extend(read)
+def _read(model, cache: MTPCache, j: int, hidden: mx.array, tokens) -> Tuple:
+    """Head layer ``j`` over ``hidden`` paired with ``tokens`` (ints or an array)."""
+    head = model.head
+    if not isinstance(tokens, mx.array):
+        tokens = mx.array(tokens)
+    return head.layer(j)(hidden, tokens[None], head.layer_cache(cache.head, j))
 
 
-def _feed_head(model, cache: MTPCache, y: Optional[int] = None):
-    """Run the head over every pending pair (``y`` completes the last one)."""
-    tokens = cache.pending_tokens + ([] if y is None else [y])
-    n = len(tokens)
-    logits, h = model.head(cache.pending_hidden[:, :n], mx.array(tokens)[None], cache.head)
-    rest = cache.pending_hidden[:, n:]
-    cache.pending_hidden = rest if rest.shape[1] else None
-    cache.pending_tokens = []
-    return logits, h
+def catch_up(model, cache: MTPCache) -> None:
+    """Every head layer reads its complete pairs, passing its outputs up."""
+    for j, queue in enumerate(cache.pending):
+        n = len(queue.tokens)
+        if n == 0:
+            continue
+        _, out = _read(model, cache, j, queue.hidden[:, :n], queue.tokens)
+        if j + 1 < len(cache.pending):
+            cache.pending[j + 1].push(out, queue.tokens)
+        queue.drop_first(n)
 
 
 def prefill(model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool):
@@ -61,30 +62,62 @@ def prefill(model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool)
         chunk = todo[s : s + step]
         _, hidden = model.trunk(mx.array(chunk)[None], cache.trunk)
         if use_mtp:
-            _keep_pending(cache, hidden, chunk)
-            if cache.pending_tokens:
-                _feed_head(model, cache)
-            mx.eval(cache.pending_hidden, [c.state for c in cache.state_list()])
+            cache.pending[0].push(hidden, chunk)
+            catch_up(model, cache)
+            pending = [q.hidden for q in cache.pending if q.hidden is not None]
+            mx.eval(pending, [c.state for c in cache.state_list()])
         else:
             mx.eval([c.state for c in cache.trunk])
 
 
 def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, history):
-    """Catch the head up and chain up to ``k`` drafts; returns (drafts, chained calls)."""
-    logits, h = _feed_head(model, cache, y)
+    """Catch the head up and draft up to ``k`` tokens.
+
+    Layer 0 reads every pending pair (``y`` completes the last): its last
+    output is draft 1. Layer ``j`` then reads its complete pairs and, as
+    tentative entries at chain positions ``p + 1 .. p + j``, its last input
+    completed by draft 1 and layer ``j - 1``'s tentative outputs with drafts
+    ``2..j``: its last output is draft ``j + 1``. Drafts past the last layer
+    chain the last layer on its own output. Returns the drafts and how many
+    tentative entries each layer wrote (rolled back after the verify).
+    """
+    queues = cache.pending
+    n_layers = len(queues)
+    tentative = [0] * n_layers
     drafts: List[Draft] = []
-    chained = 0
-    logits, h = logits[:, -1], h[:, -1:]
+    tokens = queues[0].tokens + [y]
+    logits, out = _read(model, cache, 0, queues[0].hidden, tokens)
+    if n_layers > 1:
+        queues[1].push(out, tokens)
+    queues[0].drop_first(len(tokens))
+    tent = out[:, :0]  # this layer's tentative outputs
     for j in range(k):
-        d = verifier.draft(logits, history, drafts)
+        d = verifier.draft(logits[:, -1], history, drafts)
         if p_min > 0 and d.p.item() < p_min:
             break
         drafts.append(d)
-        if j + 1 < k:
-            logits, h = model.head(h, d.token[None], cache.head)
-            logits = logits[:, -1]
-            chained += 1
-    return drafts, chained
+        if j + 1 == k:
+            break
+        if j + 1 < n_layers:  # layer j + 1 drafts depth j + 2
+            layer, queue = j + 1, queues[j + 1]
+            n = len(queue.tokens)
+            hidden = [h for h in (queue.hidden, tent) if h is not None and h.shape[1]]
+            hidden = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+            c = hidden.shape[1] - n  # inputs read tentatively, with the last c drafts
+            known = mx.array(queue.tokens, dtype=d.token.dtype)
+            toks = [known] + [x.token for x in drafts[len(drafts) - c :]]
+            logits, out = _read(model, cache, layer, hidden, mx.concatenate(toks))
+            if n and layer + 1 < n_layers:
+                queues[layer + 1].push(out[:, :n], queue.tokens)
+            if n:
+                queue.drop_first(n)
+            tent = out[:, n:]
+        else:  # past the last layer: chain it on its own output
+            layer = n_layers - 1
+            logits, out = _read(model, cache, layer, out[:, -1:], d.token)
+            c = 1
+        tentative[layer] += c
+    return drafts, tentative
 
 
 def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
@@ -141,10 +174,10 @@ def speculative_generate_step(
     while n < max_tokens:
         remaining = max_tokens - n
         # 1) draft
-        drafts, chained = [], 0
-        if use_mtp and cache.pending_hidden is not None and remaining > 1:
+        drafts, tentative = [], []
+        if use_mtp and cache.pending[0].hidden is not None and remaining > 1:
             k = min(draft_policy() if draft_policy else draft_max, remaining - 1)
-            drafts, chained = draft(model, cache, y, k, draft_p_min, verifier, history)
+            drafts, tentative = draft(model, cache, y, k, draft_p_min, verifier, history)
         # 2) verify in one forward
         inputs = mx.concatenate([mx.array([y])] + [d.token for d in drafts])
         start_verify(cache.trunk)
@@ -155,12 +188,15 @@ def speculative_generate_step(
         if draft_policy is not None and drafts:
             draft_policy.update(len(drafts), accepted)
         m = _cut(emitted, stop_tokens, remaining)
-        # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head drops its chain
+        # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
         rollback(cache.trunk, len(drafts) + 1 - m)
-        rollback(cache.head, chained)
+        for j, t in enumerate(tentative):
+            rollback(model.head.layer_cache(cache.head, j), t)
         # 5) the kept hidden states wait for the head
         if use_mtp:
-            _keep_pending(cache, hidden[:, :m], [y] + emitted[: m - 1])
+            cache.pending[0].push(hidden[:, :m], [y] + emitted[: m - 1])
+            if any(q.size > PENDING_LIMIT for q in cache.pending):
+                catch_up(model, cache)  # layers that did not draft for a while
         if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
             stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
         else:

@@ -18,13 +18,20 @@ from mlx_lm.models.cache import KVCache
 
 
 class MTPHead(nn.Module):
-    """One MTP layer. Subclasses define ``fuse``, ``final_norm`` and naming."""
+    """One MTP layer. Subclasses define ``fuse``, ``final_norm`` and naming.
+
+    A head of several layers (``MultiLayerHead``) drafts depth ``j + 1`` with
+    ``layer(j)``; a single layer drafts every depth.
+    """
 
     # Top-level module names that belong to the head itself; every other
     # tensor under the layer's prefix belongs to the decoder block.
     OWN: Tuple[str, ...] = ()
     # vLLM's DeepSeek-style and MiMo heads zero the embedding at position 0.
     zero_first_embedding: bool = True
+    # The hidden state a chained draft feeds back: "post" the closing norm's
+    # output (DeepSeek, vLLM), "pre" the block's output before it (Step-3.5).
+    chain_hidden: str = "post"
 
     def __init__(self):
         super().__init__()
@@ -66,16 +73,71 @@ class MTPHead(nn.Module):
         mask = create_attention_mask(x, c, return_array=True)
         x = self.block(x, mask, c)
         h = self.final_norm(x)
-        return self.logits(h), h
+        return self.logits(h), (h if self.chain_hidden == "post" else x)
 
     def make_cache(self) -> List[Any]:
         return [KVCache()]
+
+    # -- layers ------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return 1
+
+    def layer(self, j: int) -> "MTPHead":
+        """The layer that drafts depth ``j + 1``."""
+        return self
+
+    def layer_cache(self, cache: List[Any], j: int) -> List[Any]:
+        """Layer ``j``'s part of the head's flat cache list."""
+        return cache
 
     # -- checkpoint naming -------------------------------------------------
     def module_path(self, rel: str) -> str:
         """Map a tensor name relative to the layer's prefix to this module's path."""
         top = rel.split(".", 1)[0]
         return rel if top in self.OWN else f"block.{rel}"
+
+
+class MultiLayerHead(MTPHead):
+    """MTP layers trained so that layer ``j`` drafts depth ``j + 1``.
+
+    Each layer keeps its own cache. Layer ``j`` reads, at chain position
+    ``i``, layer ``j - 1``'s output at ``i - 1`` with the token ``t_{i+1}``
+    (the loop feeds it); called directly, the head is its first layer.
+    """
+
+    def __init__(self, layers: List[MTPHead]):
+        super().__init__()
+        self.layers = layers
+        # position-0 zeroing is about the sequence's first token, which only
+        # layer 0 reads (vLLM zeroes where the position is 0)
+        for layer in layers[1:]:
+            layer.zero_first_embedding = False
+        ends = [0]
+        for layer in layers:
+            ends.append(ends[-1] + len(layer.make_cache()))
+        # a plain attribute (a list would be taken for a parameter tree)
+        object.__setattr__(self, "_cache_ends", ends)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, j: int) -> MTPHead:
+        return self.layers[j]
+
+    def bind(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]):
+        for layer in self.layers:
+            layer.bind(embed, lm_head)
+
+    def __call__(self, hidden, tokens, cache):
+        return self.layers[0](hidden, tokens, self.layer_cache(cache, 0))
+
+    def make_cache(self) -> List[Any]:
+        return [c for layer in self.layers for c in layer.make_cache()]
+
+    def layer_cache(self, cache: List[Any], j: int) -> List[Any]:
+        return cache[self._cache_ends[j] : self._cache_ends[j + 1]]
 
 
 def load_head_weights(
