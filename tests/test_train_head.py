@@ -594,3 +594,61 @@ def test_recommended_draft_max_weighs_acceptance_against_cost():
     assert recommend_draft_max(good, flat) == 3
     assert recommend_draft_max(good, steep) == 1
     assert recommend_draft_max([0.7, 0.1, 0.1], flat) == 1
+
+
+def test_batch_flags_reach_generation_and_the_trunk(
+    llama_folder, tmp_path, capsys, monkeypatch
+):
+    import importlib
+
+    from mlx_mtp.cli import run_app
+    from mlx_mtp.training import shards
+
+    lm_generate = importlib.import_module("mlx_lm.generate")  # the module
+
+    seen = {"completion": [], "trunk": []}
+
+    class Recording(lm_generate.BatchGenerator):
+        def __init__(self, model, **kw):
+            seen["completion"].append(kw["completion_batch_size"])
+            super().__init__(model, **kw)
+
+    real_view = shards.trunk_view
+
+    def view(trunk, windows, seq_len):
+        seen["trunk"].append(len(windows))
+        return real_view(trunk, windows, seq_len)
+
+    monkeypatch.setattr(lm_generate, "BatchGenerator", Recording)
+    monkeypatch.setattr(shards, "trunk_view", view)
+    args = [
+        "train-head",
+        str(llama_folder),
+        str(tmp_path / "h"),
+        "--self-distill",
+        "5",
+        "--distill-tokens",
+        "8",
+        "--validation-prompts",
+        "1",
+        "--distill-batch",
+        "3",
+        "--trunk-batch",
+        "2",
+        "--steps",
+        "2",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "48",
+        "--eval-tokens",
+        "9",
+        "--json",
+    ]
+    assert run_app(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert seen["completion"] == [3, 3]  # validation, then training answers
+    assert max(seen["trunk"]) == 2 and sum(seen["trunk"]) == 6
+    # --eval-tokens: every held-out generation stops at 9 tokens
+    per_k = report["acceptance"]["all"]["1"]
+    assert per_k["rounds"] + per_k["accepted"] == 9 * 12

@@ -167,9 +167,9 @@ def train_head(
             prompts = training_prompts(self_distill_prompts, cfg.seed, val_prompts)
             tic, before = time.time(), _tokens(work / "distill.jsonl")
             distilled = distill(prompts, "distill")
-            report["distill_tokens_per_second"] = (
-                _tokens(work / "distill.jsonl") - before
-            ) / max(time.time() - tic, 1e-9)
+            made = _tokens(work / "distill.jsonl") - before
+            if made:  # answer tokens per second of this run's generation
+                report["distill_tokens_per_second"] = made / (time.time() - tic)
             if len(distilled) < len(prompts):
                 return stopped("self-distillation")
             seqs += distilled
