@@ -12,7 +12,7 @@ import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +26,9 @@ HEAD_FILE_GLOB = "mtp*.safetensors"
 # Written beside a head trained by ``train-head``: names the head's family, so
 # the head attaches to a trunk whose model_type has no MTP family of its own.
 HEAD_CONFIG_FILE = "mtp_config.json"
+# Called as ``shard(model, head, config)`` on the loaded model before its
+# weights are read (``mlx_mtp.distributed`` splits it over processes there).
+ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class MTPModel:
     head: Optional[MTPHead]
     config: Dict[str, Any]
     notice: Optional[str] = None  # why there is no head, when there is none
+    sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
 
     @property
     def model_type(self) -> str:
@@ -158,12 +162,15 @@ def load_model(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     lazy: bool = False,
+    shard: Optional[ShardHook] = None,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
     ``mtp`` names a separate head (a folder holding ``mtp*.safetensors`` or a
     ``.safetensors`` file) to attach instead of the one in the folder.
     ``hidden_tap`` ("post" or "pre") overrides the family's hidden-state tap.
+    ``shard(model, head, config)`` runs before the trunk's weights are read
+    (``mlx_mtp.distributed`` splits the model there).
     """
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -212,6 +219,8 @@ def load_model(
     if head is not None and not can_rollback(trunk.make_cache()):
         notice = f"{model_type}: its caches cannot roll back, generating without MTP"
         head = None
+    if shard is not None:
+        shard(model, head, config)
     if not lazy:
         mx.eval(model.parameters())
     return MTPModel(trunk=trunk, head=head, config=config, notice=notice)
@@ -263,11 +272,14 @@ def load(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    shard: Optional[ShardHook] = None,
 ) -> Tuple[MTPModel, Any]:
-    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``."""
+    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``.
+
+    ``shard`` as in ``load_model``."""
     from mlx_lm.utils import load_tokenizer
 
-    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap)
+    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap, shard=shard)
     try:
         tokenizer = load_tokenizer(
             Path(path),
