@@ -93,7 +93,7 @@ def describe_folder(path: Path) -> ModelInfo:
     # a head trained by train-head names its family beside it: the model's
     # own model_type (llama, ...) may have none
     trained = _trained_head_family(path)
-    family = trained or family_for(config["model_type"])
+    family = trained or family_for(config)
     head_files = set(path.glob(HEAD_FILE_GLOB))
     entries: Dict[str, Dict[str, Any]] = {}
     mtp = set()
@@ -126,6 +126,7 @@ def describe_folder(path: Path) -> ModelInfo:
 
 def describe_gguf(path: Path) -> ModelInfo:
     from .gguf_hybrid import ARCHS as HYBRID
+    from .gguf_nemotron import ARCHS as NEMOTRON
     from .gguf_source import ARCHS, Metadata, _open
 
     reader = _open(path)
@@ -147,7 +148,7 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
-    archs = {**ARCHS, **HYBRID}
+    archs = {**ARCHS, **HYBRID, **NEMOTRON}
     return ModelInfo(
         path=str(path),
         format="GGUF",
