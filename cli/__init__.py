@@ -1,24 +1,25 @@
 """The ``mlx-mtp`` command line: a thin typer layer over the Python API.
 
-Each command lives in its own module and registers itself on ``app``.
+Each command lives in its own module and registers itself on ``app``; a run
+imports only the command it runs (see ``app.py``). ``mlx_mtp.cli.app`` is
+the typer app with every command loaded.
 """
 
 import sys
 
-from .app import app, run_app
-
-# Importing a command module registers its command.
-from . import generate as _generate  # noqa: E402,F401
-
-for _name in ("info", "convert", "chat", "bench", "train_head"):
-    try:
-        __import__(f"{__name__}.{_name}")
-    except ModuleNotFoundError as e:  # a command not built yet
-        if e.name != f"{__name__}.{_name}":
-            raise
-
+from . import app as _app
 
 __all__ = ["app", "main", "run_app"]
+globals().pop("app")  # the submodule: ``app`` is the typer app (``__getattr__``)
+
+run_app = _app.run_app
+
+
+def __getattr__(name: str):
+    if name == "app":
+        _app.load_commands()
+        return _app.app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:

@@ -1,21 +1,19 @@
 """``mlx-mtp bench``: mlx-lm against mlx-mtp side by side (work: ``mlx_mtp.bench``)."""
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from mlx_mtp.bench import (
+from mlx_mtp.defaults import (
     DEFAULT_BENCH_TOKENS,
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_P_MIN,
     DEFAULT_REPEATS,
-    BenchResult,
-    load_prompts,
-    run_bench,
+    MAX_DRAFT_MAX,
 )
-from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from mlx_mtp.stats import MTPStats
 
 from . import options as o
@@ -35,7 +33,9 @@ def regime_line(regime: dict) -> str:
     )
 
 
-def table(result: BenchResult) -> Table:
+def table(result):
+    from rich.table import Table
+
     kinds = sorted({p.kind for p in result.prompts})
     t = Table(
         title=(
@@ -78,8 +78,10 @@ def table(result: BenchResult) -> Table:
     return t
 
 
-def kinds_table(result: BenchResult) -> Table:
+def kinds_table(result):
     """Per prompt kind: speed ratio, acceptance and mean accepted length."""
+    from rich.table import Table
+
     kinds = sorted({p.kind for p in result.prompts})
     t = Table(title="by prompt kind: vs mlx-lm, acceptance, mean accepted length")
     t.add_column("config")
@@ -95,7 +97,17 @@ def kinds_table(result: BenchResult) -> Table:
     return t
 
 
-def distributed_summary(result: BenchResult, sharding) -> dict:
+def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: float):
+    """What the benchmark will run and about how long it will take."""
+    minutes = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return (
+        f"bench: {configs} configurations x {prompts} prompts x {repeats} repeats x "
+        f"{tokens} tokens, about {minutes} at the warm-up's speed "
+        "(-r, -n, --draft-max and --prompts make it shorter)"
+    )
+
+
+def distributed_summary(result, sharding) -> dict:
     """How the model was spread, and the per-round collective over all mlx-mtp runs."""
     total = MTPStats()
     for run in result.runs:
@@ -110,7 +122,7 @@ def distributed_summary(result: BenchResult, sharding) -> dict:
     }
 
 
-@app.command(no_args_is_help=True)
+@app.command()
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -136,6 +148,7 @@ def bench(
         DEFAULT_DRAFT_MAX,
         "--draft-max",
         min=0,
+        max=MAX_DRAFT_MAX,
         help="Benchmark draft-max 1..this.",
         rich_help_panel=SPECULATIVE,
     ),
@@ -155,10 +168,24 @@ def bench(
     ),
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
+    from rich.console import Console
+
+    from mlx_mtp.bench import (
+        cannot_gain_notice,
+        configurations,
+        load_prompts,
+        run_bench,
+    )
+
     o.processes()
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
+    n_configs = len(configurations(draft_max))
+
+    def planned(seconds: float):
+        line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
+        print(line, file=sys.stderr, flush=True)
 
     def bench_run(progress=None):
         return run_bench(
@@ -170,6 +197,7 @@ def bench(
             repeats,
             max_tokens,
             progress=progress,
+            estimate=planned,
         )
 
     if as_json:
@@ -179,7 +207,7 @@ def bench(
             out["distributed"] = distributed_summary(result, loaded.sharding)
         print(json.dumps(out))
         return
-    with err.status("benchmarking") as status:
+    with err.status("benchmarking: warming up") as status:
         result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
@@ -195,13 +223,9 @@ def bench(
             markup=False,
             soft_wrap=True,
         )
-    if result.regime["backend"] == "cpu" and "OpenBLAS" not in result.regime["blas"]:
-        console.print(
-            "note: CPU without OpenBLAS is compute-bound: verifying k tokens costs "
-            "about k steps, so MTP cannot gain speed here (MEASURE.md)",
-            style="yellow",
-            markup=False,
-        )
+    notice = cannot_gain_notice()
+    if notice is not None:
+        console.print(f"note: {notice}", style="yellow", markup=False)
     console.print(table(result))
     if len({p.kind for p in result.prompts}) > 1:
         console.print(kinds_table(result))

@@ -1,14 +1,12 @@
 """``mlx-mtp chat``: a terminal chat; the conversation logic is ``mlx_mtp.chat``."""
 
+import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from mlx_mtp.chat import ChatSession
-from mlx_mtp.generate import DEFAULT_MAX_TOKENS
-from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
-from mlx_mtp.stats import MTPStats
+from mlx_mtp.defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
+from mlx_mtp.errors import MTPError
 
 from . import options as o
 from .app import OUTPUT, app, fail
@@ -18,23 +16,47 @@ HELP = """\
 /stats  speculative decoding totals for this conversation
 /help   this list
 /quit   leave (Ctrl-D too)
-Ctrl-C stops the answer; the interrupted turn is dropped from the conversation."""
+Up and down arrows recall earlier lines; Ctrl-C stops the answer (the
+interrupted turn is dropped from the conversation). After each answer: its
+tokens and speed, the prompt's, the drafts accepted and the tokens per verify
+pass (mean accepted length), the peak memory."""
 DRAFT_STYLE = "green"
+PROMPT = ">>> "
 
 
-def footer(stats: MTPStats) -> str:
-    """One line after each answer: speed, acceptance, memory."""
-    return (
+def footer(stats, width: int = 80) -> str:
+    """One line after each answer, at most ``width`` columns where it can be.
+
+    Tokens and speed of the answer and of the prompt, drafts accepted, then as
+    room allows the tokens per verify pass (mean accepted length) and memory.
+    """
+    prompt = f"prompt {stats.prompt_tokens}"
+    if stats.prompt_tps:
+        prompt += f", {stats.prompt_tps:.0f} tok/s"
+    line = (
         f"{stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
-        f"prompt {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
-        f"acceptance {stats.acceptance_rate:.2f} "
-        f"({stats.accepted}/{stats.drafted}), "
-        f"mean accepted length {stats.mean_accepted_length:.2f} | "
-        f"peak {stats.peak_memory:.3f} GB"
+        f"{prompt} | accepted {stats.accepted}/{stats.drafted}"
     )
+    for extra in (
+        f", {stats.mean_accepted_length:.2f}/pass",
+        f" | {stats.peak_memory:.1f} GB",
+    ):
+        if len(line) + len(extra) <= width:
+            line += extra
+    return line
 
 
-def _answer(console: Console, session: ChatSession, text: str, show_drafts: bool):
+def line_editing() -> None:
+    """Line editing and history for ``input`` on a terminal (where readline exists)."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401  (importing it is what turns it on)
+    except ImportError:  # Windows
+        pass
+
+
+def _answer(console, session, text: str, show_drafts: bool):
     """Stream one answer; Ctrl-C stops it and the session drops the turn."""
     stream = session.send(text)
     response = None
@@ -50,12 +72,18 @@ def _answer(console: Console, session: ChatSession, text: str, show_drafts: bool
             "\n[interrupted: this turn is dropped]", style="yellow", markup=False
         )
         return
+    except MTPError as e:  # e.g. the conversation outgrew the context
+        console.print(
+            f"error: {e} (/reset starts afresh)", markup=False, soft_wrap=True
+        )
+        return
     console.print()
     if response is not None:
-        console.print(footer(response.stats), style="dim", markup=False, soft_wrap=True)
+        width = max(console.width, 80) if console.is_terminal else 80
+        console.print(footer(response.stats, width), style="dim", markup=False)
 
 
-def _command(console: Console, session: ChatSession, line: str) -> bool:
+def _command(console, session, line: str) -> bool:
     """Run a /command; returns False when the chat should end."""
     name = line.split()[0].lower()
     if name in ("/quit", "/exit"):
@@ -78,14 +106,18 @@ def _command(console: Console, session: ChatSession, line: str) -> bool:
     return True
 
 
-def _read(console: Console) -> Optional[str]:
+def _read(console) -> Optional[str]:
     """One line from the user; None on end of input."""
     try:
-        return console.input("[bold]>>> [/]")
+        # input() itself prints the prompt, so that readline can redraw it
+        return input(PROMPT)
     except EOFError:
         return None
     except KeyboardInterrupt:
         console.print("\n(/quit or Ctrl-D to leave)", style="dim")
+        return ""
+    except UnicodeDecodeError:
+        console.print("error: that line is not UTF-8 text", markup=False)
         return ""
 
 
@@ -125,6 +157,10 @@ def chat(
     ),
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
+    from rich.console import Console
+
+    from mlx_mtp.chat import ChatSession
+
     o.processes()
     sampling = o.sampling_kwargs(
         temp,
@@ -142,6 +178,9 @@ def chat(
     model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")
+    notice = o.speed_notice(loaded, no_mtp, draft_max)
+    if notice is not None:
+        print(notice, file=sys.stderr)
     session = ChatSession(
         loaded,
         tokenizer,
@@ -153,6 +192,7 @@ def chat(
         **sampling,
     )
     console = Console(highlight=False)
+    line_editing()
     console.print("Type a message; /help lists the commands.", style="dim")
     if show_drafts:
         console.print("tokens from accepted drafts", style=DRAFT_STYLE)

@@ -1,4 +1,4 @@
-"""``mlx-mtp convert``: GGUF or Hugging Face -> MLX folder, MTP head kept at higher precision."""
+"""``mlx-mtp convert``: GGUF or Hugging Face -> MLX folder, MTP head kept precise."""
 
 import sys
 import time
@@ -7,13 +7,11 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.convert import add_mtp
-from mlx_mtp.convert import convert as convert_model
-from mlx_mtp.convert.describe import describe, format_precision, format_size
 from mlx_mtp.convert.precision import (
     DEFAULT_MTP_BITS,
     DEFAULT_Q_BITS,
     DEFAULT_Q_GROUP_SIZE,
+    DTYPES,
 )
 
 from .app import MODEL, OUTPUT, app, fail
@@ -23,28 +21,90 @@ QUANT = "Quantization"
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="Hugging Face folder, Hub repo id, or GGUF file."),
-    out: Optional[Path] = typer.Argument(None, help="MLX folder to write (not with --mtp-only)."),
-    mtp_gguf: Optional[Path] = typer.Option(None, "--mtp-gguf", help="A separate GGUF holding the MTP layer.", rich_help_panel=MODEL),
-    mtp_only: bool = typer.Option(False, "--mtp-only", help="Write only the MTP head of SRC into the MLX folder given by --into.", rich_help_panel=MODEL),
-    into: Optional[Path] = typer.Option(None, "--into", help="Existing MLX folder that receives the head (with --mtp-only).", rich_help_panel=MODEL),
-    quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the trunk.", rich_help_panel=QUANT),
-    q_bits: int = typer.Option(DEFAULT_Q_BITS, "--q-bits", help="Bits per weight of the quantized trunk.", rich_help_panel=QUANT),
-    q_group_size: int = typer.Option(DEFAULT_Q_GROUP_SIZE, "--q-group-size", help="Group size of the quantized trunk.", rich_help_panel=QUANT),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized weights (default: the source's; for GGUF float16, float32 on a CPU-only machine).", rich_help_panel=QUANT),
-    mtp_bits: int = typer.Option(DEFAULT_MTP_BITS, "--mtp-bits", help="MTP block precision when the trunk is quantized: 8 (8-bit) or 16 (unquantized).", rich_help_panel=QUANT),
-    dequantize: bool = typer.Option(False, "--dequantize", help="Store every weight unquantized.", rich_help_panel=QUANT),
-    force: bool = typer.Option(False, "--force", help="Replace OUT (or an existing head) if it exists.", rich_help_panel=OUTPUT),
+    src: str = typer.Argument(
+        ..., help="Hugging Face folder, Hub repo id, or GGUF file."
+    ),
+    out: Optional[Path] = typer.Argument(
+        None, help="MLX folder to write (not with --mtp-only)."
+    ),
+    mtp_gguf: Optional[Path] = typer.Option(
+        None,
+        "--mtp-gguf",
+        help="A separate GGUF holding the MTP layer.",
+        rich_help_panel=MODEL,
+    ),
+    mtp_only: bool = typer.Option(
+        False,
+        "--mtp-only",
+        help="Write only the MTP head of SRC into the MLX folder given by --into.",
+        rich_help_panel=MODEL,
+    ),
+    into: Optional[Path] = typer.Option(
+        None,
+        "--into",
+        help="Existing MLX folder that receives the head (with --mtp-only).",
+        rich_help_panel=MODEL,
+    ),
+    quantize: bool = typer.Option(
+        False, "--quantize", "-q", help="Quantize the trunk.", rich_help_panel=QUANT
+    ),
+    q_bits: int = typer.Option(
+        DEFAULT_Q_BITS,
+        "--q-bits",
+        help="Bits per weight of the quantized trunk.",
+        rich_help_panel=QUANT,
+    ),
+    q_group_size: int = typer.Option(
+        DEFAULT_Q_GROUP_SIZE,
+        "--q-group-size",
+        help="Group size of the quantized trunk.",
+        rich_help_panel=QUANT,
+    ),
+    dtype: Optional[str] = typer.Option(
+        None,
+        "--dtype",
+        metavar="|".join(DTYPES),
+        show_default="the source's; GGUF: float16, float32 where MLX has no GPU",
+        help="Float type of the unquantized weights.",
+        rich_help_panel=QUANT,
+    ),
+    mtp_bits: int = typer.Option(
+        DEFAULT_MTP_BITS,
+        "--mtp-bits",
+        help="MTP block precision when the trunk is quantized: 8 (8-bit) or 16 "
+        "(unquantized).",
+        rich_help_panel=QUANT,
+    ),
+    dequantize: bool = typer.Option(
+        False,
+        "--dequantize",
+        help="Store every weight unquantized.",
+        rich_help_panel=QUANT,
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace OUT when it holds a model or is empty (with --mtp-only: the "
+        "head in --into).",
+        rich_help_panel=OUTPUT,
+    ),
 ):
-    """Convert a GGUF file or Hugging Face model into an MLX folder with its MTP head."""
+    """Convert a GGUF file or Hugging Face model to an MLX folder with its MTP head."""
+    from mlx_mtp.convert import add_mtp
+    from mlx_mtp.convert import convert as convert_model
+
     start = time.perf_counter()
     if mtp_only:
         if into is None or out is not None:
             raise fail("--mtp-only takes SRC and --into MLX_FOLDER, no OUT")
         if quantize or dequantize or mtp_gguf is not None:
-            raise fail("--mtp-only keeps the trunk as it is: no -q, --dequantize or --mtp-gguf")
+            raise fail(
+                "--mtp-only keeps the trunk as it is: no -q, --dequantize or --mtp-gguf"
+            )
         written = add_mtp(src, into, mtp_bits=mtp_bits, dtype=dtype, force=force)
-        print(f"wrote {written} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        print(
+            f"wrote {written} in {time.perf_counter() - start:.1f} s", file=sys.stderr
+        )
         _summary(into)
         return
     if out is None:
@@ -69,10 +129,13 @@ def convert(
 
 
 def _summary(path: Path) -> None:
+    from mlx_mtp.convert.describe import describe, format_precision, format_size
+
     info = describe(path)
     mtp = format_precision(info.mtp_precision) if info.mtp_layers else "none"
     print(
-        f"{info.architecture}: {info.layers} layers, trunk {format_precision(info.trunk_precision)};"
-        f" MTP layers {info.mtp_layers} ({mtp}); {format_size(info.size_bytes)} on disk",
+        f"{info.architecture}: {info.layers} layers, "
+        f"trunk {format_precision(info.trunk_precision)}; MTP layers "
+        f"{info.mtp_layers} ({mtp}); {format_size(info.size_bytes)} on disk",
         file=sys.stderr,
     )

@@ -6,15 +6,35 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.generate import DEFAULT_MAX_TOKENS, stream_generate
-from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
 
 from . import options as o
 from .app import OUTPUT, app, fail
 
+# prompts from this many tokens up show a progress bar on a terminal
+LONG_PROMPT = 512
+
 
 def read_prompt(prompt: str) -> str:
-    return sys.stdin.read() if prompt == "-" else prompt
+    """The prompt text (``-``: stdin), checked before any model is loaded."""
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise fail(
+                f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} "
+                f"at offset {e.start})"
+            ) from None
+    else:
+        text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes in the command line
+            raise fail("--prompt is not UTF-8 text") from None
+    if not text.strip():
+        raise fail("the prompt is empty")
+    return text
 
 
 def apply_template(tokenizer, prompt: str, system: Optional[str], use_template: bool):
@@ -28,16 +48,84 @@ def apply_template(tokenizer, prompt: str, system: Optional[str], use_template: 
     )
 
 
+class PrefillBar:
+    """A progress bar on stderr while a long prompt is read (on a terminal only).
+
+    ``notice`` is printed when the prompt is accepted, before it is read.
+    """
+
+    def __init__(self, notice: Optional[str] = None):
+        self.progress = self.task = None
+        self.notice = notice
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.notice is not None:
+            print(self.notice, file=sys.stderr, flush=True)
+            self.notice = None
+        if total < LONG_PROMPT or not sys.stderr.isatty():
+            return
+        if self.progress is None:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("reading the prompt"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tokens"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("prefill", total=total)
+        self.progress.update(self.task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
 @app.command()
 def generate(
     model: o.ModelPath = None,
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or - to read stdin."),
+    prompt: str = typer.Option(
+        ..., "--prompt", "-p", help="Prompt text, or - to read stdin."
+    ),
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
     sharding: o.ShardingOption = o.Sharding.auto,
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as is."),
-    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
+    system: Optional[str] = typer.Option(
+        None, "--system", help="System prompt for the chat template."
+    ),
+    no_chat_template: bool = typer.Option(
+        False, "--no-chat-template", help="Use the prompt as is."
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS,
+        "--max-tokens",
+        "-n",
+        min=1,
+        help="Tokens to generate at most (generation also stops at the end of the "
+        "model's context).",
+    ),
+    truncate_prompt: bool = typer.Option(
+        False,
+        "--truncate-prompt",
+        help="Drop the oldest tokens of a prompt longer than the model's context "
+        "(keeping a leading BOS) instead of refusing it.",
+    ),
     temp: o.Temp = 0.0,
     top_p: o.TopP = 0.0,
     top_k: o.TopK = 0,
@@ -52,13 +140,29 @@ def generate(
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = False,
     no_mtp: o.NoMTP = False,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, stats) instead of streaming.", rich_help_panel=OUTPUT),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object (text, tokens, stats) instead of streaming.",
+        rich_help_panel=OUTPUT,
+    ),
 ):
     """Generate text with MTP speculative decoding."""
+    from mlx_mtp.generate import stream_generate
+
     group = o.processes()
     sampling = o.sampling_kwargs(
-        temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        seed,
+        draft_sampling,
+        adaptive_draft,
     )
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
@@ -66,25 +170,42 @@ def generate(
     text = read_prompt(prompt)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     text = apply_template(tokenizer, text, system, not no_chat_template)
-    tokens, pieces, response = [], [], None
-    for response in stream_generate(
-        loaded,
-        tokenizer,
-        text,
-        max_tokens,
-        draft_max=draft_max,
-        draft_p_min=draft_p_min,
-        mtp=not no_mtp,
-        **sampling,
-    ):
-        tokens.append(response.token)
-        pieces.append(response.text)
-        if not as_json:
-            print(response.text, end="", flush=True)
+    tokens, pieces, response, finish = [], [], None, None
+    bar = PrefillBar(o.speed_notice(loaded, no_mtp, draft_max))
+    try:
+        for response in stream_generate(
+            loaded,
+            tokenizer,
+            text,
+            max_tokens,
+            draft_max=draft_max,
+            draft_p_min=draft_p_min,
+            mtp=not no_mtp,
+            prefill_progress=bar,
+            truncate_prompt=truncate_prompt,
+            **sampling,
+        ):
+            tokens.append(response.token)
+            pieces.append(response.text)
+            finish = response.finish_reason
+            if not as_json:
+                print(response.text, end="", flush=True)
+    except KeyboardInterrupt:  # end the line, then the stats so far
+        bar.close()
+        finish = "interrupted"
     stats = response.stats if response is not None else None
     if as_json:
-        out = {"text": "".join(pieces), "tokens": tokens, "stats": stats.to_dict()}
+        out = {
+            "text": "".join(pieces),
+            "tokens": tokens,
+            "finish_reason": finish,
+            "stats": stats.to_dict() if stats is not None else None,
+        }
         print(json.dumps(out))
     else:
-        print()
-        print(stats.summary(), file=sys.stderr)
+        print(flush=True)
+        if stats is not None:
+            print(stats.summary(), file=sys.stderr)
+    if finish == "interrupted":
+        print("interrupted", file=sys.stderr)
+        raise typer.Exit(130)

@@ -1,4 +1,4 @@
-"""``mlx-mtp info``: architecture, layers, MTP layers and precision per part of a model."""
+"""``mlx-mtp info``: architecture, layers, MTP layers and precision per part."""
 
 import json
 from pathlib import Path
@@ -6,32 +6,53 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.convert.describe import describe, families, format_precision, format_size
-
 from .app import OUTPUT, app
 
 
 def info_lines(info) -> list:
+    from mlx_mtp.convert.describe import format_precision, format_size
+
     return [
         ("path", f"{info.path} ({info.format})"),
         ("architecture", info.architecture),
         ("layers", str(info.layers)),
-        ("MTP layers", str(info.mtp_layers) if info.mtp_layers else "none"),
-        ("trunk", f"{format_precision(info.trunk_precision)} ({format_size(info.trunk_bytes)})"),
-        ("MTP", f"{format_precision(info.mtp_precision)} ({format_size(info.mtp_bytes)})"
-         if info.mtp_layers else "none"),
+        ("MTP layers", _mtp_layers(info)),
+        (
+            "trunk",
+            f"{format_precision(info.trunk_precision)} "
+            f"({format_size(info.trunk_bytes)})",
+        ),
+        (
+            "MTP",
+            f"{format_precision(info.mtp_precision)} ({format_size(info.mtp_bytes)})"
+            if info.mtp_layers
+            else "none",
+        ),
         ("size on disk", format_size(info.size_bytes)),
     ]
+
+
+def _mtp_layers(info) -> str:
+    if not info.mtp_layers:
+        return "none"
+    if info.trained_head:
+        return f"{info.mtp_layers} (a head trained by train-head: mtp_config.json)"
+    return str(info.mtp_layers)
 
 
 @app.command()
 def info(
     path: Optional[Path] = typer.Argument(
-        None, help="GGUF file, Hugging Face folder or MLX folder (none: the MTP families)."
+        None,
+        help="GGUF file, Hugging Face folder or MLX folder (none: the MTP families).",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object.", rich_help_panel=OUTPUT),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object.", rich_help_panel=OUTPUT
+    ),
 ):
     """Show a model's architecture, layers, MTP layers, precision per part and size."""
+    from mlx_mtp.convert.describe import describe, families
+
     if path is None:
         rows = families()
         if as_json:
@@ -39,8 +60,10 @@ def info(
             return
         for row in rows:
             depth = ", layer j drafts depth j + 1" if row["layer_per_depth"] else ""
-            print(f"{row['model_type']:<15} {row['models']:<22} MTP layers: "
-                  f"{row['mtp_layers']}{depth}")
+            print(
+                f"{row['model_type']:<15} {row['models']:<22} MTP layers: "
+                f"{row['mtp_layers']}{depth}"
+            )
         return
     described = describe(path)
     if as_json:

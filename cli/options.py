@@ -13,7 +13,7 @@ from typing import Annotated, Dict, List, Optional
 
 import typer
 
-from mlx_mtp import distributed
+from mlx_mtp.defaults import MAX_DRAFT_MAX
 from mlx_mtp.trunk import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
@@ -34,24 +34,148 @@ def _option(*names, panel=SAMPLING, **kwargs):
     return typer.Option(*names, rich_help_panel=panel, **kwargs)
 
 
-ModelPath = Annotated[Optional[Path], _option("--model", "-m", panel=MODEL, help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).")]
-HeadPath = Annotated[Optional[Path], _option("--mtp", panel=MODEL, help="Attach the MTP head from this folder or file.")]
-HiddenTap = Annotated[Optional[str], _option("--hidden-tap", panel=MODEL, help="Hidden state fed to the head: post (after the final norm) or pre.")]
-ShardingOption = Annotated[Sharding, _option("--sharding", panel=MODEL, help="Under mlx.launch: pipeline (each process holds some layers), tensor (a slice of every layer) or auto (pipeline where mlx-lm can split the model).")]
-NoMTP = Annotated[bool, _option("--no-mtp", panel=SPECULATIVE, help="Generate without MTP (same loop, no drafts).")]
-Temp = Annotated[float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, _option("--top-p", min=0.0, max=1.0, help="Keep the most likely tokens holding this much probability (0: off).")]
-TopK = Annotated[int, _option("--top-k", min=0, help="Keep the k most likely tokens (0: off).")]
-MinP = Annotated[float, _option("--min-p", min=0.0, max=1.0, help="Drop tokens less likely than this times the top token (0: off).")]
-RepetitionPenalty = Annotated[Optional[float], _option("--repetition-penalty", min=0.0, help="Shrink the logits of tokens among the last 20 by this factor.")]
-PresencePenalty = Annotated[Optional[float], _option("--presence-penalty", help="Subtract this from the logits of tokens among the last 20.")]
-FrequencyPenalty = Annotated[Optional[float], _option("--frequency-penalty", help="Subtract this per occurrence among the last 20 tokens.")]
-LogitBias = Annotated[Optional[List[str]], _option("--logit-bias", metavar="ID=BIAS", help="Add BIAS to token ID's logit; repeat for more tokens.")]
-Seed = Annotated[Optional[int], _option("--seed", min=0, help="Seed: the same seed gives the same tokens, with or without MTP under greedy drafts.")]
-DraftMax = Annotated[int, _option("--draft-max", min=0, panel=SPECULATIVE, help="Drafts per round (the most, with --adaptive-draft).")]
-DraftPMin = Annotated[float, _option("--draft-p-min", min=0.0, max=1.0, panel=SPECULATIVE, help="Stop drafting when the draft's top probability falls below this.")]
-DraftSamplingOption = Annotated[DraftSampling, _option("--draft-sampling", panel=SPECULATIVE, help="greedy: draft the head's top token; sample: sample drafts through the sampler chain (temp > 0).")]
-AdaptiveDraft = Annotated[bool, _option("--adaptive-draft", panel=SPECULATIVE, help="Pick each round's draft length from the running per-position acceptance.")]
+ModelPath = Annotated[
+    Optional[Path],
+    _option(
+        "--model",
+        "-m",
+        panel=MODEL,
+        help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP "
+        "head).",
+    ),
+]
+HeadPath = Annotated[
+    Optional[Path],
+    _option("--mtp", panel=MODEL, help="Attach the MTP head from this folder or file."),
+]
+HiddenTap = Annotated[
+    Optional[str],
+    _option(
+        "--hidden-tap",
+        panel=MODEL,
+        metavar="|".join(HIDDEN_TAPS),
+        show_default="the head family's: post",
+        help="Hidden state fed to the head: post (after the trunk's final norm) or "
+        "pre (before it).",
+    ),
+]
+ShardingOption = Annotated[
+    Sharding,
+    _option(
+        "--sharding",
+        panel=MODEL,
+        help="Under mlx.launch: pipeline (each process holds some layers), tensor "
+        "(a slice of every layer) or auto (pipeline where mlx-lm can split the model).",
+    ),
+]
+NoMTP = Annotated[
+    bool,
+    _option(
+        "--no-mtp",
+        panel=SPECULATIVE,
+        help="Generate without MTP (same loop, no drafts).",
+    ),
+]
+Temp = Annotated[
+    float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")
+]
+TopP = Annotated[
+    float,
+    _option(
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        help="Keep the most likely tokens holding this much probability (0: off).",
+    ),
+]
+TopK = Annotated[
+    int, _option("--top-k", min=0, help="Keep the k most likely tokens (0: off).")
+]
+MinP = Annotated[
+    float,
+    _option(
+        "--min-p",
+        min=0.0,
+        max=1.0,
+        help="Drop tokens less likely than this times the top token (0: off).",
+    ),
+]
+RepetitionPenalty = Annotated[
+    Optional[float],
+    _option(
+        "--repetition-penalty",
+        min=0.0,
+        help="Shrink the logits of tokens among the last 20 by this factor.",
+    ),
+]
+PresencePenalty = Annotated[
+    Optional[float],
+    _option(
+        "--presence-penalty",
+        help="Subtract this from the logits of tokens among the last 20.",
+    ),
+]
+FrequencyPenalty = Annotated[
+    Optional[float],
+    _option(
+        "--frequency-penalty",
+        help="Subtract this per occurrence among the last 20 tokens.",
+    ),
+]
+LogitBias = Annotated[
+    Optional[List[str]],
+    _option(
+        "--logit-bias",
+        metavar="ID=BIAS",
+        help="Add BIAS to token ID's logit; repeat for more tokens.",
+    ),
+]
+Seed = Annotated[
+    Optional[int],
+    _option(
+        "--seed",
+        min=0,
+        help="Seed: the same seed gives the same tokens, with or without MTP under "
+        "greedy drafts.",
+    ),
+]
+DraftMax = Annotated[
+    int,
+    _option(
+        "--draft-max",
+        min=0,
+        max=MAX_DRAFT_MAX,
+        panel=SPECULATIVE,
+        help="Drafts per round (the most, with --adaptive-draft).",
+    ),
+]
+DraftPMin = Annotated[
+    float,
+    _option(
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        panel=SPECULATIVE,
+        help="Stop drafting when the draft's top probability falls below this.",
+    ),
+]
+DraftSamplingOption = Annotated[
+    DraftSampling,
+    _option(
+        "--draft-sampling",
+        panel=SPECULATIVE,
+        help="greedy: draft the head's top token; sample: sample drafts through the "
+        "sampler chain (temp > 0).",
+    ),
+]
+AdaptiveDraft = Annotated[
+    bool,
+    _option(
+        "--adaptive-draft",
+        panel=SPECULATIVE,
+        help="Pick each round's draft length from the running per-position acceptance.",
+    ),
+]
 
 
 def processes():
@@ -59,6 +183,8 @@ def processes():
 
     Call first in a command that generates, before anything is printed.
     """
+    from mlx_mtp import distributed
+
     group = distributed.world()
     distributed.quiet_other_ranks(group)
     if group.size() > 1:
@@ -80,6 +206,7 @@ def load_model(
 
     Returns ``(path, model, tokenizer)``; a notice (no MTP head) goes to stderr.
     """
+    from mlx_mtp import distributed
     from mlx_mtp.default_model import default_model_path
     from mlx_mtp.loader import load
 
@@ -100,6 +227,16 @@ def load_model(
     if loaded.notice and not no_mtp:
         print(f"notice: {loaded.notice}", file=sys.stderr)
     return model, loaded, tokenizer
+
+
+def speed_notice(loaded, no_mtp: bool, draft_max: int) -> Optional[str]:
+    """The notice line when drafting will run where MTP cannot gain speed."""
+    from mlx_mtp.bench import cannot_gain_notice
+
+    if loaded.head is None or no_mtp or draft_max == 0:
+        return None
+    notice = cannot_gain_notice()
+    return None if notice is None else f"notice: {notice}"
 
 
 def parse_logit_bias(items: Optional[List[str]]) -> Optional[Dict[int, float]]:

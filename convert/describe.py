@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for, layers_present
-from mlx_mtp.loader import read_config
+from mlx_mtp.loader import HEAD_FILE_GLOB, _trained_head_family, read_config
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ModelInfo:
     trunk_bytes: int = 0
     mtp_bytes: int = 0
     size_bytes: int = 0
+    trained_head: bool = False  # the head came from train-head (mtp_config.json)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -49,6 +50,8 @@ _SAFETENSORS_DTYPES = {
     "F16": "float16",
     "BF16": "bfloat16",
     "U32": "uint32",
+    "I32": "int32",
+    "I64": "int64",
 }
 
 
@@ -87,14 +90,22 @@ def describe_folder(path: Path) -> ModelInfo:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise MTPError(f"{path}: no *.safetensors weights")
-    family = family_for(config)
+    # a head trained by train-head names its family beside it: the model's
+    # own model_type (llama, ...) may have none
+    trained = _trained_head_family(path)
+    family = trained or family_for(config)
+    head_files = set(path.glob(HEAD_FILE_GLOB))
     entries: Dict[str, Dict[str, Any]] = {}
+    mtp = set()
     is_mlx = "quantization" in config
     for f in files:
         header, meta = _header(f)
         entries.update(header)
+        if f in head_files:  # every tensor of mtp*.safetensors is the head's
+            mtp.update(header)
         is_mlx = is_mlx or meta.get("format") == "mlx"
-    mtp = {k for k in entries if family is not None and family.is_mtp_key(k, config)}
+    if family is not None:
+        mtp.update(k for k in entries if family.is_mtp_key(k, config))
     trunk = {k: v for k, v in entries.items() if k not in mtp}
     head = {k: v for k, v in entries.items() if k in mtp}
     quant = config.get("quantization") or {}
@@ -102,15 +113,14 @@ def describe_folder(path: Path) -> ModelInfo:
         path=str(path),
         format="MLX folder" if is_mlx else "Hugging Face folder",
         architecture=config["model_type"],
-        layers=int(
-            config.get("text_config", config).get("num_hidden_layers", 0)
-        ),
+        layers=int(config.get("text_config", config).get("num_hidden_layers", 0)),
         mtp_layers=_mtp_layer_count(config, family, list(head)),
         trunk_precision=dict(_folder_precision(trunk, quant)),
         mtp_precision=dict(_folder_precision(head, quant)),
         trunk_bytes=sum(_nbytes(e) for e in trunk.values()),
         mtp_bytes=sum(_nbytes(e) for e in head.values()),
         size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        trained_head=trained is not None,
     )
 
 

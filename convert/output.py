@@ -1,33 +1,173 @@
-"""Writing a folder atomically, with a progress bar over tensors and bytes."""
+"""Writing a folder atomically, with a progress bar over tensors and bytes.
 
+Temporary folders are named ``NAME.tmp-mlx-mtp-PID-xxxxxxxx`` (and
+``.old-`` for a folder being replaced) beside the folder they become, so a
+later run can tell which ones a killed run left: ours by name, and the
+process that made them is gone.
+"""
+
+import errno
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator
+from typing import Callable, Dict, Iterator, List
 
 import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 
+TAG = "mlx-mtp"
+_TEMP = re.compile(rf"\.(tmp|old)-{TAG}-(\d+)-[a-z0-9_]+")
+
+
+def temp_prefix(name: str, kind: str = "tmp") -> str:
+    """The ``mkdtemp`` prefix of a temporary folder that becomes ``name``."""
+    return f"{name}.{kind}-{TAG}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but is not ours to signal
+        return True
+    return True
+
+
+def remove_stale(parent: Path, name: str) -> List[Path]:
+    """Remove the temporary folders for ``name`` in ``parent`` that killed runs left.
+
+    Only folders named as ``temp_prefix`` names them, whose process is gone:
+    a build running in another process keeps its own.
+    """
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP.fullmatch(p.name[len(name) :]) if p.name.startswith(name) else None
+        if not m or not p.is_dir() or p.is_symlink() or _alive(int(m.group(2))):
+            continue
+        target, kept = Path(parent) / name, p / name
+        if m.group(1) == "old" and kept.exists() and not target.exists():
+            os.replace(kept, target)  # killed between moving it aside and back
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def holds_model(folder: Path) -> bool:
+    """A folder mlx-mtp may replace: a model's (config.json, *.safetensors) or empty."""
+    entries = list(folder.iterdir())
+    if not entries:
+        return True
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def check_target(out: Path, force: bool) -> Path:
+    """Refuse, before any work, an ``out`` that cannot or must not be written.
+
+    Returns ``out`` as an absolute path. Left-overs of killed runs for
+    ``out`` are removed first.
+    """
+    out = Path(os.path.abspath(out))
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    remove_stale(out.parent, out.name)
+    if out.exists():
+        if not force:
+            raise MTPError(f"{out} exists (use --force to replace it)")
+        if not out.is_dir():
+            raise MTPError(f"{out} exists and is not a folder")
+        if not holds_model(out):
+            first = sorted(p.name for p in out.iterdir())[0]
+            raise MTPError(
+                f"{out} holds files that are not a model ({first}): --force "
+                "replaces only a model folder or an empty one"
+            )
+        inside = os.path.commonpath([out, os.getcwd()]) == str(out)
+        if inside and any(out.iterdir()):  # an empty one is filled in place
+            raise MTPError(
+                f"{out} is the folder you are in: convert from another folder "
+                "to replace it"
+            )
+    elif not parent.is_dir():
+        raise MTPError(f"{parent} is not a folder")
+    try:  # the most reliable test of write access: write
+        probe = tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=parent)
+        os.rmdir(probe)
+    except OSError as e:
+        raise MTPError(f"cannot write into {parent}: {_reason(e)}") from None
+    return out
+
+
+def check_space(folder: Path, nbytes: int, out: Path) -> None:
+    """Refuse to write ``nbytes`` for ``out`` into ``folder`` when they do not fit."""
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise MTPError(
+            f"not enough space for {out}: the model needs {nbytes / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB are free"
+        )
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        return os.strerror(e.errno)
+    return (str(e).strip() or type(e).__name__).splitlines()[0]
+
+
+def write_error(e: BaseException, where: Path) -> MTPError:
+    """One line for a failed write (MLX's writer raises a bare RuntimeError, the
+    tokenizer's a bare Exception)."""
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+    folder = Path(where)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        full = full or shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        pass
+    reason = os.strerror(errno.ENOSPC) if full else _reason(e)
+    return MTPError(f"cannot write {where}: {reason}")
+
 
 @contextmanager
 def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
-    """Yield ``OUT.tmp-xxxx``; rename it to ``out`` on success, remove it on any failure."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise MTPError(f"{out} exists (use --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise MTPError(f"{out} exists and is not a folder")
+    """Yield ``OUT.tmp-...``; rename it to ``out`` on success, remove it on any failure.
+
+    An existing ``out`` (see ``check_target``) is renamed aside first and
+    removed once the new folder is in place; an empty one keeps its place (it
+    may be the folder the user is in) and receives the new files.
+    """
+    out = check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
     try:
         yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+        if out.is_dir() and not any(out.iterdir()):
+            for entry in tmp.iterdir():
+                os.replace(entry, out / entry.name)
+            os.rmdir(tmp)
+        elif out.exists():
+            old = Path(
+                tempfile.mkdtemp(prefix=temp_prefix(out.name, "old"), dir=out.parent)
+            )
             os.replace(out, old / out.name)
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)
+            except BaseException:  # put the old folder back (or leave it for a
+                os.replace(old / out.name, out)  # later run's remove_stale)
+                os.rmdir(old)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
@@ -36,17 +176,29 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def writing(where: Path) -> Iterator[None]:
+    """Turn a failed write under ``where`` into one line naming the problem."""
+    try:
+        yield
+    except MTPError:
+        raise
+    except Exception as e:
+        raise write_error(e, where) from None
+
+
 def atomic_write_files(files: Dict[Path, Callable[[Path], None]]) -> None:
     """Write each file through ``writer(tmp_path)``, then rename them all into place."""
     done = []
     try:
         for path, writer in files.items():
-            fd, tmp = tempfile.mkstemp(
-                prefix=f".{path.name}.tmp-", dir=path.parent, suffix=path.suffix
-            )
-            os.close(fd)
-            done.append((Path(tmp), path))
-            writer(Path(tmp))
+            with writing(path):
+                fd, tmp = tempfile.mkstemp(
+                    prefix=f".{path.name}.tmp-", dir=path.parent, suffix=path.suffix
+                )
+                os.close(fd)
+                done.append((Path(tmp), path))
+                writer(Path(tmp))
         for tmp, path in done:
             os.replace(tmp, path)
     except BaseException:

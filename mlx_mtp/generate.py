@@ -1,24 +1,25 @@
 """The Python API, in mlx-lm's three layers: step generator, stream, string."""
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .adaptive import AdaptiveDraftLength
 from .cache import MTPCache
 from .distributed import sync_verifier
+from .errors import MTPError
 from .loader import MTPModel
-from .adaptive import AdaptiveDraftLength
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
-from .speculative import (
+from .defaults import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
+    DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
-    speculative_generate_step,
+    MAX_DRAFT_MAX,
 )
+from .speculative import speculative_generate_step
 from .stats import MTPStats
-
-DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass
@@ -52,6 +53,48 @@ def _encode(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]
     return [int(t) for t in prompt]
 
 
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
+
+
+def context_length(model: MTPModel) -> Optional[int]:
+    """The most tokens the model reads (its config's position limit), if known."""
+    for config in (model.config, model.config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(config.get(key), int) and config[key] > 0:
+                return config[key]
+    return None
+
+
+def fit_context(
+    tokens: List[int],
+    cached: int,
+    max_tokens: int,
+    context: Optional[int],
+    truncate: bool,
+    bos: Optional[int] = None,
+) -> tuple:
+    """``(tokens, max_tokens)`` that fit in ``context`` with ``cached`` tokens before.
+
+    A prompt longer than the context is an error unless ``truncate``: then
+    its oldest tokens go (a leading ``bos`` stays) so that the prompt and
+    ``max_tokens`` fit, keeping at least half the context for the prompt.
+    Generation stops where the context ends.
+    """
+    if context is None:
+        return tokens, max_tokens
+    if cached + len(tokens) > context:
+        if not truncate or cached:
+            raise MTPError(
+                f"the prompt holds {cached + len(tokens)} tokens, more than the "
+                f"model's context of {context} tokens"
+            )
+        keep = max(context - max_tokens, context // 2)
+        head = tokens[:1] if bos is not None and tokens[0] == bos else []
+        tokens = head + tokens[len(tokens) - keep + len(head) :]
+    # the last new token is predicted at position context - 1
+    return tokens, min(max_tokens, context + 1 - cached - len(tokens))
+
+
 def stream_generate(
     model: MTPModel,
     tokenizer: Any,
@@ -67,6 +110,8 @@ def stream_generate(
     prompt_cache: Optional[MTPCache] = None,
     cached_tokens: Sequence[int] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
+    truncate_prompt: bool = False,
     trace: bool = False,
     temp: float = 0.0,
     top_p: float = 0.0,
@@ -95,8 +140,25 @@ def stream_generate(
     picks each round's draft length (at most ``draft_max``) from the running
     per-position acceptance. A custom ``sampler=`` is exact-matched instead;
     ``verifier=`` replaces all of these.
+
+    A prompt longer than the model's context raises ``MTPError`` unless
+    ``truncate_prompt`` (see ``fit_context``); generation stops at the end of
+    the context. ``prefill_progress(done, total)`` hears how many prompt
+    tokens the trunk has read, before the first chunk and after each.
     """
+    if not 0 <= draft_max <= MAX_DRAFT_MAX:
+        raise MTPError(f"draft_max must be 0 to {MAX_DRAFT_MAX}, not {draft_max}")
     tokens = _encode(tokenizer, prompt)
+    if not tokens or (isinstance(prompt, str) and not prompt.strip()):
+        raise MTPError("the prompt is empty")
+    tokens, max_tokens = fit_context(
+        tokens,
+        len(cached_tokens),
+        max_tokens,
+        context_length(model),
+        truncate_prompt,
+        getattr(tokenizer, "bos_token_id", None),
+    )
     if verifier is None:
         config = SamplingConfig(
             temp=temp,
@@ -128,6 +190,7 @@ def stream_generate(
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
+        prefill_progress=prefill_progress,
         stats=stats,
         cached_tokens=cached_tokens,
     )

@@ -23,17 +23,14 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import MTPCache, rollback, start_verify
+from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
 
-DEFAULT_DRAFT_MAX = 3
-DEFAULT_DRAFT_P_MIN = 0.0
-DEFAULT_PREFILL_STEP = 2048
 # A head layer that has not drafted for this many positions (rounds without
 # drafts, or deeper than the drafts asked for) catches up, so what waits for it
 # stays small.
 PENDING_LIMIT = 32
-
 
 def _read(model, cache: MTPCache, j: int, hidden: mx.array, tokens) -> Tuple:
     """Head layer ``j`` over ``hidden`` paired with ``tokens`` (ints or an array)."""
@@ -55,10 +52,17 @@ def catch_up(model, cache: MTPCache) -> None:
         queue.drop_first(n)
 
 
-def prefill(model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool):
-    """Trunk over ``prompt[:-1]`` in chunks, and the head over the pairs it makes."""
+def prefill(
+    model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool, progress=None
+):
+    """Trunk over ``prompt[:-1]`` in chunks, and the head over the pairs it makes.
+
+    ``progress(done, total)`` hears the tokens read before each chunk and at the end.
+    """
     todo = prompt[:-1]
     for s in range(0, len(todo), step):
+        if progress is not None:
+            progress(s, len(todo))
         chunk = todo[s : s + step]
         _, hidden = model.trunk(mx.array(chunk)[None], cache.trunk)
         if use_mtp:
@@ -68,6 +72,8 @@ def prefill(model, cache: MTPCache, prompt: List[int], step: int, use_mtp: bool)
             mx.eval(pending, [c.state for c in cache.state_list()])
         else:
             mx.eval([c.state for c in cache.trunk])
+    if progress is not None:
+        progress(len(todo), len(todo))
 
 
 def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, history):
@@ -142,6 +148,7 @@ def speculative_generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     stats: Optional[MTPStats] = None,
     cached_tokens: Sequence[int] = (),
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
@@ -151,7 +158,7 @@ def speculative_generate_step(
     length instead of ``draft_max`` and learns from ``update(drafted, accepted)``.
     ``cached_tokens`` are the tokens already in ``prompt_cache``: the sampler
     sees them as history (penalty window, noise positions) as if the whole
-    sequence had been the prompt.
+    sequence had been the prompt. ``prefill_progress`` goes to ``prefill``.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -165,7 +172,7 @@ def speculative_generate_step(
     history = [int(t) for t in cached_tokens] + prompt
 
     tic = time.perf_counter()
-    prefill(model, cache, prompt, prefill_step_size, use_mtp)
+    prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
     stats.prompt_tokens += len(prompt)
     stats.prompt_time += time.perf_counter() - tic
     tic = time.perf_counter()

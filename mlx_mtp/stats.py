@@ -97,7 +97,10 @@ class MTPStats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+        """Prompt tokens per second; 0 for a 1-token prompt (nothing to prefill)."""
+        if self.prompt_tokens <= 1 or not self.prompt_time:
+            return 0.0
+        return self.prompt_tokens / self.prompt_time
 
     @property
     def generation_tps(self) -> float:
@@ -106,6 +109,10 @@ class MTPStats:
     def summary(self) -> str:
         """The stats line, in llama.cpp's words."""
         per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance)
+        n = self.prompt_tokens
+        prompt = f"prompt: {n} token{'' if n == 1 else 's'}"
+        if self.prompt_tps:
+            prompt += f", {self.prompt_tps:.1f} tok/s"
         sync = ""
         if self.syncs:
             sync = (
@@ -118,7 +125,7 @@ class MTPStats:
             f"({self.accepted} accepted / {self.drafted} generated), "
             f"mean acceptance length = {self.mean_accepted_length:.2f}, "
             f"acceptance rate per position = ({per_pos})\n"
-            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
+            f"{prompt} | "
             f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "
             f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB"
             + sync

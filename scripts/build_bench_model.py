@@ -3,7 +3,7 @@
 No real MTP model can be downloaded here, so benchmarks of the loop run on a
 scaled-up tiny model (tests/tiny.py, ``agreeable`` weights: the head often
 agrees with the trunk). float32 weights, for the memory-bound regime of
-MEASURE.md.
+docs/performance.md.
 
     python scripts/build_bench_model.py OUT [--family mimo] [--hidden 1024] [--layers 8]
 """

@@ -264,7 +264,7 @@ def test_chat_cli_end_to_end(tiny_folders, loaded, monkeypatch):
         assert spy.tokens(call) == fresh_answer(model, tok, messages)[0], call
     assert len(spy.tokens(3)) == 3
     assert "interrupted" in result.output
-    assert result.output.count("mean accepted length") == 4  # one footer per answer
+    assert result.output.count("/pass") == 4  # one footer per answer
     assert "draft acceptance" in result.output  # /stats
     assert "/reset  forget the conversation" in result.output  # /help
     assert "unknown command /nope" in result.output

@@ -111,8 +111,8 @@ def test_generate_hidden_tap(skewed):
 # -- chat -------------------------------------------------------------------
 
 FOOTER = re.compile(
-    r"(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens, [\d.]+ tok/s \| "
-    r"acceptance [\d.]+ \((\d+)/(\d+)\), mean accepted length ([\d.]+)"
+    r"(\d+) tokens, [\d.]+ tok/s \| prompt (\d+)(?:, \d+ tok/s)? \| "
+    r"accepted (\d+)/(\d+), ([\d.]+)/pass"
 )
 
 

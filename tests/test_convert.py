@@ -18,6 +18,7 @@ from test_speculative import assert_same_or_near_tie, mtp_greedy, reference_gree
 
 import mlx_mtp
 from mlx_mtp.errors import MTPError
+from mlx_mtp.loader import read_config
 from mlx_mtp.generate import mtp_logits
 
 PLAIN = list(tiny_plain.PLAIN_CONFIGS)
@@ -199,9 +200,14 @@ def test_existing_output_is_refused_unless_forced(sources, tmp_path):
     (out / "keep").write_text("x")
     with pytest.raises(MTPError, match="exists"):
         convert(sources("llama"), out)
-    assert (out / "keep").exists()
-    convert(sources("llama"), out, force=True)
-    assert not (out / "keep").exists() and (out / "config.json").exists()
+    # --force replaces a model or an empty folder, never a folder of other files
+    with pytest.raises(MTPError, match="not a model"):
+        convert(sources("llama"), out, force=True)
+    assert [p.name for p in out.iterdir()] == ["keep"]
+    (out / "keep").unlink()
+    convert(sources("llama"), out, force=True)  # empty
+    convert(sources("qwen2"), out, force=True)  # a model
+    assert read_config(out)["model_type"] == "qwen2"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 

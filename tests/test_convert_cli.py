@@ -1,6 +1,7 @@
 """``mlx-mtp convert``: every flag reaches the conversion and shows in the output folder."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -112,3 +113,123 @@ def test_mtp_only_flags(tiny_folders, tmp_path, capsys):
     stored = mx.load(str(tmp_path / "m" / "mtp.safetensors"))
     assert not any(k.endswith(".scales") for k in stored)
     assert mlx_mtp.load_model(tmp_path / "m").head is not None
+
+
+# -- what --force may replace, and writing that fails -------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    config, weights = tiny_plain.plain_weights("llama")
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    return tiny_plain.write_gguf(path, "llama", config, weights, Q.Q8_0)
+
+
+def one_line(code, io):
+    lines = io.err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: "), io.err
+    return lines[0]
+
+
+def left_overs(folder):
+    return [p.name for p in folder.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_force_replaces_only_a_model_or_an_empty_folder(gguf, tmp_path, capsys):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("my notes")
+    err = one_line(*run(capsys, gguf, notes, "--force"))
+    assert "not a model" in err and str(notes) in err
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    assert (notes / "todo.txt").read_text() == "my notes"
+    assert run(capsys, gguf, notes.parent / "m")[0] == 0
+    assert run(capsys, gguf, notes.parent / "m", "--force", "--dequantize")[0] == 0
+    assert "quantization" not in config_of(tmp_path / "m")
+    assert not left_overs(tmp_path)
+
+
+def test_force_into_the_current_folder(gguf, tmp_path, capsys, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, io = run(capsys, gguf, ".", "--force")  # empty: filled in place
+    assert code == 0, io.err
+    assert (here / "config.json").is_file() and Path.cwd() == here
+    assert not left_overs(tmp_path)
+    err = one_line(*run(capsys, gguf, ".", "--force"))  # a model: not under our feet
+    assert "the folder you are in" in err
+    assert (here / "config.json").is_file() and not left_overs(tmp_path)
+
+
+def test_unwritable_target_fails_before_the_work(gguf, tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+    import tempfile
+
+    import mlx_mtp.convert.pipeline as pipeline
+
+    opened = []
+    real_open = pipeline.open_source
+    monkeypatch.setattr(
+        pipeline, "open_source", lambda *a, **k: opened.append(1) or real_open(*a, **k)
+    )
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() != 0:
+        locked.chmod(0o555)
+    else:  # root writes anywhere: the file system says no instead
+        real_mkdtemp = tempfile.mkdtemp
+
+        def mkdtemp(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir) == locked:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            return real_mkdtemp(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    try:
+        err = one_line(*run(capsys, gguf, locked / "out"))
+    finally:
+        locked.chmod(0o755)
+    assert f"cannot write into {locked}" in err and not opened
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(gguf, tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import mlx_mtp.convert.output as output
+
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda p: usage(10**9, 0, 10**4))
+    err = one_line(*run(capsys, gguf, tmp_path / "out"))
+    assert "not enough space" in err and str(tmp_path / "out") in err
+    assert list(tmp_path.iterdir()) == []
+
+    # the space runs out while writing: MLX raises a bare RuntimeError
+    monkeypatch.setattr(output.shutil, "disk_usage", real_usage)
+
+    def full(*args, **kwargs):
+        monkeypatch.setattr(output.shutil, "disk_usage", lambda p: usage(1, 1, 0))
+        raise RuntimeError("[write] Unable to write 47257 bytes")
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    err = one_line(*run(capsys, gguf, tmp_path / "out"))
+    assert err == f"error: cannot write {tmp_path / 'out'}: No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_convert_is_cleaned_up_by_the_next(gguf, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    killed = tmp_path / f"out.tmp-mlx-mtp-{child.pid}-abcd1234"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"\0" * 100)
+    mine = tmp_path / "out.tmp-notes"
+    mine.mkdir()
+    assert run(capsys, gguf, tmp_path / "out")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-notes"]

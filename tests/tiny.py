@@ -254,3 +254,35 @@ def build_folder(
 def random_prompt(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, size=n).tolist()
+
+
+def write_trained_head(folder: Path, config: dict, draft_vocab=None, seed: int = 0):
+    """A DeepSeek-style head for a llama trunk, as ``train-head`` writes it.
+
+    ``mtp.safetensors`` under ``model.layers.{N}.`` and ``mtp_config.json``
+    naming the family; ``draft_vocab`` (token ids) adds a draft vocabulary.
+    """
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    d = config["hidden_size"]
+    block = llama.TransformerBlock(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(block.parameters()))
+    weights.update(
+        {
+            "enorm.weight": mx.ones((d,)),
+            "hnorm.weight": mx.ones((d,)),
+            "eh_proj.weight": mx.random.normal((d, 2 * d)) * d**-0.5,
+            "shared_head.norm.weight": mx.ones((d,)),
+        }
+    )
+    if draft_vocab is not None:
+        weights["draft_vocab"] = mx.array(list(draft_vocab), dtype=mx.int32)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pre = f"model.layers.{config['num_hidden_layers']}."
+    mx.save_safetensors(
+        str(folder / "mtp.safetensors"), {pre + k: v for k, v in weights.items()}
+    )
+    (folder / "mtp_config.json").write_text(json.dumps({"family": "deepseek"}))
+    return folder

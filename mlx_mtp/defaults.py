@@ -1,0 +1,16 @@
+"""Defaults shared by the Python API and the command line.
+
+They live apart from the code that uses them so that the command line can
+show them in ``--help`` without importing MLX or mlx-lm.
+"""
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_DRAFT_MAX = 3
+DEFAULT_DRAFT_P_MIN = 0.0
+DEFAULT_PREFILL_STEP = 2048
+# The most drafts per round. Draft j is kept only when drafts 1..j-1 were, so
+# even at 90% acceptance per draft the 16th survives one round in five; past
+# that a longer verify pass only costs.
+MAX_DRAFT_MAX = 16
+DEFAULT_BENCH_TOKENS = 128
+DEFAULT_REPEATS = 3

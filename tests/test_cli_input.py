@@ -1,0 +1,140 @@
+"""What a newcomer types: bad text, an empty prompt, too many drafts, a 1-token
+prompt, Ctrl-C, and the notice on a machine where MTP cannot gain."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from test_cli_generate import assert_one_line_error, cli
+
+import mlx_mtp
+from mlx_mtp.errors import MTPError
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+
+@pytest.fixture(scope="module")
+def full(tiny_folders):
+    return tiny_folders("mimo")[0]
+
+
+def test_invalid_utf8_on_stdin_is_one_line_before_loading(tmp_path):
+    bad = b"caf\xe9 au lait"  # latin-1, not UTF-8
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "generate", "-m", tmp_path / "absent"]
+        + ["-p", "-"],
+        input=bad,
+        capture_output=True,
+        timeout=120,
+        cwd=tempfile.gettempdir(),
+    )
+    result = subprocess.CompletedProcess(
+        r.args, r.returncode, r.stdout.decode(), r.stderr.decode()
+    )
+    # the model path is wrong too: the text was checked before any loading
+    assert_one_line_error(result, "stdin is not UTF-8 text (byte 0xe9 at offset 3)")
+
+
+def test_empty_prompt_is_refused(full):
+    for prompt, stdin in (("", None), ("  \n", None), ("-", "")):
+        r = cli("generate", "-m", full, "-p", prompt, stdin=stdin)
+        assert_one_line_error(r, "the prompt is empty")
+    model, tokenizer = mlx_mtp.load(full)
+    with pytest.raises(MTPError, match="empty"):
+        next(mlx_mtp.stream_generate(model, tokenizer, ""))
+
+
+def test_draft_max_beyond_what_a_head_can_use(full):
+    from mlx_mtp.defaults import MAX_DRAFT_MAX
+
+    r = cli("generate", "-m", full, "-p", "hi", "--draft-max", 64)
+    assert r.returncode == 2 and f"less than or equal to {MAX_DRAFT_MAX}" in r.stderr
+    r = cli("generate", "-m", full, "-p", "hi", "-n", 4, "--draft-max", MAX_DRAFT_MAX)
+    assert r.returncode == 0, r.stderr
+    model, tokenizer = mlx_mtp.load(full)
+    with pytest.raises(MTPError, match=f"draft_max must be 0 to {MAX_DRAFT_MAX}"):
+        next(mlx_mtp.stream_generate(model, tokenizer, "hi", draft_max=64))
+
+
+def test_no_prompt_speed_for_a_one_token_prompt(full):
+    r = cli("generate", "-m", full, "-p", "x", "--no-chat-template", "-n", 4)
+    assert r.returncode == 0, r.stderr
+    assert "prompt: 1 token | generation: 4 tokens" in r.stderr
+    r = cli("generate", "-m", full, "-p", "xy", "--no-chat-template", "-n", 4)
+    assert "prompt: 2 tokens, " in r.stderr
+
+
+def test_ctrl_c_ends_the_line_and_prints_the_stats_so_far(full):
+    child = subprocess.Popen(
+        [sys.executable, "-m", "mlx_mtp", "generate", "-m", str(full), "-p", "hi"]
+        + ["-n", "100000", "--max-tokens", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        child.stdout.read(50)  # it is generating
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    err = err.decode()
+    assert child.returncode == 130, err
+    assert out.endswith(b"\n")
+    assert "generation: " in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "interrupted"
+
+
+def test_notice_where_mtp_cannot_gain(full, tmp_path):
+    from mlx_mtp.bench import cannot_gain_notice
+
+    expected = cannot_gain_notice()
+    r = cli("generate", "-m", full, "-p", "hi", "-n", 4)
+    if expected is None:  # a GPU, Accelerate or a preloaded BLAS
+        assert "notice" not in r.stderr
+        return
+    assert r.stderr.count(f"notice: {expected}") == 1
+    assert "notice" not in cli("generate", "-m", full, "-p", "hi", "--no-mtp").stderr
+    chat = cli("chat", "-m", full, "-n", 4, stdin="hi\n")
+    assert chat.returncode == 0 and chat.stderr.count("notice: ") == 1
+    if not OPENBLAS.exists():
+        return
+    env = dict(os.environ, LD_PRELOAD=str(OPENBLAS))
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "generate", "-m", full, "-p", "hi"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tempfile.gettempdir(),
+    )
+    assert r.returncode == 0 and "notice" not in r.stderr, r.stderr
+
+
+def test_no_link_leaves_the_repository():
+    """README and docs link only files in the repository; nothing names the
+    team's private notes."""
+    import re
+
+    root = Path(__file__).parent.parent
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), (doc, target)
+    private = "MEASURE" + ".md"  # the team's measuring notes, not in the repository
+    folders = ("mlx_mtp", "cli", "convert", "scripts", "docs", "tests")
+    files = [root / "README.md", *(f for d in folders for f in (root / d).rglob("*"))]
+    for path in files:
+        if path.suffix in (".py", ".md", ".json", ".toml"):
+            assert private not in path.read_text(errors="ignore"), path
+
+
+def test_json_keeps_its_shape(full):
+    r = cli("generate", "-m", full, "-p", "hi", "-n", 3, "--json")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == 3
