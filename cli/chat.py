@@ -7,7 +7,7 @@ from rich.console import Console
 
 from mlx_mtp.chat import ChatSession
 from mlx_mtp.generate import DEFAULT_MAX_TOKENS
-from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.speculative import DEFAULT_DRAFT_P_MIN
 from mlx_mtp.stats import MTPStats
 
 from . import options as o
@@ -111,10 +111,10 @@ def chat(
     frequency_penalty: o.FrequencyPenalty = None,
     logit_bias: o.LogitBias = None,
     seed: o.Seed = None,
-    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_max: o.DraftMax = None,
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
-    adaptive_draft: o.AdaptiveDraft = False,
+    adaptive_draft: o.AdaptiveDraft = True,
     no_mtp: o.NoMTP = False,
     show_drafts: bool = typer.Option(
         False,

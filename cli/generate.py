@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from mlx_mtp.generate import DEFAULT_MAX_TOKENS, stream_generate
-from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.speculative import DEFAULT_DRAFT_P_MIN
 
 from . import options as o
 from .app import OUTPUT, app
@@ -46,10 +46,10 @@ def generate(
     frequency_penalty: o.FrequencyPenalty = None,
     logit_bias: o.LogitBias = None,
     seed: o.Seed = None,
-    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_max: o.DraftMax = None,
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
-    adaptive_draft: o.AdaptiveDraft = False,
+    adaptive_draft: o.AdaptiveDraft = True,
     no_mtp: o.NoMTP = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, stats) instead of streaming.", rich_help_panel=OUTPUT),
 ):

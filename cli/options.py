@@ -39,10 +39,10 @@ PresencePenalty = Annotated[Optional[float], _option("--presence-penalty", help=
 FrequencyPenalty = Annotated[Optional[float], _option("--frequency-penalty", help="Subtract this per occurrence among the last 20 tokens.")]
 LogitBias = Annotated[Optional[List[str]], _option("--logit-bias", metavar="ID=BIAS", help="Add BIAS to token ID's logit; repeat for more tokens.")]
 Seed = Annotated[Optional[int], _option("--seed", min=0, help="Seed: the same seed gives the same tokens, with or without MTP under greedy drafts.")]
-DraftMax = Annotated[int, _option("--draft-max", min=0, panel=SPECULATIVE, help="Drafts per round (the most, with --adaptive-draft).")]
+DraftMax = Annotated[Optional[int], _option("--draft-max", min=0, panel=SPECULATIVE, help="The most drafts per round (default: the head's recommended count, else 3).")]
 DraftPMin = Annotated[float, _option("--draft-p-min", min=0.0, max=1.0, panel=SPECULATIVE, help="Stop drafting when the draft's top probability falls below this.")]
 DraftSamplingOption = Annotated[DraftSampling, _option("--draft-sampling", panel=SPECULATIVE, help="greedy: draft the head's top token; sample: sample drafts through the sampler chain (temp > 0).")]
-AdaptiveDraft = Annotated[bool, _option("--adaptive-draft", panel=SPECULATIVE, help="Pick each round's draft length from the running per-position acceptance.")]
+AdaptiveDraft = Annotated[bool, _option("--adaptive-draft/--fixed-draft", panel=SPECULATIVE, help="Each round drafts as many as pay for themselves (by the costs of mlx-mtp tune and the acceptance so far), or always --draft-max.")]
 
 
 def load_model(model: Optional[Path], mtp: Optional[Path], hidden_tap: Optional[str], no_mtp: bool = False):

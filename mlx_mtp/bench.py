@@ -1,10 +1,15 @@
 """Side-by-side benchmark: mlx-lm's plain generation against mlx-mtp, in one run.
 
 Configurations: mlx-lm's own ``stream_generate`` on the same loaded trunk (the
-baseline), mlx-mtp with no drafts, and mlx-mtp with ``draft_max`` 1..N. Runs
-are interleaved (repetition, then prompt, then configuration, the order of
-configurations rotating per repetition) so drift on a shared machine hits all
-of them alike; speed ratios are medians of ratios paired within the run.
+baseline), mlx-mtp with no drafts, mlx-mtp drafting a fixed ``k = 1..N`` every
+round, and mlx-mtp choosing each round's count (at most N) by cost ("auto",
+the default of ``generate``). Runs are interleaved (repetition, then prompt,
+then configuration, the order of configurations rotating per repetition) so
+drift on a shared machine hits all of them alike; speed ratios are medians of
+ratios paired within the run. Every repetition also times the parts of a
+round (``tune``'s measurements), so each fixed ``k`` is shown against its
+bound ``E / (c_verify(k + 1) + c_draft(k))`` from the same run's costs and
+mean accepted length.
 
 Timing is the same for every configuration: prompt tok/s covers the prompt and
 the first step (as mlx-lm reports it); generation tok/s counts the tokens
@@ -25,14 +30,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from .adaptive import Costs
 from .errors import MTPError
 from .generate import _encode, stream_generate
 from .loader import MTPModel
-from .speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from .speculative import DEFAULT_DRAFT_P_MIN
 from .stats import MTPStats
 
 BASELINE = "mlx-lm"
 NO_MTP = "no-mtp"
+AUTO = "mtp auto"
 DEFAULT_REPEATS = 3
 DEFAULT_BENCH_TOKENS = 128
 WARMUP_TOKENS = 8
@@ -77,6 +84,9 @@ class ConfigResult:
     same_output: bool  # every run emitted exactly mlx-lm's tokens
     # per prompt kind: ratio, acceptance_rate, mean_accepted_length
     by_kind: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)
+    adaptive: bool = False  # the draft count chosen each round by cost
+    # a fixed k's bound E / (c_verify(k + 1) + c_draft(k)), this run's costs
+    bound: Optional[float] = None
 
 
 @dataclass
@@ -87,6 +97,9 @@ class BenchResult:
     max_tokens: int
     configs: List[ConfigResult] = field(default_factory=list)
     runs: List[Measurement] = field(default_factory=list)
+    # medians, in plain steps: verify over T = 1..N+1, draft k = 1..N, rounds
+    # k = 0..N; step_seconds: the plain step
+    costs: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Everything but the runs' tokens and detailed stats (their speeds stay)."""
@@ -239,8 +252,10 @@ def run_once(
     prompt,
     max_tokens,
     draft_p_min,
+    adaptive: bool = False,
 ):
-    """One greedy generation (mlx-lm's when ``draft_max`` is None), timed."""
+    """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
+    ``adaptive``: the draft count chosen each round, at most ``draft_max``."""
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
     mx.clear_cache()
@@ -260,44 +275,69 @@ def run_once(
             draft_max=draft_max,
             draft_p_min=draft_p_min,
             mtp=draft_max > 0,
+            adaptive_draft=adaptive,
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
     return timing, stats, mx.get_peak_memory() / 1e9
 
 
-def configurations(draft_max: int) -> List[tuple]:
-    """(name, draft_max) for each configuration; None stands for mlx-lm."""
-    return [(BASELINE, None), (NO_MTP, 0)] + [
-        (f"mtp k={k}", k) for k in range(1, draft_max + 1)
-    ]
+def configurations(draft_max: int, has_head: bool = True) -> List[tuple]:
+    """(name, draft_max, adaptive) for each configuration; None stands for mlx-lm."""
+    out = [(BASELINE, None, False), (NO_MTP, 0, False)]
+    if not has_head or draft_max == 0:
+        return out
+    out += [(f"mtp k={k}", k, False) for k in range(1, draft_max + 1)]
+    return out + [(AUTO, draft_max, True)]
 
 
 def run_bench(
     model: MTPModel,
     tokenizer,
     prompts: List[BenchPrompt],
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_max: Optional[int] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     repeats: int = DEFAULT_REPEATS,
     max_tokens: int = DEFAULT_BENCH_TOKENS,
     progress: Optional[Callable[[str], None]] = None,
 ) -> BenchResult:
-    """Benchmark every configuration on every prompt, ``repeats`` times, interleaved."""
-    configs = configurations(draft_max)
+    """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
+
+    ``draft_max``: the fixed counts run 1..draft_max, and "auto" chooses at
+    most that many (default: the head's recommended count, else 3).
+    """
+    from .adaptive import default_draft_max
+    from .tune import CostTimer
+
+    if draft_max is None:
+        draft_max = default_draft_max(model)
+    configs = configurations(draft_max, model.head is not None)
     encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
-    for _, k in configs:  # warm up: compile, allocate
-        run_once(model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min)
+    for _, k, adaptive in configs:  # warm up: compile, allocate
+        run_once(model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive)
+    timer = None
+    if model.head is not None and draft_max > 0:
+        context = (
+            encoded[0]
+            + run_once(model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min)[
+                0
+            ][0]
+        )
+        timer = CostTimer(model, context, draft_max)
     runs: List[Measurement] = []
     for rep in range(repeats):
+        if timer is not None:
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats}, costs")
+            timer.run_once(rep)
         for i, prompt in enumerate(encoded):
             shift = rep % len(configs)
-            for name, k in configs[shift:] + configs[:shift]:
+            for name, k, adaptive in configs[shift:] + configs[:shift]:
                 if progress:
                     where = f"prompt {i + 1}/{len(encoded)}"
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
                 (tokens, t_prompt, first, t_gen), stats, peak = run_once(
-                    model, tokenizer, k, prompt, max_tokens, draft_p_min
+                    model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(
@@ -315,7 +355,15 @@ def run_bench(
                 )
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
-    result.configs = [_summarise(name, k, runs, kinds) for name, k in configs]
+    result.configs = [
+        _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive in configs
+    ]
+    if timer is not None:
+        result.costs = timer.costs()
+        costs = Costs.from_dict(result.costs)
+        for c in result.configs:
+            if c.draft_max and not c.adaptive:
+                c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
     return result
 
 
@@ -343,7 +391,11 @@ def _paired(mine: List[Measurement], base) -> tuple:
 
 
 def _summarise(
-    name: str, draft_max: Optional[int], runs: List[Measurement], kinds: List[str]
+    name: str,
+    draft_max: Optional[int],
+    runs: List[Measurement],
+    kinds: List[str],
+    adaptive: bool = False,
 ) -> ConfigResult:
     mine = [r for r in runs if r.config == name]
     base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
@@ -374,4 +426,5 @@ def _summarise(
         peak_memory_gb=max(r.peak_memory for r in mine),
         same_output=all(r.tokens == base[r.prompt, r.repeat].tokens for r in mine),
         by_kind=by_kind,
+        adaptive=adaptive,
     )

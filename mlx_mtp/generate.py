@@ -7,10 +7,9 @@ import mlx.core as mx
 
 from .cache import MTPCache
 from .loader import MTPModel
-from .adaptive import AdaptiveDraftLength
+from .adaptive import default_draft_max, make_policy
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
 from .speculative import (
-    DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_PREFILL_STEP,
     speculative_generate_step,
@@ -57,7 +56,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = DEFAULT_MAX_TOKENS,
     *,
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_max: Optional[int] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     mtp: bool = True,
     sampler: Optional[Sampler] = None,
@@ -77,7 +76,7 @@ def stream_generate(
     logit_bias: Optional[Dict[int, float]] = None,
     seed: Optional[int] = None,
     draft_sampling: str = "greedy",
-    adaptive_draft: bool = False,
+    adaptive_draft: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
 
@@ -90,10 +89,13 @@ def stream_generate(
     over the last 20 tokens) and is lossless: the output has the main model's
     distribution. ``seed`` fixes the run; with greedy drafts the tokens are the
     same with and without MTP. ``draft_sampling="sample"`` samples drafts
-    through the same chain (accepted with min(1, p/q)). ``adaptive_draft``
-    picks each round's draft length (at most ``draft_max``) from the running
-    per-position acceptance. A custom ``sampler=`` is exact-matched instead;
-    ``verifier=`` replaces all of these.
+    through the same chain (accepted with min(1, p/q)). A custom
+    ``sampler=`` is exact-matched instead; ``verifier=`` replaces all of these.
+
+    ``draft_max`` bounds the drafts per round (default: the head's
+    ``recommended_draft_max``, else ``DEFAULT_DRAFT_MAX``); each round drafts
+    as many as pay for themselves by the costs ``mlx-mtp tune`` measured here
+    and the acceptance so far (``adaptive_draft=False``: always ``draft_max``).
     """
     tokens = _encode(tokenizer, prompt)
     if verifier is None:
@@ -110,7 +112,11 @@ def stream_generate(
             draft_sampling=draft_sampling,
         )
         verifier = make_verifier(config, sampler, logits_processors)
-    policy = AdaptiveDraftLength(draft_max) if adaptive_draft and mtp else None
+    if draft_max is None:
+        draft_max = default_draft_max(model)
+    if not mtp:
+        draft_max = 0
+    policy = make_policy(model, draft_max, adaptive_draft)
     stats = MTPStats(trace=[] if trace else None)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -119,7 +125,7 @@ def stream_generate(
         tokens,
         model,
         max_tokens=max_tokens,
-        draft_max=draft_max if mtp else 0,
+        draft_max=draft_max,
         draft_p_min=draft_p_min,
         verifier=verifier,
         draft_policy=policy,

@@ -50,11 +50,7 @@ class DeepSeekMTP(MTPHead):
         if has_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, dims)
         self.block = block
-        if draft_vocab:
-            # A head trained by train-head may draft from a token subset only:
-            # the full output projection is a quarter of a small model's
-            # forward, and the drafts only need their argmax (the trunk's
-            # verify keeps the output exact).
+        if draft_vocab:  # a head trained by train-head drafts from its subset
             self.draft_vocab = mx.zeros((draft_vocab,), mx.int32)
 
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
@@ -69,23 +65,10 @@ class DeepSeekMTP(MTPHead):
             return self.embed_tokens(tokens)
         return super().embed(tokens)
 
-    def logits(self, h: mx.array) -> mx.array:
+    def output(self):
         if "head" in self.shared_head:
-            return self.shared_head.head(h)
-        if "draft_vocab" in self:
-            return self._subset_logits(h)
-        return super().logits(h)
-
-    def _subset_logits(self, h: mx.array) -> mx.array:
-        """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
-        if getattr(self._shared, "rows", None) is None:
-            eye = mx.eye(h.shape[-1], dtype=h.dtype)
-            self._shared.rows = super().logits(eye)[:, self.draft_vocab].T
-            self._shared.vocab_size = super().logits(eye[:1]).shape[-1]
-        sub = h @ self._shared.rows.T
-        full = mx.full((*h.shape[:-1], self._shared.vocab_size), -mx.inf, sub.dtype)
-        idx = mx.broadcast_to(self.draft_vocab, sub.shape)
-        return mx.put_along_axis(full, idx, sub, axis=-1)
+            return self.shared_head.head
+        return super().output()
 
 
 def make_block(backbone: nn.Module, args: Any, index: int) -> nn.Module:
