@@ -106,10 +106,8 @@ def tune(
         soft_wrap=True,
     )
     console.print(tune_table(entry))
-    best = max(
-        range(len(entry["speedups"]["rounds"])),
-        key=entry["speedups"]["rounds"].__getitem__,
-    )
+    rounds = entry["speedups"]["rounds"]
+    best = max(range(len(rounds)), key=rounds.__getitem__)
     console.print(
         "costs in plain steps: verify over k+1 tokens, the head's k drafts, a whole "
         "round; accept: P(draft k kept | drafts before kept); predicted speed-up "
@@ -118,9 +116,24 @@ def tune(
         markup=False,
     )
     console.print(
-        f"predicted best: k = {best} ({entry['speedups']['rounds'][best]:.2f}x); "
+        f"predicted best: k = {best} ({rounds[best]:.2f}x); "
         f"took {entry['seconds']:.0f} s",
         markup=False,
     )
+    trials = entry.get("draft_vocab_trials")
+    if trials:
+        parts = [
+            f"{t['size'] or 'all'}: depth-1 acceptance {t['acceptance_1']:.2f}, "
+            f"a draft {t['draft'][0]:.3f}, best {t['speedup']:.2f}x"
+            for t in trials
+        ]
+        chosen = len(entry.get("draft_vocab") or []) or "all tokens"
+        console.print(
+            "draft vocabulary (most expected tokens): "
+            + "; ".join(parts)
+            + f"; drafting from {chosen}",
+            markup=False,
+            soft_wrap=True,
+        )
     if where is not None:
         print(f"stored in {where}", file=sys.stderr)

@@ -64,6 +64,9 @@ class Measurement:
     generation_tps: float
     peak_memory: float  # GB
     stats: Optional[MTPStats] = None  # None for mlx-lm
+    # CPU seconds of this process per token after the first: on a CPU shared
+    # with other jobs, the work done, which their load does not stretch
+    cpu_per_token: float = 0.0
 
 
 @dataclass
@@ -87,6 +90,9 @@ class ConfigResult:
     adaptive: bool = False  # the draft count chosen each round by cost
     # a fixed k's bound E / (c_verify(k + 1) + c_draft(k)), this run's costs
     bound: Optional[float] = None
+    # the same in CPU time of this process (see ``Measurement.cpu_per_token``)
+    cpu_ratio: Optional[float] = None
+    cpu_bound: Optional[float] = None
 
 
 @dataclass
@@ -98,8 +104,9 @@ class BenchResult:
     configs: List[ConfigResult] = field(default_factory=list)
     runs: List[Measurement] = field(default_factory=list)
     # medians, in plain steps: verify over T = 1..N+1, draft k = 1..N, rounds
-    # k = 0..N; step_seconds: the plain step
+    # k = 0..N; step_seconds: the plain step; and the same in CPU time
     costs: Dict[str, Any] = field(default_factory=dict)
+    cpu_costs: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Everything but the runs' tokens and detailed stats (their speeds stay)."""
@@ -112,6 +119,7 @@ class BenchResult:
                 "tokens": len(r.tokens),
                 "prompt_tps": r.prompt_tps,
                 "generation_tps": r.generation_tps,
+                "cpu_per_token": r.cpu_per_token,
                 "peak_memory_gb": r.peak_memory,
             }
             for r in self.runs
@@ -230,19 +238,19 @@ def regime(model: MTPModel) -> Dict[str, Any]:
 
 def _timed(responses, in_first_step: Callable[[Any], bool]):
     """Run a response stream; returns (tokens, prompt time, first-step tokens,
-    time after the first step, last response)."""
+    time after the first step, CPU time after the first step, last response)."""
     tic = time.perf_counter()
     tokens, first, t_first, t_last, last = [], 0, None, None, None
     for last in responses:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if t_first is None:
-            t_first = now
+            t_first, c_first = now, cpu
         first += in_first_step(last)
         tokens.append(int(last.token))
-        t_last = now
+        t_last, c_last = now, cpu
     if last is None:
         raise MTPError("the generation produced no tokens")
-    return tokens, t_first - tic, first, t_last - t_first, last
+    return tokens, t_first - tic, first, t_last - t_first, c_last - c_first, last
 
 
 def run_once(
@@ -336,7 +344,7 @@ def run_bench(
                 if progress:
                     where = f"prompt {i + 1}/{len(encoded)}"
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
-                (tokens, t_prompt, first, t_gen), stats, peak = run_once(
+                (tokens, t_prompt, first, t_gen, cpu), stats, peak = run_once(
                     model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
@@ -351,6 +359,7 @@ def run_bench(
                         gen_tps,
                         peak,
                         stats,
+                        cpu / max(len(tokens) - first, 1),
                     )
                 )
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
@@ -359,11 +368,15 @@ def run_bench(
         _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive in configs
     ]
     if timer is not None:
-        result.costs = timer.costs()
+        result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)
         costs = Costs.from_dict(result.costs)
+        cpu_costs = Costs.from_dict(result.cpu_costs)
         for c in result.configs:
             if c.draft_max and not c.adaptive:
                 c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
+                c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(
+                    c.draft_max
+                )
     return result
 
 
@@ -400,6 +413,11 @@ def _summarise(
     mine = [r for r in runs if r.config == name]
     base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
     ratio, total = _paired(mine, base)
+    cpu = [
+        base[r.prompt, r.repeat].cpu_per_token / r.cpu_per_token
+        for r in mine
+        if r.cpu_per_token > 0
+    ]
     by_kind = {}
     for kind in sorted(set(kinds)):
         kind_ratio, kind_total = _paired(
@@ -427,4 +445,5 @@ def _summarise(
         same_output=all(r.tokens == base[r.prompt, r.repeat].tokens for r in mine),
         by_kind=by_kind,
         adaptive=adaptive,
+        cpu_ratio=statistics.median(cpu) if cpu else None,
     )

@@ -266,7 +266,7 @@ class CostTimer:
     """
 
     def __init__(self, model: MTPModel, context: List[int], k_max: int):
-        state = _warm_state(model, context)
+        self.state = state = _warm_state(model, context)
         self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
         self.jobs += [
             ("verify", t, lambda t=t: _verify(state, t)) for t in range(1, k_max + 2)
@@ -278,17 +278,23 @@ class CostTimer:
             ("round", k, lambda k=k: _round(state, k)) for k in range(1, k_max + 1)
         ]
         self.k_max = k_max
-        self.times: Dict[tuple, List[float]] = {(n, i): [] for n, i, _ in self.jobs}
+        self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _ in self.jobs}
         for _, _, fn in self.jobs:  # warm up
             fn()
 
     def run_once(self, rep: int = 0) -> None:
         shift = rep % len(self.jobs)
         for name, i, fn in self.jobs[shift:] + self.jobs[:shift]:
-            self.times[name, i].append(_time(fn))
+            cpu = time.process_time()
+            wall = _time(fn)
+            self.times[name, i].append((wall, time.process_time() - cpu))
 
-    def costs(self) -> Dict[str, Any]:
-        med = {key: statistics.median(ts) for key, ts in self.times.items()}
+    def costs(self, cpu: bool = False) -> Dict[str, Any]:
+        """Medians in plain steps; ``cpu``: of this process's CPU time (a
+        measure of work that other jobs on a shared CPU do not stretch)."""
+        med = {
+            key: statistics.median(t[cpu] for t in ts) for key, ts in self.times.items()
+        }
         step = med["plain", 0] / PLAIN_STEPS
         k_max = self.k_max
         return {
@@ -353,6 +359,121 @@ def _depths(stats: MTPStats, k: int) -> List[float]:
     return out
 
 
+# -- a draft vocabulary for a head that has none ---------------------------------
+
+
+def rank_tokens(model: MTPModel, prompts: Sequence[List[int]]) -> mx.array:
+    """Token ids, most expected first: by the trunk's mean next-token
+    probability over every position of the prompts (the answers are left out,
+    so that the acceptance measured on them is not flattered)."""
+    total = 0
+    for prompt in prompts:
+        logits, _ = model.trunk(mx.array(prompt)[None], model.trunk.make_cache())
+        total = total + mx.softmax(logits[0].astype(mx.float32), axis=-1).sum(axis=0)
+    return mx.argsort(-total).astype(mx.int32)
+
+
+def depth1_hits(
+    model: MTPModel, sequences: Sequence[List[int]], prompt_lens: Sequence[int]
+) -> List[mx.array]:
+    """Per sequence: the head's depth-1 logits at every answer position, and
+    the token there (the trunk's greedy choice), teacher-forced."""
+    out = []
+    for seq, n in zip(sequences, prompt_lens):
+        tokens = mx.array(seq)[None]
+        _, hidden = model.trunk(tokens, model.trunk.make_cache())
+        logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
+        first = max(n - 2, 0)  # row i predicts token i + 2
+        out.append((logits[0, first:-1], mx.array(seq[first + 2 :])))
+    return out
+
+
+def subset_acceptance(rows, vocab: Optional[mx.array]) -> float:
+    """Depth-1 acceptance when drafting from ``vocab`` only (None: all tokens)."""
+    hits = n = 0
+    for logits, targets in rows:
+        if vocab is None:
+            drafts = mx.argmax(logits, axis=-1)
+        else:
+            drafts = vocab[mx.argmax(mx.take(logits, vocab, axis=-1), axis=-1)]
+        hits += (drafts == targets).sum().item()
+        n += targets.size
+    return hits / max(n, 1)
+
+
+def draft_vocab_trial(
+    model: MTPModel,
+    state: "_State",
+    prompts: Sequence[List[int]],
+    sequences: Sequence[List[int]],
+    sizes: Sequence[int],
+    k_max: int,
+    repeats: int,
+) -> List[Dict[str, Any]]:
+    """For each size (None: the whole vocabulary): depth-1 acceptance on the
+    answers and the head's draft costs in seconds, interleaved."""
+    ranked = rank_tokens(model, prompts)
+    rows = depth1_hits(model, sequences, [len(p) for p in prompts])
+    trials = [{"size": None, "vocab": None}]
+    trials += [{"size": n, "vocab": mx.sort(ranked[:n])} for n in sizes]
+    times = {i: {k: [] for k in range(1, k_max + 1)} for i in range(len(trials))}
+    try:
+        for rep in range(repeats):
+            shift = rep % len(trials)
+            for i in list(range(shift, len(trials))) + list(range(shift)):
+                model.head.set_draft_vocab(trials[i]["vocab"])
+                _draft(state, 1)  # gathers the rows: not timed
+                for k in range(1, k_max + 1):
+                    times[i][k].append(_time(lambda k=k: _draft(state, k)))
+    finally:
+        model.head.set_draft_vocab(None)
+    for i, trial in enumerate(trials):
+        trial["acceptance_1"] = subset_acceptance(rows, trial["vocab"])
+        trial["draft_seconds"] = [statistics.median(times[i][k]) for k in times[i]]
+    return trials
+
+
+def _choose_draft_vocab(entry: Dict[str, Any], trials, step: float) -> None:
+    """Keep the draft vocabulary with the best predicted speed-up in ``entry``
+    (costs and acceptance made its own), or none when the whole one wins."""
+    costs, acceptance = entry["costs"], entry["acceptance_by_depth"]
+    full = trials[0]
+    best, best_speedup = None, max(entry["speedups"]["rounds"])
+    entry["draft_vocab_trials"] = []
+    for trial in trials:
+        scale = trial["acceptance_1"] / max(full["acceptance_1"], 1e-9)
+        extra = [
+            (s - f) / step
+            for s, f in zip(trial["draft_seconds"], full["draft_seconds"])
+        ]
+        mine = {
+            "verify": costs["verify"],
+            "draft": [d + e for d, e in zip(costs["draft"], extra)],
+            "round": costs["round"][:1]
+            + [r + e for r, e in zip(costs["round"][1:], extra)],
+        }
+        accept = [
+            min(a * scale, 1.0) if j == 0 else a for j, a in enumerate(acceptance)
+        ]
+        speedup = max(speedups(accept, Costs.from_dict(mine), len(costs["draft"])))
+        entry["draft_vocab_trials"].append(
+            {
+                "size": trial["size"],
+                "acceptance_1": round(trial["acceptance_1"], 4),
+                "draft": [round(d, 4) for d in mine["draft"]],
+                "speedup": round(speedup, 4),
+            }
+        )
+        if trial["size"] is not None and speedup > best_speedup * 1.01:
+            best, best_speedup = (trial, mine, accept), speedup
+    if best is not None:
+        trial, mine, accept = best
+        entry["draft_vocab"] = trial["vocab"].tolist()
+        entry["costs"] = {k: [round(x, 4) for x in v] for k, v in mine.items()}
+        entry["acceptance_by_depth"] = [round(a, 4) for a in accept]
+        entry["speedups"] = _predicted(accept, entry["costs"], len(accept))
+
+
 # -- the whole tune ---------------------------------------------------------------
 
 
@@ -363,8 +484,14 @@ def tune(
     max_tokens: int = DEFAULT_TUNE_TOKENS,
     repeats: int = DEFAULT_TUNE_REPEATS,
     progress: Optional[Callable[[str], None]] = None,
+    vocab_sizes: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
-    """Measure ``model`` on this machine; returns the entry ``store`` writes."""
+    """Measure ``model`` on this machine; returns the entry ``store`` writes.
+
+    A head without a draft vocabulary is also tried with the ``vocab_sizes``
+    most expected tokens (default: ``DRAFT_VOCAB_SIZES`` below half the
+    vocabulary); the best goes into the entry when it raises the bound.
+    """
     from .bench import _template, load_prompts
     from .generate import _encode
 
@@ -386,7 +513,10 @@ def tune(
     acceptance = _depths(stats, draft_max)
     say(f"costs: {repeats} repetitions")
     context = max(sequences, key=len)
-    costs = measure_costs(model, context, draft_max, repeats)
+    timer = CostTimer(model, context, draft_max)
+    for rep in range(repeats):
+        timer.run_once(rep)
+    costs = timer.costs()
     entry: Dict[str, Any] = {
         "machine": machine(),
         "model": _identity(model),
@@ -400,6 +530,15 @@ def tune(
         "tokens": stats.generation_tokens,
     }
     entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
+    vocab = model.trunk.embed_tokens.weight.shape[0]
+    if vocab_sizes is None:
+        vocab_sizes = [n for n in DRAFT_VOCAB_SIZES if 2 * n <= vocab]
+    if vocab_sizes and "draft_vocab" not in model.head.layer(0):
+        say(f"draft vocabulary: {', '.join(map(str, vocab_sizes))} tokens")
+        trials = draft_vocab_trial(
+            model, timer.state, prompts, sequences, vocab_sizes, draft_max, repeats
+        )
+        _choose_draft_vocab(entry, trials, costs["step_seconds"])
     entry["seconds"] = round(time.perf_counter() - tic, 1)
     return entry
 

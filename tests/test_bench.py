@@ -27,6 +27,8 @@ FIELDS = {
     "by_kind",
     "adaptive",
     "bound",
+    "cpu_ratio",
+    "cpu_bound",
 }
 
 

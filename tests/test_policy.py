@@ -207,6 +207,7 @@ def test_tune_writes_a_config_the_runtime_reads(tiny_folders, tmp_path):
     model, tokenizer = mlx_mtp.load(folder)
     assert tuned_entry(model) is None
     entry = tune(model, tokenizer, draft_max=2, max_tokens=8, repeats=2)
+    assert "draft_vocab_trials" not in entry  # 288 tokens: nothing to cut
     assert entry["machine"] == machine()
     assert len(entry["costs"]["verify"]) == 3 and len(entry["costs"]["draft"]) == 2
     assert len(entry["acceptance_by_depth"]) == 2
@@ -273,3 +274,27 @@ def test_a_native_head_drafts_from_its_draft_vocabulary(models):
     assert all(t % 2 == 0 for r in stats.trace for t in r.drafted)
     full, full_stats, _ = run(model, prompt, 30, FixedDraft(2))
     assert any(t % 2 for r in full_stats.trace for t in r.drafted)
+
+
+def test_tune_tries_draft_vocabularies_and_the_loader_applies_its_choice(
+    tiny_folders, tmp_path
+):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    model, tokenizer = mlx_mtp.load(folder)
+    entry = tune(model, tokenizer, 2, max_tokens=8, repeats=2, vocab_sizes=(64, 128))
+    trials = entry["draft_vocab_trials"]
+    assert [t["size"] for t in trials] == [None, 64, 128]
+    assert all(0 <= t["acceptance_1"] <= 1 and len(t["draft"]) == 2 for t in trials)
+    assert "draft_vocab" not in model.head  # the trial leaves the head as it was
+    entry["draft_vocab"] = list(range(0, 288, 3))  # as if 96 tokens had won
+    store(model, entry)
+    reloaded, _ = mlx_mtp.load(folder)
+    assert reloaded.head.draft_vocab.tolist() == entry["draft_vocab"]
+    # on another machine the entry, and its vocabulary, are ignored
+    config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
+    config["tuned"][0]["machine"]["device"] = "elsewhere"
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config))
+    assert "draft_vocab" not in mlx_mtp.load(folder)[0].head
