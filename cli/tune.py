@@ -11,7 +11,7 @@ from rich.table import Table
 from mlx_mtp.tune import DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
 
 from . import options as o
-from .app import OUTPUT, SPECULATIVE, app
+from .app import OUTPUT, SPECULATIVE, app, fail
 
 
 def tune_table(entry: dict) -> Table:
@@ -59,6 +59,12 @@ def tune(
         min=1,
         help="Repetitions of every timing (medians are kept).",
     ),
+    clock: str = typer.Option(
+        "wall",
+        "--clock",
+        help="wall: wall-clock time; cpu: this process's CPU time, steadier on a"
+        " CPU shared with other jobs (run BLAS with one thread then).",
+    ),
     no_store: bool = typer.Option(
         False,
         "--no-store",
@@ -78,6 +84,10 @@ def tune(
     from mlx_mtp.tune import store
     from mlx_mtp.tune import tune as run_tune
 
+    from mlx_mtp.tune import CLOCKS
+
+    if clock not in CLOCKS:
+        raise fail(f"--clock must be one of {', '.join(CLOCKS)}")
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
     if draft_max is None:
         draft_max = max(1, default_draft_max(loaded))
@@ -90,6 +100,7 @@ def tune(
             max_tokens,
             repeats,
             progress=lambda msg: status.update(f"tuning: {msg}"),
+            clock=clock,
         )
     where = None if no_store else store(loaded, entry)
     if as_json:

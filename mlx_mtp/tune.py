@@ -205,10 +205,14 @@ def _warm_state(model: MTPModel, context: List[int]) -> _State:
     return _State(model, cache, context[-1], list(context))
 
 
-def _time(fn: Callable[[], Any]) -> float:
-    tic = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(fn: Callable[[], Any], clock: str = "wall") -> float:
+    now = CLOCKS[clock]
+    tic = now()
     fn()
-    return time.perf_counter() - tic
+    return now() - tic
 
 
 def _verify(state: _State, t: int) -> None:
@@ -409,6 +413,7 @@ def draft_vocab_trial(
     sizes: Sequence[int],
     k_max: int,
     repeats: int,
+    clock: str = "wall",
 ) -> List[Dict[str, Any]]:
     """For each size (None: the whole vocabulary): depth-1 acceptance on the
     answers and the head's draft costs in seconds, interleaved."""
@@ -424,7 +429,7 @@ def draft_vocab_trial(
                 model.head.set_draft_vocab(trials[i]["vocab"])
                 _draft(state, 1)  # gathers the rows: not timed
                 for k in range(1, k_max + 1):
-                    times[i][k].append(_time(lambda k=k: _draft(state, k)))
+                    times[i][k].append(_time(lambda k=k: _draft(state, k), clock))
     finally:
         model.head.set_draft_vocab(None)
     for i, trial in enumerate(trials):
@@ -485,8 +490,13 @@ def tune(
     repeats: int = DEFAULT_TUNE_REPEATS,
     progress: Optional[Callable[[str], None]] = None,
     vocab_sizes: Optional[Sequence[int]] = None,
+    clock: str = "wall",
 ) -> Dict[str, Any]:
     """Measure ``model`` on this machine; returns the entry ``store`` writes.
+
+    ``clock="cpu"`` times this process's CPU time instead of wall time: on a
+    CPU shared with other jobs the work done, which their load does not
+    stretch (with one BLAS thread; spinning BLAS threads would add to it).
 
     A head without a draft vocabulary is also tried with the ``vocab_sizes``
     most expected tokens (default: ``DRAFT_VOCAB_SIZES`` below half the
@@ -516,12 +526,13 @@ def tune(
     timer = CostTimer(model, context, draft_max)
     for rep in range(repeats):
         timer.run_once(rep)
-    costs = timer.costs()
+    costs = timer.costs(cpu=clock == "cpu")
     entry: Dict[str, Any] = {
         "machine": machine(),
         "model": _identity(model),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "draft_max": draft_max,
+        "clock": clock,
         "step_ms": round(costs["step_seconds"] * 1e3, 3),
         "costs": {
             k: [round(x, 4) for x in costs[k]] for k in ("verify", "draft", "round")
@@ -536,7 +547,14 @@ def tune(
     if vocab_sizes and "draft_vocab" not in model.head.layer(0):
         say(f"draft vocabulary: {', '.join(map(str, vocab_sizes))} tokens")
         trials = draft_vocab_trial(
-            model, timer.state, prompts, sequences, vocab_sizes, draft_max, repeats
+            model,
+            timer.state,
+            prompts,
+            sequences,
+            vocab_sizes,
+            draft_max,
+            repeats,
+            clock,
         )
         _choose_draft_vocab(entry, trials, costs["step_seconds"])
     entry["seconds"] = round(time.perf_counter() - tic, 1)

@@ -5,7 +5,10 @@ Prints, in plain decode steps (mlx-lm's own pipelined step = 1):
 cache, per-token states kept for T > 1 as a verify pass keeps them), the same
 without keeping states (``plain(T)``), and ``c_draft(k)`` for k = 1..K (the
 head's drafts, depth 1 with a catch-up over two positions). Every repetition
-runs every timing once, in a rotating order; medians are printed. It uses only
+runs every timing once, in a rotating order; medians are printed, of wall
+time and of this process's CPU time (the work done: on a CPU shared with other
+jobs it does not stretch with their load; run with ``OPENBLAS_NUM_THREADS=1``
+so that no BLAS thread spins while it waits). It uses only
 what every version of the loop has (``draft``, ``prefill``, the trunk), so the
 same script times older checkouts: ``PYTHONPATH=OLD_CHECKOUT python
 scripts/bench_costs.py MODEL``.
@@ -105,33 +108,36 @@ def main():
     for rep in range(args.repeats + 1):  # the first repetition warms up
         shift = rep % len(jobs)
         for name, i, fn in jobs[shift:] + jobs[:shift]:
-            tic = time.perf_counter()
+            tic, cpu = time.perf_counter(), time.process_time()
             fn()
             if rep:
-                times[name, i].append(time.perf_counter() - tic)
+                wall = time.perf_counter() - tic
+                times[name, i].append((wall, time.process_time() - cpu))
             restore(cache, snap)
-    med = {key: statistics.median(v) for key, v in times.items()}
-    step = med["plain", 0] / args.steps
-    out = {
-        "model": args.model,
-        "step_ms": step * 1e3,
-        "verify": [med["verify", t] / step for t in range(1, K + 2)],
-        "nokeep": [med["nokeep", t] / step for t in range(1, K + 2)],
-        "draft": [med["draft", k] / step for k in range(1, K + 1)]
-        if model.head is not None
-        else [],
-        "repeats": args.repeats,
-        "device": str(mx.default_device()),
-    }
+    out = {"model": args.model, "repeats": args.repeats}
+    for kind, col in (("wall", 0), ("cpu", 1)):
+        med = {key: statistics.median(t[col] for t in v) for key, v in times.items()}
+        step = med["plain", 0] / args.steps
+        out[kind] = {
+            "step_ms": step * 1e3,
+            "verify": [med["verify", t] / step for t in range(1, K + 2)],
+            "nokeep": [med["nokeep", t] / step for t in range(1, K + 2)],
+            "draft": [med["draft", k] / step for k in range(1, K + 1)]
+            if model.head is not None
+            else [],
+        }
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.model}: plain step {out['step_ms']:.2f} ms, medians of {args.repeats}")
-    print("T      " + " ".join(f"{t:7d}" for t in range(1, K + 2)))
-    print("verify " + " ".join(f"{c:7.3f}" for c in out["verify"]))
-    print("nokeep " + " ".join(f"{c:7.3f}" for c in out["nokeep"]))
-    print("k      " + " ".join(f"{k:7d}" for k in range(1, K + 1)))
-    print("draft  " + " ".join(f"{c:7.3f}" for c in out["draft"]))
+    print(f"{args.model}: medians of {args.repeats}, in plain steps")
+    for kind in ("wall", "cpu"):
+        o = out[kind]
+        print(f"{kind}: plain step {o['step_ms']:.2f} ms")
+        print("  T      " + " ".join(f"{t:7d}" for t in range(1, K + 2)))
+        print("  verify " + " ".join(f"{c:7.3f}" for c in o["verify"]))
+        print("  nokeep " + " ".join(f"{c:7.3f}" for c in o["nokeep"]))
+        print("  k      " + " ".join(f"{k:7d}" for k in range(1, K + 1)))
+        print("  draft  " + " ".join(f"{c:7.3f}" for c in o["draft"]))
 
 
 if __name__ == "__main__":

@@ -241,6 +241,15 @@ def test_tune_command(tiny_folders, tmp_path):
     config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
     assert len(config["tuned"]) == 1
     assert config["tuned"][0]["draft_max"] == 2
+    assert config["tuned"][0]["clock"] == "wall"
+    result = CliRunner().invoke(app, args + ["--clock", "cpu", "--no-store"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((folder / HEAD_CONFIG_FILE).read_text()) == config  # unchanged
+    result = CliRunner().invoke(app, args + ["--clock", "cpu", "--json"])
+    assert json.loads(result.stdout)["clock"] == "cpu"
+    bad = CliRunner().invoke(app, args + ["--clock", "sundial"])
+    assert bad.exit_code == 1
+    assert bad.output.strip().splitlines()[-1] == "error: --clock must be one of wall, cpu"
 
 
 def test_recommended_draft_max_bounds_the_drafts(tiny_folders, tmp_path):
