@@ -40,7 +40,7 @@ from .adaptive import Costs, FixedDraft, speedups
 from .cache import MTPCache, mark, restore, start_verify
 from .errors import MTPError
 from .loader import HEAD_CONFIG_FILE, MTPModel
-from .sampling import ExactMatchVerifier
+from .sampling import make_verifier
 from .speculative import DEFAULT_PREFILL_STEP, draft, prefill
 from .stats import MTPStats
 
@@ -227,7 +227,7 @@ def _verify(state: _State, t: int) -> None:
 
 def _draft(state: _State, k: int) -> None:
     drafts, _ = draft(
-        state.model, state.cache, state.y, k, 0.0, ExactMatchVerifier(), state.history
+        state.model, state.cache, state.y, k, 0.0, make_verifier(), state.history
     )
     mx.eval([d.token for d in drafts])
     state.restore()
@@ -235,7 +235,7 @@ def _draft(state: _State, k: int) -> None:
 
 def _round(state: _State, k: int) -> None:
     """A round as the loop runs it: drafts, then the verify pass and its sync."""
-    model, cache, verifier = state.model, state.cache, ExactMatchVerifier()
+    model, cache, verifier = state.model, state.cache, make_verifier()  # greedy
     drafts, _ = draft(model, cache, state.y, k, 0.0, verifier, state.history)
     mx.async_eval([d.token for d in drafts])
     start_verify(cache.trunk)
