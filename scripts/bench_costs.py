@@ -35,7 +35,7 @@ from mlx_lm.models.cache import ArraysCache
 
 import mlx_mtp
 from mlx_mtp.cache import rollback, start_verify
-from mlx_mtp.sampling import ExactMatchVerifier
+from mlx_mtp.sampling import ExactMatchVerifier, make_verifier
 from mlx_mtp.speculative import draft, prefill, speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
