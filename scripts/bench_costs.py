@@ -165,7 +165,7 @@ def main():
                 mx.array(p), model.trunk.model, max_tokens=args.tokens, sampler=argmax
             )
 
-        def ours(p, k, stats, policy=None):
+        def ours(p, k, stats, policy=None):  # with the verifier users get
             return speculative_generate_step(
                 p,
                 model,
@@ -173,6 +173,7 @@ def main():
                 draft_max=k,
                 stats=stats,
                 draft_policy=policy,
+                verifier=make_verifier(),
             )
 
         loops = [("mlx-lm", None)] + [(f"k={k}", k) for k in range(K + 1)]
