@@ -222,15 +222,25 @@ def make_policy(model, draft_max: int, adaptive: bool = True):
         return FixedDraft(draft_max)
     from .tune import compute_bound, tuned_entry
 
+    sharding = getattr(model, "sharding", None)
+    if sharding is not None and sharding.size > 1:
+        # every process must draft the same count: nothing machine-specific
+        return CostAwareDraft(draft_max, prior_costs(), _trained(model))
     entry = tuned_entry(model)
     if entry is not None:
         costs = Costs.from_dict(entry["costs"])
         prior = entry["acceptance_by_depth"]
     else:
-        costs = prior_costs(compute_bound())
-        prior = model.head_config.get("acceptance_by_depth")
-        if not isinstance(prior, list) or not all(
-            isinstance(a, (int, float)) for a in prior
-        ):
-            prior = None
+        costs, prior = prior_costs(compute_bound()), _trained(model)
     return CostAwareDraft(draft_max, costs, prior)
+
+
+def _trained(model) -> Optional[List[float]]:
+    """The per-depth acceptance ``train-head`` measured, if it is there."""
+    prior = model.head_config.get("acceptance_by_depth")
+    ok = (
+        isinstance(prior, list)
+        and prior
+        and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in prior)
+    )
+    return [float(a) for a in prior] if ok else None

@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import MTPCache
+from .distributed import sync_verifier
 from .loader import MTPModel
 from .adaptive import default_draft_max, make_policy
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
@@ -118,6 +119,7 @@ def stream_generate(
         draft_max = 0
     policy = make_policy(model, draft_max, adaptive_draft)
     stats = MTPStats(trace=[] if trace else None)
+    verifier = sync_verifier(model, verifier, stats)  # over processes: one decision
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stop_tokens = set(getattr(tokenizer, "eos_token_ids", ()) or ())

@@ -12,14 +12,14 @@ import glob
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import MTPCache, Pending, can_rollback
 from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights
+from .heads import MTPHead, family_for, load_head_weights, norms
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
@@ -29,6 +29,9 @@ HEAD_FILE_GLOB = "mtp*.safetensors"
 # ``recommended_draft_max`` and ``acceptance_by_depth``; ``mlx-mtp tune`` adds
 # what it measured on a machine under ``tuned``.
 HEAD_CONFIG_FILE = "mtp_config.json"
+# Called as ``shard(model, head, config)`` on the loaded model before its
+# weights are read (``mlx_mtp.distributed`` splits it over processes there).
+ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 
 @dataclass
@@ -39,6 +42,7 @@ class MTPModel:
     head: Optional[MTPHead]
     config: Dict[str, Any]
     notice: Optional[str] = None  # why there is no head, when there is none
+    sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
     path: Optional[Path] = None  # the model folder
     head_dir: Optional[Path] = None  # where the MTP config lives
     head_config: Dict[str, Any] = field(default_factory=dict)  # its parsed content
@@ -152,6 +156,8 @@ def _check_model_type(config: Dict[str, Any]) -> None:
 def _sanitize_block(model: nn.Module, family, weights):
     """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
     layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
+    if callable(layer):  # the trunk sanitizes some layers only as their kind needs
+        layer = layer(model)
     sanitize = getattr(model, "sanitize", lambda w: w)
     out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
     return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}
@@ -162,12 +168,15 @@ def load_model(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     lazy: bool = False,
+    shard: Optional[ShardHook] = None,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
     ``mtp`` names a separate head (a folder holding ``mtp*.safetensors`` or a
     ``.safetensors`` file) to attach instead of the one in the folder.
     ``hidden_tap`` ("post" or "pre") overrides the family's hidden-state tap.
+    ``shard(model, head, config)`` runs before the trunk's weights are read
+    (``mlx_mtp.distributed`` splits the model there).
     """
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -217,9 +226,13 @@ def load_model(
     if head is not None and not can_rollback(trunk.make_cache()):
         notice = f"{model_type}: its caches cannot roll back, generating without MTP"
         head = None
+    if shard is not None:
+        shard(model, head, config)
     if not lazy:
         mx.eval(model.parameters())
-    loaded = MTPModel(trunk, head, config, notice, path, head_dir, head_config)
+    loaded = MTPModel(
+        trunk, head, config, notice, path=path, head_dir=head_dir, head_config=head_config
+    )
     if head is not None and head_config.get("tuned"):
         from .tune import apply_draft_vocab
 
@@ -273,6 +286,9 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
     except ValueError as e:
         raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
     head.bind(trunk.embed_tokens, output_head(model))
+    # a norm in the other convention drafts garbage: convert fixes it, we refuse
+    prefixes = [family.prefix(config, j) for j in range(head.num_layers)]
+    norms.check(head, prefixes, model)
     return head
 
 
@@ -281,11 +297,14 @@ def load(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    shard: Optional[ShardHook] = None,
 ) -> Tuple[MTPModel, Any]:
-    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``."""
+    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``.
+
+    ``shard`` as in ``load_model``."""
     from mlx_lm.utils import load_tokenizer
 
-    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap)
+    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap, shard=shard)
     try:
         tokenizer = load_tokenizer(
             Path(path),
