@@ -249,7 +249,9 @@ def test_tune_command(tiny_folders, tmp_path):
     assert json.loads(result.stdout)["clock"] == "cpu"
     bad = CliRunner().invoke(app, args + ["--clock", "sundial"])
     assert bad.exit_code == 1
-    assert bad.output.strip().splitlines()[-1] == "error: --clock must be one of wall, cpu"
+    assert (
+        bad.output.strip().splitlines()[-1] == "error: --clock must be one of wall, cpu"
+    )
 
 
 def test_recommended_draft_max_bounds_the_drafts(tiny_folders, tmp_path):
@@ -307,3 +309,50 @@ def test_tune_tries_draft_vocabularies_and_the_loader_applies_its_choice(
     config["tuned"][0]["machine"]["device"] = "elsewhere"
     (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config))
     assert "draft_vocab" not in mlx_mtp.load(folder)[0].head
+
+
+# -- hybrid trunks: a plain round keeps no per-token state ------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    import tiny_hybrid
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    root = tmp_path_factory.mktemp("hybrid")
+    full, trunk_only = tiny_hybrid.build_folder(root / "qwen3_next", "qwen3_next")
+    return mlx_mtp.load_model(full), mlx_lm_load_model(trunk_only)[0]
+
+
+def test_plain_rounds_keep_no_states_and_stop_exactly(hybrid, monkeypatch):
+    from mlx_mtp.keep_states import KeepStatesCache
+
+    model, reference = hybrid
+    calls = []
+    start = KeepStatesCache.start_verify
+    monkeypatch.setattr(
+        KeepStatesCache, "start_verify", lambda self: calls.append(1) or start(self)
+    )
+    prompt = list(range(50, 80))
+    free, _, _ = run(model, prompt, 24, RandomDraft(0, 0))
+    assert calls == []  # no verify pass: mlx-lm's own step, nothing kept
+    stop = next(t for i, t in enumerate(free) if i > 3 and t not in free[:i])
+    expected = reference_greedy(reference, prompt, 24, stop={stop})
+    got, _, cache = run(model, prompt, 24, RandomDraft(0, 0), {stop})
+    assert got == expected
+    # the step started ahead on the stop token was undone: the caches hold
+    # what mlx-lm's hold after the same tokens (prefill chunks, then steps)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref = make_prompt_cache(reference)
+    for s in range(0, len(prompt) - 1, 16):
+        reference(mx.array(prompt[s : min(s + 16, len(prompt) - 1)])[None], cache=ref)
+    for t in [prompt[-1]] + got[:-1]:
+        reference(mx.array([[t]]), cache=ref)
+    assert cache.offset == ref[-1].offset == len(prompt) + len(got) - 1
+    for c, r in zip(cache.trunk, ref):
+        if hasattr(c, "verifying"):  # recurrent: conv window and state
+            for a, b in zip(c.cache, r.cache):
+                assert mx.allclose(a, b, atol=1e-5).item()
+    run(model, prompt, 8, FixedDraft(2))
+    assert calls  # drafting rounds do keep
