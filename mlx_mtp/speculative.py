@@ -132,24 +132,24 @@ def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
 class _PlainStep:
     """One plain decode step, its token sampled but not read.
 
-    ``ahead()`` starts one on the lazy token of the step before (as mlx-lm
-    overlaps building step n + 1 with step n's compute) and keeps what undoing
-    it takes, should that token end the generation.
+    ``next()`` starts the step after it on its lazy token (as mlx-lm overlaps
+    building step n + 1 with step n's compute); that step keeps what undoing
+    it takes, should this token end the generation.
     """
 
     def __init__(self, model, cache: MTPCache, verifier, token, history, marks=None):
+        token = mx.array([token]) if isinstance(token, int) else token
         self.marks = marks
         self.logits, self.hidden = model.trunk(token.reshape(1, 1), cache.trunk)
         pending = [token] if marks else []
         self.token = verifier.sample(self.logits[0, -1:], history, pending)
         mx.async_eval(self.token)
 
-    @classmethod
-    def ahead(cls, model, cache, verifier, token, history) -> Optional["_PlainStep"]:
+    def next(self, model, cache: MTPCache, verifier, history):
         marks = [mark(c) for c in cache.trunk]
         if not all(marks):  # a cache that cannot be brought back
             return None
-        return cls(model, cache, verifier, token, history, marks)
+        return _PlainStep(model, cache, verifier, self.token, history, marks)
 
     def undo(self, cache: MTPCache) -> None:
         for c, m in zip(cache.trunk, self.marks):
@@ -209,15 +209,10 @@ def speculative_generate_step(
             drafts, tentative = [], []
             if k == 0 and lazy:
                 # a plain step; the next one starts before this token is read
-                step = ahead or _PlainStep(
-                    model, cache, verifier, mx.array([y]), history
-                )
-                k = policy() if use_mtp else 0
-                ahead = None
+                step = ahead or _PlainStep(model, cache, verifier, y, history)
+                k, ahead = (policy() if use_mtp else 0), None
                 if k == 0 and remaining > 1:
-                    ahead = _PlainStep.ahead(
-                        model, cache, verifier, step.token, history
-                    )
+                    ahead = step.next(model, cache, verifier, history)
                 emitted, hidden = [step.token.item()], step.hidden
                 if emitted[0] in stop_tokens and ahead is not None:
                     ahead.undo(cache)
@@ -252,9 +247,8 @@ def speculative_generate_step(
                 if any(q.size > PENDING_LIMIT for q in cache.pending):
                     catch_up(model, cache)  # layers that did not draft for a while
                     mx.async_eval([c.state for c in cache.head])
-            if (
-                m <= accepted
-            ):  # cut inside the drafts: only the drafts before the cut count
+            # a cut inside the drafts: only the drafts before the cut count
+            if m <= accepted:
                 stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
             else:
                 stats.record_round([d.token.item() for d in drafts], accepted)
