@@ -4,7 +4,8 @@ For each prompt length: the time to the first token of mlx-lm's
 ``generate_step`` and of mlx-mtp with MTP on (the trunk in chunks, the head
 reading each chunk's hidden states in one batched call) and off. Both use
 chunks of 2048 tokens. Runs are interleaved, the order rotating; printed are
-medians and the median of per-repetition ratios to mlx-lm. The prompt is
+medians and the median of per-repetition ratios to mlx-lm, in wall time and in
+this process's CPU time (steady on a shared CPU). The prompt is
 text repeated from the shipped bench prompts (encoded with the model's
 tokenizer), so the head reads real tokens.
 
@@ -25,10 +26,11 @@ from mlx_mtp.bench import load_prompts
 from mlx_mtp.speculative import speculative_generate_step
 
 
-def first_token_time(steps) -> float:
-    tic = time.perf_counter()
+def first_token_time(steps):
+    """Wall and CPU seconds to the first token."""
+    tic, cpu = time.perf_counter(), time.process_time()
     next(iter(steps))
-    return time.perf_counter() - tic
+    return time.perf_counter() - tic, time.process_time() - cpu
 
 
 def main():
@@ -70,9 +72,14 @@ def main():
                 times[name].append(first_token_time(configs[name]()))
         base = times["mlx-lm"]
         for name in names:
-            ratio = statistics.median(t / b for t, b in zip(times[name], base))
-            med = statistics.median(times[name])
-            print(f"{n:6d} tokens  {name:16s} {med:8.2f} s  {ratio:.3f}x mlx-lm")
+            cells = []
+            for col, clock in ((0, "wall"), (1, "cpu")):
+                ts = [t[col] for t in times[name]]
+                ratio = statistics.median(
+                    t[col] / b[col] for t, b in zip(times[name], base)
+                )
+                cells.append(f"{clock} {statistics.median(ts):8.2f} s {ratio:.3f}x")
+            print(f"{n:6d} tokens  {name:16s} " + "  ".join(cells) + "  (x mlx-lm)")
 
 
 if __name__ == "__main__":
