@@ -169,10 +169,12 @@ class CostAwareDraft:
         self.min_rate, self.recover = min_rate, recover
         self.first_gap, self.max_gap = probe_gap, max_probe_gap
         self.gap, self.idle = probe_gap, 0
+        # where even drafts that are always kept cannot pay, never draft
+        self.can_pay = best_draft_count([1.0], costs, draft_max) > 0
 
     def __call__(self) -> int:
         """The next round's draft count (called once per round)."""
-        if self.draft_max == 0:
+        if not self.can_pay:
             return 0
         k = best_draft_count(self.acceptance, self.costs, self.draft_max)
         if k > 0:

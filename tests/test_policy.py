@@ -53,7 +53,7 @@ def test_no_draft_when_the_costs_say_none_can_pay():
     for acceptance in ([1.0], [0.9, 0.9, 0.9], [0.5]):
         assert best_draft_count(acceptance, COMPUTE_BOUND, 3) == 0
     policy = CostAwareDraft(3, COMPUTE_BOUND, prior=[0.95])
-    assert [policy() for _ in range(5)] == [0] * 5
+    assert [policy() for _ in range(500)] == [0] * 500  # not even a probe
 
 
 def test_drafts_when_they_pay():
