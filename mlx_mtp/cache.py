@@ -40,6 +40,20 @@ def rollback(caches: List[Any], n: int) -> None:
                 raise RuntimeError(f"{type(c).__name__} trimmed {trimmed} of {n}")
 
 
+def cache_offset(cache: Any) -> Optional[int]:
+    """Tokens ``cache`` holds, or None when it does not count them (a recurrent state).
+
+    A cache made of caches (mlx-lm's ``CacheList``: an MLA layer's latent and
+    indexer keys) reports the first of its members that counts.
+    """
+    if hasattr(cache, "offset"):
+        return int(cache.offset)
+    for c in getattr(cache, "caches", ()):
+        if (n := cache_offset(c)) is not None:
+            return n
+    return None
+
+
 def mark(c) -> Optional[tuple]:
     """What bringing cache ``c`` back to this point takes; None when it cannot be.
 
@@ -48,7 +62,7 @@ def mark(c) -> Optional[tuple]:
     and never writes into them, so keeping the arrays is a snapshot.
     """
     if not hasattr(c, "rollback") and c.is_trimmable():
-        return ("offset", c.offset)
+        return ("offset", cache_offset(c))
     if isinstance(c, ArraysCache):
         return ("arrays", list(c.cache))
     return None
@@ -58,7 +72,7 @@ def restore(c, mark: tuple) -> None:
     """Bring cache ``c`` back to where ``mark(c)`` was taken."""
     kind, value = mark
     if kind == "offset":
-        rollback([c], c.offset - value)
+        rollback([c], cache_offset(c) - value)
         return
     if hasattr(c, "rollback"):
         c.rollback(0)  # forget what an unfinished verify pass kept
@@ -66,10 +80,10 @@ def restore(c, mark: tuple) -> None:
 
 
 def cache_length(caches: List[Any]) -> int:
-    """Tokens held by the first cache that reports an offset."""
+    """Tokens held by the first cache that counts them (0 when none does)."""
     for c in caches:
-        if hasattr(c, "offset"):
-            return int(c.offset)
+        if (n := cache_offset(c)) is not None:
+            return n
     return 0
 
 

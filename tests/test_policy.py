@@ -356,3 +356,14 @@ def test_plain_rounds_keep_no_states_and_stop_exactly(hybrid, monkeypatch):
                 assert mx.allclose(a, b, atol=1e-5).item()
     run(model, prompt, 8, FixedDraft(2))
     assert calls  # drafting rounds do keep
+
+
+def test_untuned_on_a_compute_bound_cpu_no_round_drafts(models, monkeypatch):
+    model, _ = models
+    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: True)
+    policy = make_policy(model, 3)  # no tuned entry: the machine's prior
+    _, stats, _ = run(model, list(range(40, 60)), 40, policy)
+    assert stats.drafted == 0
+    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: False)
+    _, stats, _ = run(model, list(range(40, 60)), 40, make_policy(model, 3))
+    assert stats.drafted > 0
