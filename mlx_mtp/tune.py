@@ -353,13 +353,17 @@ def measure_acceptance(
 
 
 def _depths(stats: MTPStats, k: int) -> List[float]:
-    """Per-depth acceptance; a depth never reached takes the one before."""
+    """Per-depth acceptance. A deeper depth is reached in fewer rounds: its
+    rate is pulled toward the one before it as if two more tests had gone that
+    way (three rejections out of three say little)."""
     out: List[float] = []
     for j in range(k):
-        if j < len(stats.drafted_at) and stats.drafted_at[j]:
-            out.append(stats.accepted_at[j] / stats.drafted_at[j])
+        kept = stats.accepted_at[j] if j < len(stats.accepted_at) else 0
+        tested = stats.drafted_at[j] if j < len(stats.drafted_at) else 0
+        if j == 0:
+            out.append(kept / tested if tested else 0.0)
         else:
-            out.append(out[-1] if out else 0.0)
+            out.append((kept + 2 * out[-1]) / (tested + 2))
     return out
 
 
