@@ -26,6 +26,10 @@ COMMANDS = {
         "bench",
         "Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side.",
     ),
+    "tune": (
+        "tune",
+        "Measure what drafting costs and gains for a model here, and store it.",
+    ),
     "convert": (
         "convert",
         "Convert a GGUF file or Hugging Face model to an MLX folder with its MTP head.",

@@ -9,7 +9,6 @@ import typer
 
 from mlx_mtp.defaults import (
     DEFAULT_BENCH_TOKENS,
-    DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_REPEATS,
     MAX_DRAFT_MAX,
@@ -47,6 +46,7 @@ def table(result):
         "config",
         "tok/s",
         "vs mlx-lm",
+        "bound",
         "prompt tok/s",
         "accept",
         "mean len",
@@ -67,6 +67,7 @@ def table(result):
             c.config,
             f"{c.generation_tps:.1f}",
             f"{c.ratio:.2f}",
+            "-" if c.bound is None else f"{c.bound:.2f}",
             f"{c.prompt_tps:.1f}",
             acc,
             f"{c.mean_accepted_length:.2f}",
@@ -76,6 +77,17 @@ def table(result):
             "yes" if c.same_output else "NO",
         )
     return t
+
+
+def costs_line(costs: dict) -> str:
+    """The parts of a round, in plain steps, as the bound column uses them."""
+    verify = " ".join(f"{c:.2f}" for c in costs["verify"])
+    drafts = " ".join(f"{c:.3f}" for c in costs["draft"])
+    return (
+        f"costs in plain steps ({costs['step_seconds'] * 1e3:.1f} ms): verify over "
+        f"T = 1..{len(costs['verify'])} tokens {verify}; "
+        f"k = 1..{len(costs['draft'])} drafts {drafts}"
+    )
 
 
 def kinds_table(result):
@@ -144,12 +156,13 @@ def bench(
         min=1,
         help="Repetitions of every prompt and configuration.",
     ),
-    draft_max: int = typer.Option(
-        DEFAULT_DRAFT_MAX,
+    draft_max: Optional[int] = typer.Option(
+        None,
         "--draft-max",
         min=0,
         max=MAX_DRAFT_MAX,
-        help="Benchmark draft-max 1..this.",
+        help="Benchmark k = 1..this drafts per round, and auto with at most this"
+        " many (default: the head's recommended count, else 3).",
         rich_help_panel=SPECULATIVE,
     ),
     draft_p_min: float = typer.Option(
@@ -181,7 +194,11 @@ def bench(
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
-    n_configs = len(configurations(draft_max))
+    if draft_max is None:
+        from mlx_mtp.adaptive import default_draft_max
+
+        draft_max = default_draft_max(loaded)
+    n_configs = len(configurations(draft_max, loaded.head is not None))
 
     def planned(seconds: float):
         line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
@@ -227,11 +244,15 @@ def bench(
     if notice is not None:
         console.print(f"note: {notice}", style="yellow", markup=False)
     console.print(table(result))
+    if result.costs:
+        console.print(costs_line(result.costs), markup=False, soft_wrap=True)
     if len({p.kind for p in result.prompts}) > 1:
         console.print(kinds_table(result))
     console.print(
         "tok/s: median over runs; vs mlx-lm: median of per-run ratios in this run; "
-        "acceptance, lengths and fwd/tok over all runs",
+        "bound: mean len / (verify(k+1) + drafts(k)) from this run's costs; "
+        "acceptance, lengths and fwd/tok over all runs; auto: the count chosen "
+        "each round by cost",
         style="dim",
         markup=False,
     )

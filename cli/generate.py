@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
+from mlx_mtp.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
 
 from . import options as o
 from .app import OUTPUT, app, fail
@@ -135,10 +135,10 @@ def generate(
     frequency_penalty: o.FrequencyPenalty = None,
     logit_bias: o.LogitBias = None,
     seed: o.Seed = None,
-    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_max: o.DraftMax = None,
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
-    adaptive_draft: o.AdaptiveDraft = False,
+    adaptive_draft: o.AdaptiveDraft = True,
     no_mtp: o.NoMTP = False,
     as_json: bool = typer.Option(
         False,

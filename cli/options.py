@@ -140,13 +140,14 @@ Seed = Annotated[
     ),
 ]
 DraftMax = Annotated[
-    int,
+    Optional[int],
     _option(
         "--draft-max",
         min=0,
         max=MAX_DRAFT_MAX,
         panel=SPECULATIVE,
-        help="Drafts per round (the most, with --adaptive-draft).",
+        help="The most drafts per round (default: the head's recommended count, "
+        "else 3).",
     ),
 ]
 DraftPMin = Annotated[
@@ -171,9 +172,10 @@ DraftSamplingOption = Annotated[
 AdaptiveDraft = Annotated[
     bool,
     _option(
-        "--adaptive-draft",
+        "--adaptive-draft/--fixed-draft",
         panel=SPECULATIVE,
-        help="Pick each round's draft length from the running per-position acceptance.",
+        help="Each round drafts as many as pay for themselves (by the costs of "
+        "mlx-mtp tune and the acceptance so far), or always --draft-max.",
     ),
 ]
 
@@ -229,7 +231,7 @@ def load_model(
     return model, loaded, tokenizer
 
 
-def speed_notice(loaded, no_mtp: bool, draft_max: int) -> Optional[str]:
+def speed_notice(loaded, no_mtp: bool, draft_max: Optional[int]) -> Optional[str]:
     """The notice line when drafting will run where MTP cannot gain speed."""
     from mlx_mtp.bench import cannot_gain_notice
 

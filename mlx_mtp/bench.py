@@ -1,10 +1,15 @@
 """Side-by-side benchmark: mlx-lm's plain generation against mlx-mtp, in one run.
 
 Configurations: mlx-lm's own ``stream_generate`` on the same loaded trunk (the
-baseline), mlx-mtp with no drafts, and mlx-mtp with ``draft_max`` 1..N. Runs
-are interleaved (repetition, then prompt, then configuration, the order of
-configurations rotating per repetition) so drift on a shared machine hits all
-of them alike; speed ratios are medians of ratios paired within the run.
+baseline), mlx-mtp with no drafts, mlx-mtp drafting a fixed ``k = 1..N`` every
+round, and mlx-mtp choosing each round's count (at most N) by cost ("auto",
+the default of ``generate``). Runs are interleaved (repetition, then prompt,
+then configuration, the order of configurations rotating per repetition) so
+drift on a shared machine hits all of them alike; speed ratios are medians of
+ratios paired within the run. Every repetition also times the parts of a
+round (``tune``'s measurements), so each fixed ``k`` is shown against its
+bound ``E / (c_verify(k + 1) + c_draft(k))`` from the same run's costs and
+mean accepted length.
 
 Timing is the same for every configuration: prompt tok/s covers the prompt and
 the first step (as mlx-lm reports it); generation tok/s counts the tokens
@@ -25,12 +30,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from .adaptive import Costs
 from .errors import MTPError
 from .generate import _encode, stream_generate
 from .loader import MTPModel
 from .defaults import (
     DEFAULT_BENCH_TOKENS,
-    DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_REPEATS,
 )
@@ -38,6 +43,7 @@ from .stats import MTPStats
 
 BASELINE = "mlx-lm"
 NO_MTP = "no-mtp"
+AUTO = "mtp auto"
 WARMUP_TOKENS = 8
 
 
@@ -60,6 +66,9 @@ class Measurement:
     generation_tps: float
     peak_memory: float  # GB
     stats: Optional[MTPStats] = None  # None for mlx-lm
+    # CPU seconds of this process per token after the first: on a CPU shared
+    # with other jobs, the work done, which their load does not stretch
+    cpu_per_token: float = 0.0
 
 
 @dataclass
@@ -80,6 +89,12 @@ class ConfigResult:
     same_output: bool  # every run emitted exactly mlx-lm's tokens
     # per prompt kind: ratio, acceptance_rate, mean_accepted_length
     by_kind: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)
+    adaptive: bool = False  # the draft count chosen each round by cost
+    # a fixed k's bound E / (c_verify(k + 1) + c_draft(k)), this run's costs
+    bound: Optional[float] = None
+    # the same in CPU time of this process (see ``Measurement.cpu_per_token``)
+    cpu_ratio: Optional[float] = None
+    cpu_bound: Optional[float] = None
 
 
 @dataclass
@@ -90,6 +105,10 @@ class BenchResult:
     max_tokens: int
     configs: List[ConfigResult] = field(default_factory=list)
     runs: List[Measurement] = field(default_factory=list)
+    # medians, in plain steps: verify over T = 1..N+1, draft k = 1..N, rounds
+    # k = 0..N; step_seconds: the plain step; and the same in CPU time
+    costs: Dict[str, Any] = field(default_factory=dict)
+    cpu_costs: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Everything but the runs' tokens and detailed stats (their speeds stay)."""
@@ -102,6 +121,7 @@ class BenchResult:
                 "tokens": len(r.tokens),
                 "prompt_tps": r.prompt_tps,
                 "generation_tps": r.generation_tps,
+                "cpu_per_token": r.cpu_per_token,
                 "peak_memory_gb": r.peak_memory,
             }
             for r in self.runs
@@ -208,14 +228,18 @@ def cannot_gain_notice() -> Optional[str]:
 
     MLX's Linux wheel runs matmuls on the reference BLAS it bundles: a forward
     over k+1 tokens costs about k+1 one-token forwards, so a verify pass saves
-    nothing and the drafts only add (docs/performance.md).
+    nothing and the drafts only add (docs/performance.md). Cost-aware drafting
+    then drafts nothing; ``--fixed-draft`` drafts anyway.
     """
-    if backend() != "cpu" or not _blas().startswith("reference BLAS"):
+    from .tune import compute_bound
+
+    if not compute_bound():
         return None
     return (
         "MLX runs on the CPU with its bundled reference BLAS: checking k drafts "
-        "costs about k+1 plain steps, so MTP cannot gain speed here (preloading "
-        "OpenBLAS can change that: see docs/performance.md in mlx-mtp)"
+        "costs about k+1 plain steps, so MTP cannot gain speed here and rounds "
+        "draft nothing unless --fixed-draft (preloading OpenBLAS can change "
+        "that: see docs/performance.md in mlx-mtp)"
     )
 
 
@@ -240,19 +264,19 @@ def regime(model: MTPModel) -> Dict[str, Any]:
 
 def _timed(responses, in_first_step: Callable[[Any], bool]):
     """Run a response stream; returns (tokens, prompt time, first-step tokens,
-    time after the first step, last response)."""
+    time after the first step, CPU time after the first step, last response)."""
     tic = time.perf_counter()
     tokens, first, t_first, t_last, last = [], 0, None, None, None
     for last in responses:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if t_first is None:
-            t_first = now
+            t_first, c_first = now, cpu
         first += in_first_step(last)
         tokens.append(int(last.token))
-        t_last = now
+        t_last, c_last = now, cpu
     if last is None:
         raise MTPError("the generation produced no tokens")
-    return tokens, t_first - tic, first, t_last - t_first, last
+    return tokens, t_first - tic, first, t_last - t_first, c_last - c_first, last
 
 
 def run_once(
@@ -262,8 +286,10 @@ def run_once(
     prompt,
     max_tokens,
     draft_p_min,
+    adaptive: bool = False,
 ):
-    """One greedy generation (mlx-lm's when ``draft_max`` is None), timed."""
+    """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
+    ``adaptive``: the draft count chosen each round, at most ``draft_max``."""
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
     mx.clear_cache()
@@ -283,24 +309,27 @@ def run_once(
             draft_max=draft_max,
             draft_p_min=draft_p_min,
             mtp=draft_max > 0,
+            adaptive_draft=adaptive,
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
     return timing, stats, mx.get_peak_memory() / 1e9
 
 
-def configurations(draft_max: int) -> List[tuple]:
-    """(name, draft_max) for each configuration; None stands for mlx-lm."""
-    return [(BASELINE, None), (NO_MTP, 0)] + [
-        (f"mtp k={k}", k) for k in range(1, draft_max + 1)
-    ]
+def configurations(draft_max: int, has_head: bool = True) -> List[tuple]:
+    """(name, draft_max, adaptive) for each configuration; None stands for mlx-lm."""
+    out = [(BASELINE, None, False), (NO_MTP, 0, False)]
+    if not has_head or draft_max == 0:
+        return out
+    out += [(f"mtp k={k}", k, False) for k in range(1, draft_max + 1)]
+    return out + [(AUTO, draft_max, True)]
 
 
 def run_bench(
     model: MTPModel,
     tokenizer,
     prompts: List[BenchPrompt],
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_max: Optional[int] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     repeats: int = DEFAULT_REPEATS,
     max_tokens: int = DEFAULT_BENCH_TOKENS,
@@ -309,15 +338,22 @@ def run_bench(
 ) -> BenchResult:
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
 
+    ``draft_max``: the fixed counts run 1..draft_max, and "auto" chooses at
+    most that many (default: the head's recommended count, else 3).
     ``estimate`` hears, once after the warm-up, how many seconds the timed
     runs will take at the warm-up's speed.
     """
-    configs = configurations(draft_max)
+    from .adaptive import default_draft_max
+    from .tune import CostTimer
+
+    if draft_max is None:
+        draft_max = default_draft_max(model)
+    configs = configurations(draft_max, model.head is not None)
     encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
     seconds = 0.0
-    for _, k in configs:  # warm up: compile, allocate
+    for _, k, adaptive in configs:  # warm up: compile, allocate
         timing, _, _ = run_once(
-            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min
+            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive
         )
         tokens, t_prompt, first, t_gen = timing
         per_token = t_gen / max(len(tokens) - first, 1)
@@ -327,16 +363,24 @@ def run_bench(
             )
     if estimate is not None:
         estimate(seconds)
+    timer = None
+    if model.head is not None and draft_max > 0:
+        plain = run_once(model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min)
+        timer = CostTimer(model, encoded[0] + plain[0][0], draft_max)
     runs: List[Measurement] = []
     for rep in range(repeats):
+        if timer is not None:
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats}, costs")
+            timer.run_once(rep)
         for i, prompt in enumerate(encoded):
             shift = rep % len(configs)
-            for name, k in configs[shift:] + configs[:shift]:
+            for name, k, adaptive in configs[shift:] + configs[:shift]:
                 if progress:
                     where = f"prompt {i + 1}/{len(encoded)}"
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
-                (tokens, t_prompt, first, t_gen), stats, peak = run_once(
-                    model, tokenizer, k, prompt, max_tokens, draft_p_min
+                (tokens, t_prompt, first, t_gen, cpu), stats, peak = run_once(
+                    model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(
@@ -350,11 +394,24 @@ def run_bench(
                         gen_tps,
                         peak,
                         stats,
+                        cpu / max(len(tokens) - first, 1),
                     )
                 )
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
-    result.configs = [_summarise(name, k, runs, kinds) for name, k in configs]
+    result.configs = [
+        _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive in configs
+    ]
+    if timer is not None:
+        result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)
+        costs = Costs.from_dict(result.costs)
+        cpu_costs = Costs.from_dict(result.cpu_costs)
+        for c in result.configs:
+            if c.draft_max and not c.adaptive:
+                c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
+                c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(
+                    c.draft_max
+                )
     return result
 
 
@@ -382,11 +439,20 @@ def _paired(mine: List[Measurement], base) -> tuple:
 
 
 def _summarise(
-    name: str, draft_max: Optional[int], runs: List[Measurement], kinds: List[str]
+    name: str,
+    draft_max: Optional[int],
+    runs: List[Measurement],
+    kinds: List[str],
+    adaptive: bool = False,
 ) -> ConfigResult:
     mine = [r for r in runs if r.config == name]
     base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
     ratio, total = _paired(mine, base)
+    cpu = [
+        base[r.prompt, r.repeat].cpu_per_token / r.cpu_per_token
+        for r in mine
+        if r.cpu_per_token > 0
+    ]
     by_kind = {}
     for kind in sorted(set(kinds)):
         kind_ratio, kind_total = _paired(
@@ -413,4 +479,6 @@ def _summarise(
         peak_memory_gb=max(r.peak_memory for r in mine),
         same_output=all(r.tokens == base[r.prompt, r.repeat].tokens for r in mine),
         by_kind=by_kind,
+        adaptive=adaptive,
+        cpu_ratio=statistics.median(cpu) if cpu else None,
     )

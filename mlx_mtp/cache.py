@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 
 def can_rollback(caches: List[Any]) -> bool:
@@ -51,6 +52,31 @@ def cache_offset(cache: Any) -> Optional[int]:
         if (n := cache_offset(c)) is not None:
             return n
     return None
+
+
+def mark(c) -> Optional[tuple]:
+    """What bringing cache ``c`` back to this point takes; None when it cannot be.
+
+    An attention cache is cut back to its offset (later calls only write past
+    it). mlx-lm's recurrent ``ArraysCache`` replaces its arrays on every update
+    and never writes into them, so keeping the arrays is a snapshot.
+    """
+    if not hasattr(c, "rollback") and c.is_trimmable():
+        return ("offset", cache_offset(c))
+    if isinstance(c, ArraysCache):
+        return ("arrays", list(c.cache))
+    return None
+
+
+def restore(c, mark: tuple) -> None:
+    """Bring cache ``c`` back to where ``mark(c)`` was taken."""
+    kind, value = mark
+    if kind == "offset":
+        rollback([c], cache_offset(c) - value)
+        return
+    if hasattr(c, "rollback"):
+        c.rollback(0)  # forget what an unfinished verify pass kept
+    c.cache = list(value)
 
 
 def cache_length(caches: List[Any]) -> int:
@@ -147,7 +173,9 @@ class MTPCache:
     def state_list(self) -> List[Any]:
         return self.trunk + self.head
 
-    def truncate(self, keep: int, layer_cache: Callable[[List[Any], int], List[Any]]) -> int:
+    def truncate(
+        self, keep: int, layer_cache: Callable[[List[Any], int], List[Any]]
+    ) -> int:
         """Cut back so the trunk holds at most its first ``keep`` tokens.
 
         Entries that read tokens past ``keep`` go. Layer 0 cut inside its

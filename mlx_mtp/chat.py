@@ -18,9 +18,7 @@ started (after the cut to the new prompt's common prefix).
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
-from mlx_lm.models.cache import ArraysCache
-
-from .cache import MTPCache, cache_offset, rollback
+from .cache import MTPCache, mark, restore
 from .generate import DEFAULT_MAX_TOKENS, GenerationResponse, _encode, stream_generate
 from .loader import MTPModel
 from .stats import MTPStats
@@ -57,33 +55,9 @@ class _Saved:
 
     messages: int
     tokens: List[int]
-    marks: List[Any]  # per cache (trunk, then head), see ``_mark``
+    marks: List[Any]  # per cache (trunk, then head), see ``cache.mark``
     pending: List[Any]  # the head layers' pending inputs
     start: List[int]
-
-
-def _mark(c) -> Optional[tuple]:
-    """What bringing cache ``c`` back to this point takes; None when it cannot be.
-
-    An attention cache is cut back to its offset (a turn only writes past it).
-    mlx-lm's recurrent ``ArraysCache`` replaces its arrays on every update and
-    never writes into them, so keeping the arrays is a snapshot.
-    """
-    if not hasattr(c, "rollback") and c.is_trimmable():
-        return ("offset", cache_offset(c))
-    if isinstance(c, ArraysCache):
-        return ("arrays", list(c.cache))
-    return None
-
-
-def _restore(c, mark: tuple) -> None:
-    kind, value = mark
-    if kind == "offset":
-        rollback([c], cache_offset(c) - value)
-        return
-    if hasattr(c, "rollback"):
-        c.rollback(0)  # forget what an unfinished verify pass kept
-    c.cache = list(value)
 
 
 @dataclass
@@ -197,7 +171,7 @@ class ChatSession:
         return _Saved(
             n_messages,
             list(self.cached_tokens),
-            [_mark(x) for x in c.state_list()],
+            [mark(x) for x in c.state_list()],
             c.copy_pending(),
             list(c.start),
         )
@@ -210,7 +184,7 @@ class ChatSession:
         if any(m is None for m in saved.marks):
             self.cache, self.cached_tokens = self.model.make_cache(), []
             return
-        for x, mark in zip(c.state_list(), saved.marks):
-            _restore(x, mark)
+        for x, m in zip(c.state_list(), saved.marks):
+            restore(x, m)
         c.pending, c.start = [p.copy() for p in saved.pending], list(saved.start)
         self.cached_tokens = saved.tokens

@@ -14,3 +14,7 @@ DEFAULT_PREFILL_STEP = 2048
 MAX_DRAFT_MAX = 16
 DEFAULT_BENCH_TOKENS = 128
 DEFAULT_REPEATS = 3
+# ``mlx-mtp tune``: tokens generated per prompt for the acceptance, and
+# repetitions of every timing (medians are kept)
+DEFAULT_TUNE_TOKENS = 48
+DEFAULT_TUNE_REPEATS = 7

@@ -5,14 +5,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveDraftLength
+from .adaptive import default_draft_max, make_policy
 from .cache import MTPCache
 from .distributed import sync_verifier
 from .errors import MTPError
 from .loader import MTPModel
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
 from .defaults import (
-    DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
@@ -101,7 +100,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = DEFAULT_MAX_TOKENS,
     *,
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_max: Optional[int] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     mtp: bool = True,
     sampler: Optional[Sampler] = None,
@@ -123,7 +122,7 @@ def stream_generate(
     logit_bias: Optional[Dict[int, float]] = None,
     seed: Optional[int] = None,
     draft_sampling: str = "greedy",
-    adaptive_draft: bool = False,
+    adaptive_draft: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
 
@@ -136,17 +135,20 @@ def stream_generate(
     over the last 20 tokens) and is lossless: the output has the main model's
     distribution. ``seed`` fixes the run; with greedy drafts the tokens are the
     same with and without MTP. ``draft_sampling="sample"`` samples drafts
-    through the same chain (accepted with min(1, p/q)). ``adaptive_draft``
-    picks each round's draft length (at most ``draft_max``) from the running
-    per-position acceptance. A custom ``sampler=`` is exact-matched instead;
-    ``verifier=`` replaces all of these.
+    through the same chain (accepted with min(1, p/q)). A custom
+    ``sampler=`` is exact-matched instead; ``verifier=`` replaces all of these.
+
+    ``draft_max`` bounds the drafts per round (default: the head's
+    ``recommended_draft_max``, else ``DEFAULT_DRAFT_MAX``); each round drafts
+    as many as pay for themselves by the costs ``mlx-mtp tune`` measured here
+    and the acceptance so far (``adaptive_draft=False``: always ``draft_max``).
 
     A prompt longer than the model's context raises ``MTPError`` unless
     ``truncate_prompt`` (see ``fit_context``); generation stops at the end of
     the context. ``prefill_progress(done, total)`` hears how many prompt
     tokens the trunk has read, before the first chunk and after each.
     """
-    if not 0 <= draft_max <= MAX_DRAFT_MAX:
+    if draft_max is not None and not 0 <= draft_max <= MAX_DRAFT_MAX:
         raise MTPError(f"draft_max must be 0 to {MAX_DRAFT_MAX}, not {draft_max}")
     tokens = _encode(tokenizer, prompt)
     if not tokens or (isinstance(prompt, str) and not prompt.strip()):
@@ -173,7 +175,11 @@ def stream_generate(
             draft_sampling=draft_sampling,
         )
         verifier = make_verifier(config, sampler, logits_processors)
-    policy = AdaptiveDraftLength(draft_max) if adaptive_draft and mtp else None
+    if draft_max is None:
+        draft_max = default_draft_max(model)
+    if not mtp:
+        draft_max = 0
+    policy = make_policy(model, draft_max, adaptive_draft)
     stats = MTPStats(trace=[] if trace else None)
     verifier = sync_verifier(model, verifier, stats)  # over processes: one decision
     detokenizer = tokenizer.detokenizer
@@ -183,7 +189,7 @@ def stream_generate(
         tokens,
         model,
         max_tokens=max_tokens,
-        draft_max=draft_max if mtp else 0,
+        draft_max=draft_max,
         draft_p_min=draft_p_min,
         verifier=verifier,
         draft_policy=policy,

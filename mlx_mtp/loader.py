@@ -10,7 +10,7 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 
 import glob
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -23,8 +23,11 @@ from .heads import MTPHead, family_for, load_head_weights, norms, not_yet
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
-# Written beside a head trained by ``train-head``: names the head's family, so
-# the head attaches to a trunk whose model_type has no MTP family of its own.
+# The MTP config, beside the head (the model folder, or the folder of a head
+# given apart). ``train-head`` writes the head's ``family`` (so the head
+# attaches to a trunk whose model_type has no MTP family of its own),
+# ``recommended_draft_max`` and ``acceptance_by_depth``; ``mlx-mtp tune`` adds
+# what it measured on a machine under ``tuned``.
 HEAD_CONFIG_FILE = "mtp_config.json"
 # Called as ``shard(model, head, config)`` on the loaded model before its
 # weights are read (``mlx_mtp.distributed`` splits it over processes there).
@@ -40,6 +43,9 @@ class MTPModel:
     config: Dict[str, Any]
     notice: Optional[str] = None  # why there is no head, when there is none
     sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
+    path: Optional[Path] = None  # the model folder
+    head_dir: Optional[Path] = None  # where the MTP config lives
+    head_config: Dict[str, Any] = field(default_factory=dict)  # its parsed content
 
     @property
     def model_type(self) -> str:
@@ -205,7 +211,8 @@ def load_model(
     else:
         head_weights = {**split, **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB)))}
     head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
-    family = _trained_head_family(head_dir) or family
+    head_config = read_head_config(head_dir)
+    family = _trained_head_family(head_config, head_dir) or family
 
     head, notice = None, None
     if family is None and not_yet(config):
@@ -228,23 +235,41 @@ def load_model(
         shard(model, head, config)
     if not lazy:
         mx.eval(model.parameters())
-    return MTPModel(trunk=trunk, head=head, config=config, notice=notice)
+    loaded = MTPModel(
+        trunk, head, config, notice, path=path, head_dir=head_dir, head_config=head_config
+    )
+    if head is not None and head_config.get("tuned"):
+        from .tune import apply_draft_vocab
+
+        apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
+    return loaded
 
 
-def _trained_head_family(folder: Path):
-    """The family named by ``mtp_config.json`` in ``folder``, if there is one."""
+def read_head_config(folder: Path) -> Dict[str, Any]:
+    """The MTP config in ``folder`` (``{}`` when there is none)."""
+    file = folder / HEAD_CONFIG_FILE
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise MTPError(f"{file}: not a valid MTP head config")
+    return config
+
+
+def _trained_head_family(config: Dict[str, Any], folder: Path):
+    """The family the MTP config names, if it names one."""
     import importlib
 
     from .heads import FAMILY_MODULES
 
-    file = folder / HEAD_CONFIG_FILE
-    if not file.is_file():
+    name = config.get("family")
+    if name is None:
         return None
-    try:
-        name = json.loads(file.read_text())["family"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise MTPError(f"{file}: not a valid MTP head config") from None
     if name not in FAMILY_MODULES:
+        file = folder / HEAD_CONFIG_FILE
         raise MTPError(f"{file}: unknown MTP head family {name!r}")
     return importlib.import_module(f"mlx_mtp.heads.{name}")
 

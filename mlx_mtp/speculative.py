@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import MTPCache, rollback, start_verify
+from .adaptive import FixedDraft
+from .cache import MTPCache, mark, restore, rollback, start_verify
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
@@ -31,6 +32,7 @@ from .stats import MTPStats
 # drafts, or deeper than the drafts asked for) catches up, so what waits for it
 # stays small.
 PENDING_LIMIT = 32
+
 
 def _read(model, cache: MTPCache, j: int, hidden: mx.array, tokens) -> Tuple:
     """Head layer ``j`` over ``hidden`` paired with ``tokens`` (ints or an array)."""
@@ -134,6 +136,33 @@ def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
     return min(len(emitted), limit)
 
 
+class _PlainStep:
+    """One plain decode step, its token sampled but not read.
+
+    ``next()`` starts the step after it on its lazy token (as mlx-lm overlaps
+    building step n + 1 with step n's compute); that step keeps what undoing
+    it takes, should this token end the generation.
+    """
+
+    def __init__(self, model, cache: MTPCache, verifier, token, history, marks=None):
+        token = mx.array([token]) if isinstance(token, int) else token
+        self.marks = marks
+        self.logits, self.hidden = model.trunk(token.reshape(1, 1), cache.trunk)
+        pending = [token] if marks else []
+        self.token = verifier.sample(self.logits[0, -1:], history, pending)
+        mx.async_eval(self.token)
+
+    def next(self, model, cache: MTPCache, verifier, history):
+        marks = [mark(c) for c in cache.trunk]
+        if not all(marks):  # a cache that cannot be brought back
+            return None
+        return _PlainStep(model, cache, verifier, self.token, history, marks)
+
+    def undo(self, cache: MTPCache) -> None:
+        for c, m in zip(cache.trunk, self.marks):
+            restore(c, m)
+
+
 def speculative_generate_step(
     prompt: Sequence[int],
     model,
@@ -154,11 +183,12 @@ def speculative_generate_step(
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
-    ``draft_policy`` (e.g. ``AdaptiveDraftLength``) picks each round's draft
-    length instead of ``draft_max`` and learns from ``update(drafted, accepted)``.
-    ``cached_tokens`` are the tokens already in ``prompt_cache``: the sampler
-    sees them as history (penalty window, noise positions) as if the whole
-    sequence had been the prompt. ``prefill_progress`` goes to ``prefill``.
+    ``draft_policy`` (e.g. ``CostAwareDraft``) picks each round's draft count
+    (at most ``draft_max``) and learns from ``update(drafted, accepted)``;
+    without one every round drafts ``draft_max``. ``cached_tokens`` are the
+    tokens already in ``prompt_cache``: the sampler sees them as history
+    (penalty window, noise positions) as if the whole sequence had been the
+    prompt. ``prefill_progress`` goes to ``prefill``.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -168,8 +198,10 @@ def speculative_generate_step(
     stats = stats if stats is not None else MTPStats()
     stats.draft_max = draft_max
     use_mtp = draft_max > 0 and model.head is not None
+    policy = draft_policy or FixedDraft(draft_max)
     stop_tokens = set(stop_tokens)
     history = [int(t) for t in cached_tokens] + prompt
+    lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
 
     tic = time.perf_counter()
     prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
@@ -177,43 +209,67 @@ def speculative_generate_step(
     stats.prompt_time += time.perf_counter() - tic
     tic = time.perf_counter()
 
-    y, n = prompt[-1], 0
-    while n < max_tokens:
-        remaining = max_tokens - n
-        # 1) draft
-        drafts, tentative = [], []
-        if use_mtp and cache.pending[0].hidden is not None and remaining > 1:
-            k = min(draft_policy() if draft_policy else draft_max, remaining - 1)
-            drafts, tentative = draft(model, cache, y, k, draft_p_min, verifier, history)
-        # 2) verify in one forward
-        inputs = mx.concatenate([mx.array([y])] + [d.token for d in drafts])
-        start_verify(cache.trunk)
-        logits, hidden = model.trunk(inputs[None], cache.trunk)
-        # 3) accept
-        emitted = verifier.verify(logits[0], drafts, history)
-        accepted = len(emitted) - 1
-        if draft_policy is not None and drafts:
-            draft_policy.update(len(drafts), accepted)
-        m = _cut(emitted, stop_tokens, remaining)
-        # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
-        rollback(cache.trunk, len(drafts) + 1 - m)
-        for j, t in enumerate(tentative):
-            rollback(model.head.layer_cache(cache.head, j), t)
-        # 5) the kept hidden states wait for the head
-        if use_mtp:
-            cache.pending[0].push(hidden[:, :m], [y] + emitted[: m - 1])
-            if any(q.size > PENDING_LIMIT for q in cache.pending):
-                catch_up(model, cache)  # layers that did not draft for a while
-        if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
-            stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
-        else:
-            stats.record_round([d.token.item() for d in drafts], accepted)
-        stats.generation_time = time.perf_counter() - tic
-        stats.peak_memory = mx.get_peak_memory() / 1e9
-        for i, t in enumerate(emitted[:m]):
-            yield t, i < accepted
-        history.extend(emitted[:m])
-        n += m
-        y = emitted[m - 1]
-        if emitted[m - 1] in stop_tokens:
-            break
+    y, n, ahead = prompt[-1], 0, None
+    k = policy() if use_mtp else 0
+    try:
+        while n < max_tokens:
+            remaining = max_tokens - n
+            k = min(k, remaining - 1) if cache.pending[0].hidden is not None else 0
+            drafts, tentative = [], []
+            if k == 0 and lazy:
+                # a plain step; the next one starts before this token is read
+                step = ahead or _PlainStep(model, cache, verifier, y, history)
+                k, ahead = (policy() if use_mtp else 0), None
+                if k == 0 and remaining > 1:
+                    ahead = step.next(model, cache, verifier, history)
+                emitted, hidden = [step.token.item()], step.hidden
+                if emitted[0] in stop_tokens and ahead is not None:
+                    ahead.undo(cache)
+                    ahead = None
+            else:
+                # 1) draft; the head computes while the verify graph is built
+                if k > 0:
+                    drafts, tentative = draft(
+                        model, cache, y, k, draft_p_min, verifier, history
+                    )
+                    mx.async_eval([d.token for d in drafts])
+                # 2) verify in one forward
+                if drafts:
+                    start_verify(cache.trunk)
+                inputs = mx.concatenate([mx.array([y])] + [d.token for d in drafts])
+                logits, hidden = model.trunk(inputs[None], cache.trunk)
+                # 3) accept: the round's one host sync
+                emitted = verifier.verify(logits[0], drafts, history)
+                if drafts:
+                    policy.update(len(drafts), len(emitted) - 1)
+                k = policy() if use_mtp else 0
+            accepted = len(emitted) - 1
+            m = _cut(emitted, stop_tokens, remaining)
+            # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
+            if drafts:
+                rollback(cache.trunk, len(drafts) + 1 - m)
+            for j, t in enumerate(tentative):
+                rollback(model.head.layer_cache(cache.head, j), t)
+            # 5) the kept hidden states wait for the head
+            if use_mtp:
+                cache.pending[0].push(hidden[:, :m], [y] + emitted[: m - 1])
+                if any(q.size > PENDING_LIMIT for q in cache.pending):
+                    catch_up(model, cache)  # layers that did not draft for a while
+                    mx.async_eval([c.state for c in cache.head])
+            # a cut inside the drafts: only the drafts before the cut count
+            if m <= accepted:
+                stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
+            else:
+                stats.record_round([d.token.item() for d in drafts], accepted)
+            stats.generation_time = time.perf_counter() - tic
+            stats.peak_memory = mx.get_peak_memory() / 1e9
+            for i, t in enumerate(emitted[:m]):
+                yield t, i < accepted
+            history.extend(emitted[:m])
+            n += m
+            y = emitted[m - 1]
+            if y in stop_tokens:
+                break
+    finally:
+        if ahead is not None:  # the consumer stopped reading: unread its step
+            ahead.undo(cache)

@@ -2,7 +2,7 @@
 
 Runs the tiny random models of tests/tiny.py (no download), every setting on
 the same prompts and seeds, and prints llama.cpp-style counts; then fixed vs
-adaptive draft length. Two variants of the model: as the tests build it
+cost-aware draft count. Two variants of the model: as the tests build it
 (near-uniform next-token distributions: top probability about 1.5%) and
 "sharp", with both output heads scaled so distributions are peaked like a real
 language model's. Counts need no clock; tok/s on this CPU is noise-prone.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402
 
 import mlx_mtp  # noqa: E402
-from mlx_mtp.adaptive import AdaptiveDraftLength  # noqa: E402
+from mlx_mtp.adaptive import CostAwareDraft, prior_costs  # noqa: E402
 from mlx_mtp.sampling import SamplingConfig, make_verifier  # noqa: E402
 from mlx_mtp.speculative import speculative_generate_step  # noqa: E402
 from mlx_mtp.stats import MTPStats  # noqa: E402
@@ -56,7 +56,7 @@ def run(model, prompts, tokens, draft_max, adaptive=False, **sampling):
     tic = time.perf_counter()
     for i, prompt in enumerate(prompts):
         verifier = make_verifier(SamplingConfig(seed=i, **sampling))
-        policy = AdaptiveDraftLength(draft_max) if adaptive else None
+        policy = CostAwareDraft(draft_max, prior_costs()) if adaptive else None
         for _ in speculative_generate_step(
             prompt, model, max_tokens=tokens, draft_max=draft_max,
             verifier=verifier, draft_policy=policy, stats=stats,
@@ -80,7 +80,7 @@ def report(model, prompts, tokens):
         for mode in ("greedy", "sample"):
             stats, s = run(model, prompts, tokens, 3, temp=temp, draft_sampling=mode)
             print(row(f"temp {temp:<4} {mode} drafts", stats, s))
-    print("\nfixed vs adaptive draft length (greedy drafts)")
+    print("\nfixed vs cost-aware draft count (greedy drafts, prior costs)")
     print(HEADER)
     for temp in (0.0, 0.6):
         for draft_max, adaptive in ((3, False), (6, False), (6, True)):

@@ -1,11 +1,17 @@
 """Build a bigger random model of a tiny family for ``mlx-mtp bench`` (not a test).
 
-No real MTP model can be downloaded here, so benchmarks of the loop run on a
-scaled-up tiny model (tests/tiny.py, ``agreeable`` weights: the head often
-agrees with the trunk). float32 weights, for the memory-bound regime of
-docs/performance.md.
+No real MTP model can be downloaded here, so benchmarks of the loop run on
+scaled-up tiny models (tests/tiny.py, tests/tiny_hybrid.py): ``agreeable``
+weights make the head often agree with the trunk, ``--disagreeable`` gives a
+head whose drafts are (almost) never kept. float32 weights, for the
+memory-bound regime of docs/performance.md.
 
-    python scripts/build_bench_model.py OUT [--family mimo] [--hidden 1024] [--layers 8]
+    python scripts/build_bench_model.py OUT [--family mimo] [--hidden 1024]
+        [--layers 8] [--vocab N] [--experts N] [--disagreeable]
+
+Families: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (dense or MoE as their
+tiny configs), qwen3_next (MoE, gated delta net), qwen3_5 (dense GDN),
+qwen3_5_moe.
 """
 
 import argparse
@@ -14,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import tiny  # noqa: E402
+import tiny_hybrid  # noqa: E402
 
 
 def main():
@@ -22,15 +29,53 @@ def main():
     ap.add_argument("--family", default="mimo")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, help="default: 3 x hidden")
+    ap.add_argument("--vocab", type=int, help="default: the tiny byte vocabulary")
+    ap.add_argument("--experts", type=int, help="routed experts (MoE families)")
+    ap.add_argument("--experts-per-token", type=int)
+    ap.add_argument("--disagreeable", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    full, _ = tiny.build_folder(
-        args.out,
-        args.family,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
+    h = args.hidden
+    common = dict(
+        hidden_size=h,
+        intermediate_size=args.intermediate or 3 * h,
         num_hidden_layers=args.layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
+    )
+    if args.vocab:
+        common["vocab_size"] = args.vocab
+    if args.family in tiny_hybrid.MODEL_TYPES:
+        over = dict(
+            common,
+            num_attention_heads=max(4, h // 128),
+            num_key_value_heads=2,
+            head_dim=128 if h >= 512 else 16,
+            linear_num_key_heads=max(2, h // 256),
+            linear_num_value_heads=max(4, h // 128),
+            linear_key_head_dim=128 if h >= 512 else 32,
+            linear_value_head_dim=128 if h >= 512 else 16,
+        )
+        if "moe" in args.family or args.family == "qwen3_next":
+            over.update(
+                moe_intermediate_size=h // 2,
+                shared_expert_intermediate_size=h,
+                num_experts=args.experts or 16,
+                num_experts_per_tok=args.experts_per_token or 2,
+            )
+        build = tiny_hybrid.build_folder
+    else:
+        over = dict(common, num_attention_heads=16, num_key_value_heads=4)
+        if "head_dim" in tiny.CONFIGS[args.family]:
+            over["head_dim"] = h // 16
+        if "n_routed_experts" in tiny.CONFIGS[args.family]:
+            over.update(
+                moe_intermediate_size=h // 2,
+                n_routed_experts=args.experts or 16,
+                num_experts_per_tok=args.experts_per_token or 2,
+            )
+        build = tiny.build_folder
+    full, _ = build(
+        args.out, args.family, args.seed, agreeable=not args.disagreeable, **over
     )
     print(full)
 

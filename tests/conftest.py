@@ -45,3 +45,12 @@ def tiny_folders(tmp_path_factory):
 def _float32_default():
     mx.random.seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _memory_bound_prior(monkeypatch):
+    """Without ``tune``, the cost-aware draft count starts from costs that
+    depend on the machine (none pays on a CPU with MLX's bundled BLAS). Tests
+    pin the memory-bound guess of a GPU, so that they draft, and alike
+    everywhere."""
+    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: False)

@@ -50,7 +50,11 @@ def test_p_min_stops_drafting(loaded):
     model, tokenizer = loaded
 
     def drafted(p_min):
-        r = list(mlx_mtp.stream_generate(model, tokenizer, "abc", 30, draft_p_min=p_min))
+        r = list(
+            mlx_mtp.stream_generate(
+                model, tokenizer, "abc", 30, draft_p_min=p_min, adaptive_draft=False
+            )
+        )
         return r[-1].stats.drafted
 
     assert drafted(1.0) == 0

@@ -6,7 +6,7 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from mlx_mtp.bench import BASELINE, NO_MTP, load_prompts
+from mlx_mtp.bench import AUTO, BASELINE, NO_MTP, load_prompts
 from mlx_mtp.cli import app
 from mlx_mtp.cli.app import run_app
 from mlx_mtp.errors import MTPError
@@ -25,6 +25,10 @@ FIELDS = {
     "peak_memory_gb",
     "same_output",
     "by_kind",
+    "adaptive",
+    "bound",
+    "cpu_ratio",
+    "cpu_bound",
 }
 
 
@@ -60,10 +64,10 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
     assert out["regime"]["backend"] == "cpu" and out["regime"]["weights"] == "float32"
     assert "BLAS" in out["regime"]["blas"]
     configs = {c["config"]: c for c in out["configs"]}
-    assert list(configs) == [BASELINE, NO_MTP, "mtp k=1", "mtp k=2"]
+    assert list(configs) == [BASELINE, NO_MTP, "mtp k=1", "mtp k=2", AUTO]
     assert all(set(c) == FIELDS for c in configs.values())
     runs = out["runs"]
-    assert len(runs) == 2 * 2 * 4  # repeats x prompts x configurations
+    assert len(runs) == 2 * 2 * 5  # repeats x prompts x configurations
     base = {
         (r["prompt"], r["repeat"]): r["generation_tps"]
         for r in runs
@@ -91,6 +95,11 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
         assert 1 < c["mean_accepted_length"] <= k + 1
         assert len(c["per_position_acceptance"]) == k
         assert c["forwards_per_token"] == pytest.approx(1 / c["mean_accepted_length"])
+        costs = out["costs"]
+        parts = costs["verify"][k] + costs["draft"][k - 1]
+        assert c["bound"] == pytest.approx(c["mean_accepted_length"] / parts)
+    assert configs[AUTO]["adaptive"] and configs[AUTO]["draft_max"] == 2
+    assert len(out["costs"]["verify"]) == 3 and len(out["costs"]["round"]) == 3
 
 
 def test_bench_table(tiny_folders, tmp_path):

@@ -101,7 +101,7 @@ def test_generate_mtp_attaches_a_head(folders):
 
 
 def test_generate_hidden_tap(skewed):
-    args = ("-n", 64, "--draft-max", 1)
+    args = ("-n", 64, "--draft-max", 1, "--fixed-draft")
     post = generate(*args, "--hidden-tap", "post", model=skewed)
     pre = generate(*args, "--hidden-tap", "pre", model=skewed)
     assert post["tokens"] == pre["tokens"]
@@ -136,7 +136,7 @@ def test_chat_max_tokens_and_draft_max(folders):
     )
     assert tokens == 30 and drafted > 0 and mean <= 2
     assert len(per_position(out).split(",")) == 1
-    out, _ = chat("-n", 30, "--draft-max", 3, model=folders[0])
+    out, _ = chat("-n", 30, "--draft-max", 3, "--fixed-draft", model=folders[0])
     assert len(per_position(out).split(",")) > 1
 
 
@@ -160,12 +160,9 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
     _, [headed] = chat("-n", 20, "--mtp", full / "model.safetensors", model=trunk_only)
     assert bare[3] == 0 and headed[3] > 0
     script = "the quick brown fox jumps\n"
-    _, [post] = chat(
-        "-n", 64, "--draft-max", 1, "--hidden-tap", "post", script=script, model=skewed
-    )
-    _, [pre] = chat(
-        "-n", 64, "--draft-max", 1, "--hidden-tap", "pre", script=script, model=skewed
-    )
+    args = ("-n", 64, "--draft-max", 1, "--fixed-draft")
+    _, [post] = chat(*args, "--hidden-tap", "post", script=script, model=skewed)
+    _, [pre] = chat(*args, "--hidden-tap", "pre", script=script, model=skewed)
     assert post[2] != pre[2]
 
 
@@ -217,21 +214,21 @@ def test_chat_logit_bias(folders):
     assert len(set(biased)) == len(set(other)) == 1 and biased != other
 
 
-def test_chat_draft_sampling_and_adaptive_draft(folders):
+def test_chat_draft_sampling_and_fixed_draft(folders):
     args = ("-n", 40, "--temp", 1.0, "--seed", 0)
     _, [greedy_drafts] = chat(*args, model=folders[0])
     _, [sampled_drafts] = chat(*args, "--draft-sampling", "sample", model=folders[0])
-    _, [adaptive] = chat(*args, "--adaptive-draft", model=folders[0])
+    _, [fixed] = chat(*args, "--fixed-draft", model=folders[0])
     assert sampled_drafts[2:4] != greedy_drafts[2:4]  # (accepted, drafted)
-    assert adaptive[2:4] != greedy_drafts[2:4]
+    assert fixed[2:4] != greedy_drafts[2:4]
 
 
 def test_chat_show_drafts(folders):
     green = "\x1b[32m"
     env = {"FORCE_COLOR": "1", "TERM": "xterm-256color"}
-    plain, _ = chat("-n", 30, model=folders[0], env=env)
+    plain, _ = chat("-n", 30, "--fixed-draft", model=folders[0], env=env)
     shown, [(_, _, accepted, _, _)] = chat(
-        "-n", 30, "--show-drafts", model=folders[0], env=env
+        "-n", 30, "--fixed-draft", "--show-drafts", model=folders[0], env=env
     )
     assert accepted > 0
     assert green not in plain
@@ -257,7 +254,7 @@ def test_bench_draft_max_and_max_tokens(folders, one_prompt):
     configs, _ = bench(
         "--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0]
     )
-    assert list(configs) == ["mlx-lm", "no-mtp", "mtp k=1", "mtp k=2"]
+    assert list(configs) == ["mlx-lm", "no-mtp", "mtp k=1", "mtp k=2", "mtp auto"]
     assert all(c["tokens"] == 9 for c in configs.values())
     assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
 
@@ -265,7 +262,7 @@ def test_bench_draft_max_and_max_tokens(folders, one_prompt):
 def test_bench_repeats_and_prompts(folders, one_prompt):
     _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
-    assert len(out["runs"]) == 3  # one per configuration
+    assert len(out["runs"]) == 4  # one per configuration
     out = json.loads(
         invoke(
             "bench",
@@ -282,7 +279,7 @@ def test_bench_repeats_and_prompts(folders, one_prompt):
             2,
         ).stdout
     )
-    assert len(out["runs"]) == 2 * 3
+    assert len(out["runs"]) == 2 * 4
 
 
 def test_bench_draft_p_min(folders, one_prompt):

@@ -26,7 +26,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import mlx_mtp
 from mlx_mtp import sampling
-from mlx_mtp.adaptive import AdaptiveDraftLength
+from mlx_mtp.adaptive import CostAwareDraft, Costs
 from mlx_mtp.cli.app import run_app
 from mlx_mtp.sampling import (
     SamplingConfig,
@@ -254,28 +254,20 @@ def test_end_to_end_distribution_with_sampled_drafts(models):
         assert tv(np.array(samples), p) < tv_bound(p, n)
 
 
-# --- adaptive draft length ------------------------------------------------------------
+# --- cost-aware draft count ----------------------------------------------------------
+
+MEMORY_BOUND = Costs([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6], [0.05 * k for k in range(1, 7)])
 
 
-def test_adaptive_length_follows_acceptance():
-    policy = AdaptiveDraftLength(4, min_reach=0.3)
-    assert policy() == 4  # starts drafting in full
-    for _ in range(40):  # the second draft is never kept
-        policy.update(4, 1)
-    assert policy() == 1
-    for _ in range(200):  # position 2 is not drafted: it drifts back up
-        policy.update(1, 1)
-    assert policy() >= 2
-
-
-def test_adaptive_run_is_lossless_and_drafts_less(models):
+def test_cost_aware_run_is_lossless_and_drafts_less(models):
     model, reference = models
     prompt = list(range(100, 130))
     expected = reference_greedy(reference, prompt, 40, [])
     fixed, fixed_stats = run(model, prompt, 40, draft_max=6)
-    got, stats = run(model, prompt, 40, draft_max=6, policy=AdaptiveDraftLength(6))
+    policy = CostAwareDraft(6, MEMORY_BOUND, prior=[0.5])
+    got, stats = run(model, prompt, 40, draft_max=6, policy=policy)
     assert got == expected == fixed
-    assert {len(r.drafted) for r in stats.trace} != {6}  # the length did adapt
+    assert {len(r.drafted) for r in stats.trace} != {6}  # the count did adapt
     assert stats.drafted / len(got) < fixed_stats.drafted / len(got)
 
 
@@ -312,8 +304,8 @@ def test_every_sampling_flag_has_an_effect(tiny_folders, capsys):
     assert set(forced["tokens"]) == {65}
     sampled = cli_tokens(capsys, full, *base, "--draft-sampling", "sample")
     assert sampled["stats"]["accepted"] != plain["stats"]["accepted"]
-    adaptive = cli_tokens(capsys, full, *base, "--adaptive-draft", "--draft-max", "6")
-    fixed = cli_tokens(capsys, full, *base, "--draft-max", "6")
+    adaptive = cli_tokens(capsys, full, *base, "--draft-max", "6")
+    fixed = cli_tokens(capsys, full, *base, "--fixed-draft", "--draft-max", "6")
     assert adaptive["tokens"] == fixed["tokens"]  # greedy drafts: same tokens
     assert adaptive["stats"]["drafted"] != fixed["stats"]["drafted"]
 

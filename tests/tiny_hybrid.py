@@ -60,13 +60,15 @@ _MOE = dict(
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 
 
-def config_for(model_type: str) -> dict:
+def config_for(model_type: str, **overrides) -> dict:
+    """The config; ``overrides`` change the text model's (e.g. a bigger one)."""
     top = dict(model_type=model_type, eos_token_id=VOCAB - 1, torch_dtype="float32")
     if model_type == "qwen3_next":
         return {
             **top,
             **_TEXT,
             **_MOE,
+            **overrides,
             "mlp_only_layers": [],
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.25,
@@ -75,6 +77,7 @@ def config_for(model_type: str) -> dict:
     text = {**_TEXT, "model_type": f"{model_type}_text", "rope_parameters": _ROPE}
     if model_type == "qwen3_5_moe":
         text.update(_MOE)
+    text.update(overrides)
     text["mtp_num_hidden_layers"] = 1
     return {**top, "tie_word_embeddings": False, "text_config": text}
 
@@ -130,17 +133,22 @@ def _mild(params: Dict[str, mx.array]) -> None:
 
 
 def build_weights(
-    model_type: str, seed: int = 0, agreeable: bool = True, mtp_layers: int = 1
+    model_type: str,
+    seed: int = 0,
+    agreeable: bool = True,
+    mtp_layers: int = 1,
+    **overrides,
 ):
     """Random trunk and ``mtp.*`` tensors, named and valued as in the checkpoint.
 
-    ``mtp_layers`` > 1 gives ``mtp.layers.{0..}`` sharing ``fc`` and the norms.
+    ``mtp_layers`` > 1 gives ``mtp.layers.{0..}`` sharing ``fc`` and the norms;
+    ``overrides`` change the text config (e.g. a bigger model).
     """
     from mlx_lm.utils import _get_classes
 
     from mlx_mtp.heads import qwen3_next as family
 
-    config = config_for(model_type)
+    config = config_for(model_type, **overrides)
     if "text_config" in config:
         config["text_config"]["mtp_num_hidden_layers"] = mtp_layers
     else:
@@ -191,9 +199,12 @@ def build_folder(
     seed: int = 0,
     agreeable: bool = True,
     mtp_layers: int = 1,
+    **overrides,
 ):
     """A folder with trunk + ``mtp.*`` head, and ``path-trunk`` without the head."""
-    config, trunk_w, mtp_w = build_weights(model_type, seed, agreeable, mtp_layers)
+    config, trunk_w, mtp_w = build_weights(
+        model_type, seed, agreeable, mtp_layers, **overrides
+    )
     full = save_folder(Path(path), config, trunk_w, mtp_w)
     trunk_only = save_folder(Path(str(path) + "-trunk"), config, trunk_w)
     return full, trunk_only

@@ -59,10 +59,10 @@ class BailingMTP(MTPHead):
     def final_norm(self, x: mx.array) -> mx.array:
         return self.final_layernorm(x)
 
-    def logits(self, h: mx.array) -> mx.array:
+    def output(self):
         if "shared_head" in self:
-            return self.shared_head.head(h)
-        return super().logits(h)
+            return self.shared_head.head
+        return super().output()
 
 
 def build(

@@ -39,7 +39,9 @@ class MTPHead(nn.Module):
 
     def bind(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]):
         """Share the trunk's embedding and output head (used where the head has none)."""
-        self._shared = SimpleNamespace(embed=embed, lm_head=lm_head)
+        self._shared = SimpleNamespace(embed=embed, lm_head=lm_head, rows=None)
+        if "draft_vocab" in self:  # cut the output rows now, not in the first draft
+            self._shared.rows = _output_rows(self.output(), self.draft_vocab)
 
     # -- family hooks ------------------------------------------------------
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
@@ -51,8 +53,45 @@ class MTPHead(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self._shared.embed(tokens)
 
+    def output(self) -> Callable[[mx.array], mx.array]:
+        """The output projection this layer drafts through (the trunk's by default)."""
+        return self._shared.lm_head
+
     def logits(self, h: mx.array) -> mx.array:
-        return self._shared.lm_head(h)
+        if "draft_vocab" in self:
+            return self._subset_logits(h)
+        return self.output()(h)
+
+    # -- draft vocabulary ---------------------------------------------------
+    # A head may draft from a subset of the vocabulary, its most frequent
+    # tokens (EAGLE-3, FR-Spec): the output projection is often the largest
+    # part of a draft (a quarter of SmolLM2's forward, most of a draft with
+    # Qwen3.5's 248K tokens), and a draft only needs the argmax. The trunk's
+    # verify stays over the whole vocabulary, so the output does not change;
+    # a draft outside the subset is only never proposed.
+
+    def set_draft_vocab(self, tokens: Optional[mx.array]) -> None:
+        """Draft from ``tokens`` only (token ids), or from every token (None)."""
+        if tokens is None:
+            if "draft_vocab" in self:
+                del self["draft_vocab"]
+        else:
+            self.draft_vocab = mx.array(tokens, dtype=mx.int32)
+        self._shared.rows = None
+
+    def _subset_logits(self, h: mx.array) -> mx.array:
+        """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
+        if getattr(self._shared, "rows", None) is None:
+            self._shared.rows = _output_rows(self.output(), self.draft_vocab)
+        if self._shared.rows:
+            matmul, vocab = self._shared.rows
+            sub = matmul(h)
+        else:  # an output head that cannot be sliced: full logits, then pick
+            full = self.output()(h)
+            sub, vocab = mx.take(full, self.draft_vocab, axis=-1), full.shape[-1]
+        full = mx.full((*h.shape[:-1], vocab), -mx.inf, sub.dtype)
+        idx = mx.broadcast_to(self.draft_vocab, sub.shape)
+        return mx.put_along_axis(full, idx, sub, axis=-1)
 
     # -- forward -----------------------------------------------------------
     def __call__(
@@ -130,6 +169,10 @@ class MultiLayerHead(MTPHead):
         for layer in self.layers:
             layer.bind(embed, lm_head)
 
+    def set_draft_vocab(self, tokens: Optional[mx.array]) -> None:
+        for layer in self.layers:
+            layer.set_draft_vocab(tokens)
+
     def __call__(self, hidden, tokens, cache):
         return self.layers[0](hidden, tokens, self.layer_cache(cache, 0))
 
@@ -138,6 +181,40 @@ class MultiLayerHead(MTPHead):
 
     def layer_cache(self, cache: List[Any], j: int) -> List[Any]:
         return cache[self._cache_ends[j] : self._cache_ends[j + 1]]
+
+
+def _output_rows(lm_head, vocab: mx.array):
+    """``(matmul, vocab_size)``: the output projection cut to the rows ``vocab``.
+
+    The rows come straight from the weights of an ``nn.Linear`` or of the tied
+    embedding's ``as_linear`` (quantized ones store packed weights, scales and
+    biases per output row), so the first draft costs no more than a later one.
+    ``()`` for any other kind of output head.
+    """
+    module = getattr(lm_head, "__self__", lm_head)  # embed_tokens.as_linear
+    if not isinstance(module, nn.Module) or "weight" not in module:
+        return ()
+    names = ("weight", "scales", "biases", "bias")
+    r = {k: module[k][vocab] for k in names if k in module}
+    mx.eval(r)
+
+    def matmul(h: mx.array) -> mx.array:
+        if "scales" in r:
+            out = mx.quantized_matmul(
+                h,
+                r["weight"],
+                r["scales"],
+                r.get("biases"),
+                transpose=True,
+                group_size=module.group_size,
+                bits=module.bits,
+                mode=getattr(module, "mode", "affine"),
+            )
+        else:
+            out = h @ r["weight"].T
+        return out + r["bias"] if "bias" in r else out
+
+    return matmul, module["weight"].shape[0]
 
 
 def load_head_weights(

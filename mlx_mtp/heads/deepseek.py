@@ -68,11 +68,7 @@ class DeepSeekMTP(MTPHead):
         if has_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, dims)
         self.block = block
-        if draft_vocab:
-            # A head trained by train-head may draft from a token subset only:
-            # the full output projection is a quarter of a small model's
-            # forward, and the drafts only need their argmax (the trunk's
-            # verify keeps the output exact).
+        if draft_vocab:  # a head trained by train-head drafts from its subset
             self.draft_vocab = mx.zeros((draft_vocab,), mx.int32)
 
     def make_cache(self) -> List[Any]:
@@ -92,65 +88,10 @@ class DeepSeekMTP(MTPHead):
             return self.embed_tokens(tokens)
         return super().embed(tokens)
 
-    def logits(self, h: mx.array) -> mx.array:
+    def output(self):
         if "head" in self.shared_head:
-            return self.shared_head.head(h)
-        if "draft_vocab" in self:
-            return self._subset_logits(h)
-        return super().logits(h)
-
-    def bind(self, embed: nn.Module, lm_head) -> None:
-        super().bind(embed, lm_head)
-        if "draft_vocab" in self:  # cut the output rows now, not in the first draft
-            self._shared.rows = _output_rows(lm_head, self.draft_vocab)
-
-    def _subset_logits(self, h: mx.array) -> mx.array:
-        """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
-        if getattr(self._shared, "rows", None) is None:
-            self._shared.rows = _output_rows(self._shared.lm_head, self.draft_vocab)
-        if self._shared.rows:
-            matmul, vocab = self._shared.rows
-            sub = matmul(h)
-        else:  # an output head we cannot slice: full logits, then pick
-            full = self._shared.lm_head(h)
-            sub, vocab = mx.take(full, self.draft_vocab, axis=-1), full.shape[-1]
-        full = mx.full((*h.shape[:-1], vocab), -mx.inf, sub.dtype)
-        idx = mx.broadcast_to(self.draft_vocab, sub.shape)
-        return mx.put_along_axis(full, idx, sub, axis=-1)
-
-
-def _output_rows(lm_head, vocab: mx.array):
-    """``(matmul, vocab_size)``: the output projection cut to the rows ``vocab``.
-
-    The rows come straight from the weights of an ``nn.Linear`` or the tied
-    embedding's ``as_linear`` (quantized ones store packed weights, scales and
-    biases per output row), so the first draft costs no more than a later one.
-    ``()`` for any other kind of output head.
-    """
-    module = getattr(lm_head, "__self__", lm_head)  # embed_tokens.as_linear
-    if not isinstance(module, nn.Module) or "weight" not in module:
-        return ()
-    names = ("weight", "scales", "biases", "bias")
-    r = {k: module[k][vocab] for k in names if k in module}
-    mx.eval(r)
-
-    def matmul(h: mx.array) -> mx.array:
-        if "scales" in r:
-            out = mx.quantized_matmul(
-                h,
-                r["weight"],
-                r["scales"],
-                r.get("biases"),
-                transpose=True,
-                group_size=module.group_size,
-                bits=module.bits,
-                mode=module.mode,
-            )
-        else:
-            out = h @ r["weight"].T
-        return out + r["bias"] if "bias" in r else out
-
-    return matmul, module["weight"].shape[0]
+            return self.shared_head.head
+        return super().output()
 
 
 def make_block(backbone: nn.Module, args: Any, index: int) -> nn.Module:

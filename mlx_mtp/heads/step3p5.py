@@ -89,10 +89,10 @@ class Step3p5MTP(MTPHead):
     def final_norm(self, x: mx.array) -> mx.array:
         return self.shared_head.norm(x)
 
-    def logits(self, h: mx.array) -> mx.array:
+    def output(self):
         if "output" in self.shared_head:
-            return self.shared_head.output(h)
-        return super().logits(h)
+            return self.shared_head.output
+        return super().output()
 
     def load_weights(self, weights, strict: bool = True):
         # tensors nested under ``transformer.`` reach us as block tensors

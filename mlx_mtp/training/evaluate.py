@@ -33,7 +33,9 @@ def acceptance(
     for k in draft_maxes:
         total = MTPStats(draft_max=k)
         for p in prompts:
-            *_, last = stream_generate(mtp_model, tokenizer, p, max_tokens, draft_max=k)
+            *_, last = stream_generate(
+                mtp_model, tokenizer, p, max_tokens, draft_max=k, adaptive_draft=False
+            )
             total.add(last.stats)
             if progress is not None:
                 progress(1)

@@ -1,0 +1,567 @@
+"""``mlx-mtp tune``: what drafting costs and gains for one model on this machine.
+
+Measured for the model as loaded, every timing a median over repetitions that
+run each measurement once in turn (so drift on a busy machine hits all alike):
+
+- the plain decode step as the loop runs it (one step ahead, like mlx-lm): the
+  unit of every cost below;
+- ``c_verify(T)``, ``T = 1..K+1``: the trunk's forward over ``T`` tokens with a
+  warm cache, as a verify pass runs it (per-token states kept where the
+  caches keep them);
+- ``c_draft(k)``, ``k = 1..K``: the head's ``k`` drafts (depth 1 with its
+  catch-up over two positions, then the chained depths);
+- ``round(k)``, ``k = 0..K``: a whole round as the loop runs it (the drafts,
+  the verify pass and its one host sync);
+- the per-depth acceptance on the shipped prompts (code, prose, chat), drafting
+  ``K`` each round;
+- for a head without a draft vocabulary: the acceptance and draft cost with
+  the most frequent tokens only, kept when it raises the bound.
+
+The result goes into the MTP config beside the model (``mtp_config.json``,
+under ``tuned``) with what identifies the machine (device, backend, BLAS, MLX
+version) and the model's files, so that an entry made elsewhere is ignored.
+``CostAwareDraft`` then starts from it.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .adaptive import Costs, FixedDraft, speedups
+from .cache import MTPCache, mark, restore, start_verify
+from .defaults import DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
+from .errors import MTPError
+from .loader import HEAD_CONFIG_FILE, MTPModel
+from .sampling import make_verifier
+from .speculative import DEFAULT_PREFILL_STEP, draft, prefill
+from .stats import MTPStats
+
+PLAIN_STEPS = 8  # plain steps per timing of the plain step
+# Candidate draft vocabularies for a head that has none: the most frequent
+# tokens, at sizes below half the vocabulary.
+DRAFT_VOCAB_SIZES = (4096, 8192, 16384, 32768)
+MAX_TUNED_ENTRIES = 8  # per MTP config: one per machine that shares the folder
+
+
+# -- what identifies the machine and the model --------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def machine() -> Dict[str, Any]:
+    """The machine, backend, BLAS and MLX version timings were taken with."""
+    from .bench import _blas
+    from .bench import backend as _backend
+
+    info = mx.device_info()
+    backend = _backend()
+    return {
+        "device": str(info.get("device_name", "")),
+        "arch": str(info.get("architecture", "")),
+        "memory": int(info.get("memory_size", 0) or 0),
+        "cpus": os.cpu_count(),
+        "platform": sys.platform,
+        "backend": backend,
+        "blas": _blas() if backend == "cpu" else "",
+        "mlx": mx.__version__,
+    }
+
+
+def compute_bound() -> bool:
+    """A CPU with MLX's bundled reference BLAS: a forward over T tokens costs T."""
+    m = machine()
+    return m["backend"] == "cpu" and m["blas"].startswith("reference BLAS")
+
+
+def model_identity(model: MTPModel) -> Dict[str, Any]:
+    """The model's config and weight files (names and sizes), and its dtype."""
+    from .bench import _weights_dtype
+
+    if model.path is None:
+        return {"weights": _weights_dtype(model)}
+    files = {}
+    for folder in {model.path, model.head_dir or model.path}:
+        for f in sorted(folder.glob("*.safetensors")):
+            files[f.name] = f.stat().st_size
+    config = (model.path / "config.json").read_bytes()
+    return {
+        "config": hashlib.sha256(config).hexdigest()[:16],
+        "files": files,
+        "weights": _weights_dtype(model),
+    }
+
+
+def tuned_entry(model: MTPModel) -> Optional[Dict[str, Any]]:
+    """The stored tune result for this model on this machine, if there is one."""
+    entries = model.head_config.get("tuned")
+    if not isinstance(entries, list) or not entries:
+        return None
+    key = {"machine": machine(), "model": _identity(model)}
+    for entry in entries:
+        if isinstance(entry, dict) and _key(entry) == key and _valid(entry):
+            return entry
+    return None
+
+
+def _identity(model: MTPModel) -> Dict[str, Any]:
+    # hashing config.json and listing files once per loaded model
+    cached = getattr(model, "_tune_identity", None)
+    if cached is None:
+        cached = model_identity(model)
+        object.__setattr__(model, "_tune_identity", cached)
+    return cached
+
+
+def _key(entry: Dict[str, Any]) -> Dict[str, Any]:
+    return {"machine": entry.get("machine"), "model": entry.get("model")}
+
+
+def _valid(entry: Dict[str, Any]) -> bool:
+    try:
+        costs = Costs.from_dict(entry["costs"])
+        acceptance = [float(a) for a in entry["acceptance_by_depth"]]
+    except (KeyError, TypeError, ValueError):
+        return False
+    return bool(costs.verify and costs.draft and acceptance)
+
+
+def store(model: MTPModel, entry: Dict[str, Any]) -> Path:
+    """Write ``entry`` into the MTP config beside the model, replacing the
+    entry of the same machine and model; returns the file written."""
+    if model.head_dir is None:
+        raise MTPError("the model was not loaded from a folder: nowhere to store")
+    file = model.head_dir / HEAD_CONFIG_FILE
+    from .loader import read_head_config
+
+    config = read_head_config(model.head_dir)
+    old = config.get("tuned")
+    old = old if isinstance(old, list) else []
+    kept = [e for e in old if isinstance(e, dict) and _key(e) != _key(entry)]
+    config["tuned"] = (kept + [entry])[-MAX_TUNED_ENTRIES:]
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        tmp.replace(file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise MTPError(f"{file}: cannot write ({e.strerror or e})") from None
+    model.head_config = config
+    return file
+
+
+def apply_draft_vocab(model: MTPModel) -> None:
+    """Give a head without a draft vocabulary the one ``tune`` chose here."""
+    if model.head is None or "draft_vocab" in model.head.layer(0):
+        return
+    entry = tuned_entry(model)
+    if entry and entry.get("draft_vocab"):
+        model.head.set_draft_vocab(mx.array(entry["draft_vocab"], dtype=mx.int32))
+
+
+# -- timing --------------------------------------------------------------------
+
+
+class _State:
+    """A cache position to time from, and how to come back to it."""
+
+    def __init__(self, model: MTPModel, cache: MTPCache, y: int, history: List[int]):
+        self.model, self.cache, self.y, self.history = model, cache, y, history
+        self.marks = [mark(c) for c in cache.state_list()]
+        if not all(self.marks):
+            raise MTPError("this model's caches cannot be brought back: cannot time")
+        self.pending = cache.copy_pending()
+
+    def restore(self) -> None:
+        for c, m in zip(self.cache.state_list(), self.marks):
+            restore(c, m)
+        self.cache.pending = [p.copy() for p in self.pending]
+
+
+def _warm_state(model: MTPModel, context: List[int]) -> _State:
+    """The caches after ``context``, with two positions waiting for the head."""
+    cache = model.make_cache()
+    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True)
+    # one plain step: the head's next draft catches up over two positions
+    y = context[-2]
+    logits, hidden = model.trunk(mx.array([[y]]), cache.trunk)
+    cache.pending[0].push(hidden, [y])
+    mx.eval(hidden, [c.state for c in cache.state_list()])
+    return _State(model, cache, context[-1], list(context))
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(fn: Callable[[], Any], clock: str = "wall") -> float:
+    now = CLOCKS[clock]
+    tic = now()
+    fn()
+    return now() - tic
+
+
+def _verify(state: _State, t: int) -> None:
+    model, cache = state.model, state.cache
+    tokens = [state.y] + state.history[-t:-1] if t > 1 else [state.y]
+    if t > 1:
+        start_verify(cache.trunk)
+    logits, hidden = model.trunk(mx.array(tokens)[None], cache.trunk)
+    mx.eval(mx.argmax(logits, axis=-1), hidden)
+    state.restore()
+
+
+def _draft(state: _State, k: int) -> None:
+    drafts, _ = draft(
+        state.model, state.cache, state.y, k, 0.0, make_verifier(), state.history
+    )
+    mx.eval([d.token for d in drafts])
+    state.restore()
+
+
+def _round(state: _State, k: int) -> None:
+    """A round as the loop runs it: drafts, then the verify pass and its sync."""
+    model, cache, verifier = state.model, state.cache, make_verifier()  # greedy
+    drafts, _ = draft(model, cache, state.y, k, 0.0, verifier, state.history)
+    mx.async_eval([d.token for d in drafts])
+    start_verify(cache.trunk)
+    inputs = mx.concatenate([mx.array([state.y])] + [d.token for d in drafts])
+    logits, _ = model.trunk(inputs[None], cache.trunk)
+    verifier.verify(logits[0], drafts, state.history)
+    state.restore()
+
+
+def _plain_steps(state: _State, n: int) -> None:
+    """``n`` plain steps, each started before the previous token is read."""
+    model, cache = state.model, state.cache
+    token = mx.array([state.y])
+    logits, _ = model.trunk(token[None], cache.trunk)
+    token = mx.argmax(logits[0, -1:], axis=-1)
+    mx.async_eval(token)
+    for _ in range(n - 1):
+        logits, _ = model.trunk(token.reshape(1, 1), cache.trunk)
+        nxt = mx.argmax(logits[0, -1:], axis=-1)
+        mx.async_eval(nxt)
+        token.item()
+        token = nxt
+    token.item()
+    state.restore()
+
+
+class CostTimer:
+    """Times the parts of a round from one warm cache position.
+
+    ``run_once`` times every part once, in an order that rotates with ``rep``;
+    ``costs`` returns the medians in plain steps (``Costs.from_dict`` reads it).
+    """
+
+    def __init__(self, model: MTPModel, context: List[int], k_max: int):
+        self.state = state = _warm_state(model, context)
+        self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
+        self.jobs += [
+            ("verify", t, lambda t=t: _verify(state, t)) for t in range(1, k_max + 2)
+        ]
+        self.jobs += [
+            ("draft", k, lambda k=k: _draft(state, k)) for k in range(1, k_max + 1)
+        ]
+        self.jobs += [
+            ("round", k, lambda k=k: _round(state, k)) for k in range(1, k_max + 1)
+        ]
+        self.k_max = k_max
+        self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _ in self.jobs}
+        for _, _, fn in self.jobs:  # warm up
+            fn()
+
+    def run_once(self, rep: int = 0) -> None:
+        shift = rep % len(self.jobs)
+        for name, i, fn in self.jobs[shift:] + self.jobs[:shift]:
+            cpu = time.process_time()
+            wall = _time(fn)
+            self.times[name, i].append((wall, time.process_time() - cpu))
+
+    def costs(self, cpu: bool = False) -> Dict[str, Any]:
+        """Medians in plain steps; ``cpu``: of this process's CPU time (a
+        measure of work that other jobs on a shared CPU do not stretch)."""
+        med = {
+            key: statistics.median(t[cpu] for t in ts) for key, ts in self.times.items()
+        }
+        step = med["plain", 0] / PLAIN_STEPS
+        k_max = self.k_max
+        return {
+            "step_seconds": step,
+            "verify": [med["verify", t] / step for t in range(1, k_max + 2)],
+            "draft": [med["draft", k] / step for k in range(1, k_max + 1)],
+            "round": [1.0] + [med["round", k] / step for k in range(1, k_max + 1)],
+        }
+
+
+def measure_costs(
+    model: MTPModel, context: List[int], k_max: int, repeats: int
+) -> Dict[str, Any]:
+    """Median costs of the parts of a round, interleaved over ``repeats``."""
+    timer = CostTimer(model, context, k_max)
+    for rep in range(repeats):
+        timer.run_once(rep)
+    return timer.costs()
+
+
+# -- acceptance ------------------------------------------------------------------
+
+
+def measure_acceptance(
+    model: MTPModel,
+    prompts: Sequence[List[int]],
+    k: int,
+    max_tokens: int,
+    stop_tokens: Sequence[int] = (),
+) -> tuple:
+    """Greedy generations drafting ``k`` every round: their stats and sequences."""
+    from .speculative import speculative_generate_step
+
+    stats, sequences = MTPStats(), []
+    for prompt in prompts:
+        one = MTPStats()
+        out = [
+            t
+            for t, _ in speculative_generate_step(
+                prompt,
+                model,
+                max_tokens=max_tokens,
+                draft_max=k,
+                draft_policy=FixedDraft(k),
+                stop_tokens=stop_tokens,
+                stats=one,
+            )
+        ]
+        stats.add(one)
+        sequences.append(list(prompt) + out)
+    return stats, sequences
+
+
+def _depths(stats: MTPStats, k: int) -> List[float]:
+    """Per-depth acceptance. A deeper depth is reached in fewer rounds: its
+    rate is pulled toward the one before it as if two more tests had gone that
+    way (three rejections out of three say little)."""
+    out: List[float] = []
+    for j in range(k):
+        kept = stats.accepted_at[j] if j < len(stats.accepted_at) else 0
+        tested = stats.drafted_at[j] if j < len(stats.drafted_at) else 0
+        if j == 0:
+            out.append(kept / tested if tested else 0.0)
+        else:
+            out.append((kept + 2 * out[-1]) / (tested + 2))
+    return out
+
+
+# -- a draft vocabulary for a head that has none ---------------------------------
+
+
+def rank_tokens(model: MTPModel, prompts: Sequence[List[int]]) -> mx.array:
+    """Token ids, most expected first: by the trunk's mean next-token
+    probability over every position of the prompts (the answers are left out,
+    so that the acceptance measured on them is not flattered)."""
+    total = 0
+    for prompt in prompts:
+        logits, _ = model.trunk(mx.array(prompt)[None], model.trunk.make_cache())
+        total = total + mx.softmax(logits[0].astype(mx.float32), axis=-1).sum(axis=0)
+    return mx.argsort(-total).astype(mx.int32)
+
+
+def depth1_hits(
+    model: MTPModel, sequences: Sequence[List[int]], prompt_lens: Sequence[int]
+) -> List[mx.array]:
+    """Per sequence: the head's depth-1 logits at every answer position, and
+    the token there (the trunk's greedy choice), teacher-forced."""
+    out = []
+    for seq, n in zip(sequences, prompt_lens):
+        tokens = mx.array(seq)[None]
+        _, hidden = model.trunk(tokens, model.trunk.make_cache())
+        logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
+        first = max(n - 2, 0)  # row i predicts token i + 2
+        out.append((logits[0, first:-1], mx.array(seq[first + 2 :])))
+    return out
+
+
+def subset_acceptance(rows, vocab: Optional[mx.array]) -> float:
+    """Depth-1 acceptance when drafting from ``vocab`` only (None: all tokens)."""
+    hits = n = 0
+    for logits, targets in rows:
+        if vocab is None:
+            drafts = mx.argmax(logits, axis=-1)
+        else:
+            drafts = vocab[mx.argmax(mx.take(logits, vocab, axis=-1), axis=-1)]
+        hits += (drafts == targets).sum().item()
+        n += targets.size
+    return hits / max(n, 1)
+
+
+def draft_vocab_trial(
+    model: MTPModel,
+    state: "_State",
+    prompts: Sequence[List[int]],
+    sequences: Sequence[List[int]],
+    sizes: Sequence[int],
+    k_max: int,
+    repeats: int,
+    clock: str = "wall",
+) -> List[Dict[str, Any]]:
+    """For each size (None: the whole vocabulary): depth-1 acceptance on the
+    answers and the head's draft costs in seconds, interleaved."""
+    ranked = rank_tokens(model, prompts)
+    rows = depth1_hits(model, sequences, [len(p) for p in prompts])
+    trials = [{"size": None, "vocab": None}]
+    trials += [{"size": n, "vocab": mx.sort(ranked[:n])} for n in sizes]
+    times = {i: {k: [] for k in range(1, k_max + 1)} for i in range(len(trials))}
+    try:
+        for rep in range(repeats):
+            shift = rep % len(trials)
+            for i in list(range(shift, len(trials))) + list(range(shift)):
+                model.head.set_draft_vocab(trials[i]["vocab"])
+                _draft(state, 1)  # gathers the rows: not timed
+                for k in range(1, k_max + 1):
+                    times[i][k].append(_time(lambda k=k: _draft(state, k), clock))
+    finally:
+        model.head.set_draft_vocab(None)
+    for i, trial in enumerate(trials):
+        trial["acceptance_1"] = subset_acceptance(rows, trial["vocab"])
+        trial["draft_seconds"] = [statistics.median(times[i][k]) for k in times[i]]
+    return trials
+
+
+def _choose_draft_vocab(entry: Dict[str, Any], trials, step: float) -> None:
+    """Keep the draft vocabulary with the best predicted speed-up in ``entry``
+    (costs and acceptance made its own), or none when the whole one wins."""
+    costs, acceptance = entry["costs"], entry["acceptance_by_depth"]
+    full = trials[0]
+    best, best_speedup = None, max(entry["speedups"]["rounds"])
+    entry["draft_vocab_trials"] = []
+    for trial in trials:
+        scale = trial["acceptance_1"] / max(full["acceptance_1"], 1e-9)
+        extra = [
+            (s - f) / step
+            for s, f in zip(trial["draft_seconds"], full["draft_seconds"])
+        ]
+        mine = {
+            "verify": costs["verify"],
+            "draft": [d + e for d, e in zip(costs["draft"], extra)],
+            "round": costs["round"][:1]
+            + [r + e for r, e in zip(costs["round"][1:], extra)],
+        }
+        accept = [
+            min(a * scale, 1.0) if j == 0 else a for j, a in enumerate(acceptance)
+        ]
+        speedup = max(speedups(accept, Costs.from_dict(mine), len(costs["draft"])))
+        entry["draft_vocab_trials"].append(
+            {
+                "size": trial["size"],
+                "acceptance_1": round(trial["acceptance_1"], 4),
+                "draft": [round(d, 4) for d in mine["draft"]],
+                "speedup": round(speedup, 4),
+            }
+        )
+        if trial["size"] is not None and speedup > best_speedup * 1.01:
+            best, best_speedup = (trial, mine, accept), speedup
+    if best is not None:
+        trial, mine, accept = best
+        entry["draft_vocab"] = trial["vocab"].tolist()
+        entry["costs"] = {k: [round(x, 4) for x in v] for k, v in mine.items()}
+        entry["acceptance_by_depth"] = [round(a, 4) for a in accept]
+        entry["speedups"] = _predicted(accept, entry["costs"], len(accept))
+
+
+# -- the whole tune ---------------------------------------------------------------
+
+
+def tune(
+    model: MTPModel,
+    tokenizer,
+    draft_max: int,
+    max_tokens: int = DEFAULT_TUNE_TOKENS,
+    repeats: int = DEFAULT_TUNE_REPEATS,
+    progress: Optional[Callable[[str], None]] = None,
+    vocab_sizes: Optional[Sequence[int]] = None,
+    clock: str = "wall",
+) -> Dict[str, Any]:
+    """Measure ``model`` on this machine; returns the entry ``store`` writes.
+
+    ``clock="cpu"`` times this process's CPU time instead of wall time: on a
+    CPU shared with other jobs the work done, which their load does not
+    stretch (with one BLAS thread; spinning BLAS threads would add to it).
+
+    A head without a draft vocabulary is also tried with the ``vocab_sizes``
+    most expected tokens (default: ``DRAFT_VOCAB_SIZES`` below half the
+    vocabulary); the best goes into the entry when it raises the bound.
+    """
+    from .bench import _template, load_prompts
+    from .generate import _encode
+
+    if model.head is None:
+        raise MTPError("this model has no MTP head: there is nothing to tune")
+    if draft_max < 1:
+        raise MTPError("tune needs a draft-max of at least 1")
+    say = progress or (lambda msg: None)
+    tic = time.perf_counter()
+    prompts, seen = [], set()
+    for p in load_prompts():  # one prompt of each kind
+        if p.kind not in seen:
+            seen.add(p.kind)
+            prompts.append(_encode(tokenizer, _template(tokenizer, p.prompt)))
+    stops = list(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+    say(f"acceptance: {len(prompts)} prompts, {max_tokens} tokens, {draft_max} drafts")
+    stats, sequences = measure_acceptance(model, prompts, draft_max, max_tokens, stops)
+    acceptance = _depths(stats, draft_max)
+    say(f"costs: {repeats} repetitions")
+    context = max(sequences, key=len)
+    timer = CostTimer(model, context, draft_max)
+    for rep in range(repeats):
+        timer.run_once(rep)
+    costs = timer.costs(cpu=clock == "cpu")
+    entry: Dict[str, Any] = {
+        "machine": machine(),
+        "model": _identity(model),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "draft_max": draft_max,
+        "clock": clock,
+        "step_ms": round(costs["step_seconds"] * 1e3, 3),
+        "costs": {
+            k: [round(x, 4) for x in costs[k]] for k in ("verify", "draft", "round")
+        },
+        "acceptance_by_depth": [round(a, 4) for a in acceptance],
+        "tokens": stats.generation_tokens,
+    }
+    entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
+    vocab = model.trunk.embed_tokens.weight.shape[0]
+    if vocab_sizes is None:
+        vocab_sizes = [n for n in DRAFT_VOCAB_SIZES if 2 * n <= vocab]
+    if vocab_sizes and "draft_vocab" not in model.head.layer(0):
+        say(f"draft vocabulary: {', '.join(map(str, vocab_sizes))} tokens")
+        trials = draft_vocab_trial(
+            model,
+            timer.state,
+            prompts,
+            sequences,
+            vocab_sizes,
+            draft_max,
+            repeats,
+            clock,
+        )
+        _choose_draft_vocab(entry, trials, costs["step_seconds"])
+    entry["seconds"] = round(time.perf_counter() - tic, 1)
+    return entry
+
+
+def _predicted(acceptance, costs: Dict[str, List[float]], k_max: int) -> Dict:
+    """The bound per draft count, from the parts and from whole rounds."""
+    parts = Costs(costs["verify"], costs["draft"])
+    rounds = Costs.from_dict(costs)
+    return {
+        "bound": [round(s, 4) for s in speedups(acceptance, parts, k_max)],
+        "rounds": [round(s, 4) for s in speedups(acceptance, rounds, k_max)],
+    }

@@ -1,0 +1,371 @@
+"""The draft count per round: chosen by cost and acceptance, never changing the output.
+
+The policy drafts the k that maximises E(k) / cost(k) (costs and acceptance
+injected here, so every decision is known in advance); no draft when the
+costs say none can pay; plain rounds run one step ahead and are undone when a
+stop token ends the generation; ``tune`` stores costs the next load uses.
+"""
+
+import json
+import random
+
+import mlx.core as mx
+import pytest
+from test_speculative import (
+    assert_cache_exact,
+    assert_same_or_near_tie,
+    assert_states_close,
+    reference_greedy,
+)
+from typer.testing import CliRunner
+
+import mlx_mtp
+from mlx_mtp.adaptive import (
+    CostAwareDraft,
+    Costs,
+    FixedDraft,
+    best_draft_count,
+    expected_tokens,
+    make_policy,
+    prior_costs,
+)
+from mlx_mtp.cli import app
+from mlx_mtp.loader import HEAD_CONFIG_FILE
+from mlx_mtp.speculative import speculative_generate_step
+from mlx_mtp.stats import MTPStats
+from mlx_mtp.tune import machine, store, tune, tuned_entry
+
+# a forward over T tokens costs T steps: no draft can pay, whatever is accepted
+COMPUTE_BOUND = Costs([1.0, 2.0, 3.0, 4.0], [0.05, 0.1, 0.15])
+# a forward over T tokens costs 1 + 0.1 (T - 1), a draft 0.05
+MEMORY_BOUND = Costs([1.0, 1.1, 1.2, 1.3], [0.05, 0.1, 0.15])
+
+
+# -- decisions --------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_no_draft_when_the_costs_say_none_can_pay():
+    for acceptance in ([1.0], [0.9, 0.9, 0.9], [0.5]):
+        assert best_draft_count(acceptance, COMPUTE_BOUND, 3) == 0
+    policy = CostAwareDraft(3, COMPUTE_BOUND, prior=[0.95])
+    assert [policy() for _ in range(500)] == [0] * 500  # not even a probe
+
+
+def test_drafts_when_they_pay():
+    # E(k) / cost(k) at acceptance 0.8: 1, 1.71, 2.03, 2.19 -> k = 3
+    assert best_draft_count([0.8], MEMORY_BOUND, 3) == 3
+    # at acceptance 0.2: 1, 1.04, 0.94, 0.86 -> k = 1
+    assert best_draft_count([0.2], MEMORY_BOUND, 3) == 1
+    # at 0.1 the first draft does not pay for itself: 1.1 / 1.15
+    assert best_draft_count([0.1], MEMORY_BOUND, 3) == 0
+    assert CostAwareDraft(3, MEMORY_BOUND, prior=[0.8])() == 3
+    assert CostAwareDraft(2, MEMORY_BOUND, prior=[0.8])() == 2  # the upper bound
+
+
+def test_measured_round_costs_take_precedence():
+    costs = Costs(MEMORY_BOUND.verify, MEMORY_BOUND.draft, rounds=[1.0, 2.0, 3.0])
+    assert costs.round(1) == 2.0
+    assert costs.round(3) == pytest.approx(3.0 + 0.1 + 0.05)  # extended by the parts
+    assert best_draft_count([0.8], costs, 3) == 0  # the parts alone would say 3
+
+
+def test_policy_follows_acceptance_and_probes_rarely():
+    policy = CostAwareDraft(3, MEMORY_BOUND, prior=[0.5])
+    assert policy() == 2  # E / cost at 0.5: 1, 1.30, 1.35, 1.29
+    rounds = []
+    for _ in range(300):  # drafts are never kept
+        k = policy()
+        rounds.append(k)
+        if k:
+            policy.update(k, 0)
+    # the prior weighs 4 tests: 0.5 * 4 / (4 + n) falls below the 0.15 a first
+    # draft needs to pay for itself after 10 rejected rounds
+    first_plain = rounds.index(0)
+    assert first_plain == 10
+    probes = sum(k > 0 for k in rounds[first_plain:])
+    assert 1 <= probes <= 6  # a probe now and then, ever rarer
+    # the text gets easy: every probe is kept, and drafting comes back
+    for _ in range(200):
+        k = policy()
+        if k:
+            policy.update(k, k)
+    assert policy() == 3
+
+
+def test_prior_costs_by_machine():
+    assert best_draft_count([0.9], prior_costs(compute_bound=True), 4) == 0
+    assert best_draft_count([0.6], prior_costs(compute_bound=False), 4) > 0
+
+
+# -- output ------------------------------------------------------------------------
+
+
+class RandomDraft:
+    """Any count 0..draft_max, seeded: the output must not depend on it."""
+
+    def __init__(self, draft_max, seed):
+        self.rng, self.draft_max = random.Random(seed), draft_max
+
+    def __call__(self):
+        return self.rng.randint(0, self.draft_max)
+
+    def update(self, drafted, accepted):
+        pass
+
+
+def run(model, prompt, max_tokens, policy, stop=(), draft_max=3):
+    cache = model.make_cache()
+    stats = MTPStats(trace=[])
+    out = [
+        t
+        for t, _ in speculative_generate_step(
+            prompt,
+            model,
+            max_tokens=max_tokens,
+            draft_max=draft_max,
+            draft_policy=policy,
+            stop_tokens=stop,
+            prompt_cache=cache,
+            prefill_step_size=16,
+            stats=stats,
+        )
+    ]
+    return out, stats, cache
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folders):
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    full, trunk_only = tiny_folders("deepseek_v3")
+    return mlx_mtp.load_model(full), mlx_lm_load_model(trunk_only)[0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FixedDraft(3),
+        lambda: RandomDraft(3, 0),
+        lambda: RandomDraft(3, 1),
+        lambda: CostAwareDraft(3, MEMORY_BOUND, prior=[0.5]),
+        lambda: CostAwareDraft(3, COMPUTE_BOUND),
+        lambda: lambda: 0,  # plain rounds with the head reading along
+    ],
+)
+def test_greedy_output_is_the_same_under_any_policy(models, make):
+    model, reference = models
+    prompt = list(range(40, 90))  # pending states pass PENDING_LIMIT on plain rounds
+    expected = reference_greedy(reference, prompt, 60)
+    got, stats, cache = run(model, prompt, 60, make())
+    assert_same_or_near_tie(reference, prompt, expected, got)
+    assert_cache_exact(model, cache, prompt, got)
+
+
+@pytest.mark.parametrize("draft_max", [0, 3])
+def test_a_stop_token_on_a_plain_step_undoes_the_step_run_ahead(models, draft_max):
+    model, reference = models
+    prompt = list(range(100, 130))
+    plain = RandomDraft(0, 0)  # no draft, ever: the head reads along with MTP on
+    free, _, _ = run(model, prompt, 30, plain, draft_max=draft_max)
+    stop = next(t for i, t in enumerate(free) if i > 3 and t not in free[:i])
+    expected = reference_greedy(reference, prompt, 30, stop={stop})
+    got, stats, cache = run(model, prompt, 30, plain, {stop}, draft_max)
+    assert got == expected and got[-1] == stop
+    assert stats.drafted == 0
+    if draft_max:
+        assert_cache_exact(model, cache, prompt, got)
+    else:  # the head never ran: the trunk holds what it read
+        processed = prompt + got[:-1]
+        fresh = model.make_cache()
+        model.trunk(mx.array(processed)[None], fresh.trunk)
+        assert_states_close(cache.trunk, fresh.trunk)
+
+
+def test_a_consumer_that_stops_reading_leaves_the_cache_exact(models):
+    model, _ = models
+    prompt = list(range(100, 130))
+    cache = model.make_cache()
+    steps = speculative_generate_step(
+        prompt, model, max_tokens=30, draft_max=0, prompt_cache=cache
+    )
+    got = [next(steps)[0] for _ in range(5)]
+    steps.close()  # the next step had started ahead
+    assert cache.offset == len(prompt) + len(got) - 1
+
+
+# -- tune -----------------------------------------------------------------------------
+
+
+def test_tune_writes_a_config_the_runtime_reads(tiny_folders, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    model, tokenizer = mlx_mtp.load(folder)
+    assert tuned_entry(model) is None
+    entry = tune(model, tokenizer, draft_max=2, max_tokens=8, repeats=2)
+    assert "draft_vocab_trials" not in entry  # 288 tokens: nothing to cut
+    assert entry["machine"] == machine()
+    assert len(entry["costs"]["verify"]) == 3 and len(entry["costs"]["draft"]) == 2
+    assert len(entry["acceptance_by_depth"]) == 2
+    assert len(entry["speedups"]["bound"]) == 3 and entry["speedups"]["bound"][0] == 1
+    store(model, entry)
+    # a stale entry, from another machine, is kept but ignored
+    config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
+    other = dict(entry, machine=dict(entry["machine"], device="elsewhere"))
+    other["costs"] = {"verify": [1, 9, 9], "draft": [9, 9], "round": [1, 9, 9]}
+    config["tuned"].insert(0, other)
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config))
+
+    reloaded, _ = mlx_mtp.load(folder)
+    assert tuned_entry(reloaded)["costs"] == entry["costs"]
+    policy = make_policy(reloaded, 2)
+    assert list(policy.costs.verify) == entry["costs"]["verify"]
+    assert list(policy.costs.rounds) == entry["costs"]["round"]
+    assert policy.prior == entry["acceptance_by_depth"]
+    assert isinstance(make_policy(reloaded, 2, adaptive=False), FixedDraft)
+
+
+def test_tune_command(tiny_folders, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    args = ["tune", "-m", str(folder), "--draft-max", "2", "-n", "8", "-r", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "predicted" in result.stdout and "verify" in result.stdout
+    config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
+    assert len(config["tuned"]) == 1
+    assert config["tuned"][0]["draft_max"] == 2
+    assert config["tuned"][0]["clock"] == "wall"
+    result = CliRunner().invoke(app, args + ["--clock", "cpu", "--no-store"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((folder / HEAD_CONFIG_FILE).read_text()) == config  # unchanged
+    result = CliRunner().invoke(app, args + ["--clock", "cpu", "--json"])
+    assert json.loads(result.stdout)["clock"] == "cpu"
+    bad = CliRunner().invoke(app, args + ["--clock", "sundial"])
+    assert bad.exit_code == 1
+    assert (
+        bad.output.strip().splitlines()[-1] == "error: --clock must be one of wall, cpu"
+    )
+
+
+def test_recommended_draft_max_bounds_the_drafts(tiny_folders, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps({"recommended_draft_max": 1}))
+    model, tokenizer = mlx_mtp.load(folder)
+    assert model.head_config == {"recommended_draft_max": 1}
+    last = None
+    for last in mlx_mtp.stream_generate(model, tokenizer, "hello", 16):
+        pass
+    assert last.stats.draft_max == 1 and len(last.stats.drafted_at) <= 1
+    for last in mlx_mtp.stream_generate(model, tokenizer, "hello", 16, draft_max=3):
+        pass
+    assert last.stats.draft_max == 3
+
+
+def test_a_native_head_drafts_from_its_draft_vocabulary(models):
+    model, reference = models
+    prompt = list(range(40, 70))
+    expected = reference_greedy(reference, prompt, 30)
+    vocab = mx.arange(0, 288, 2)  # even tokens only
+    model.head.set_draft_vocab(vocab)
+    try:
+        got, stats, _ = run(model, prompt, 30, FixedDraft(2))
+    finally:
+        model.head.set_draft_vocab(None)
+    assert got == expected
+    assert all(t % 2 == 0 for r in stats.trace for t in r.drafted)
+    full, full_stats, _ = run(model, prompt, 30, FixedDraft(2))
+    assert any(t % 2 for r in full_stats.trace for t in r.drafted)
+
+
+def test_tune_tries_draft_vocabularies_and_the_loader_applies_its_choice(
+    tiny_folders, tmp_path
+):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    model, tokenizer = mlx_mtp.load(folder)
+    entry = tune(model, tokenizer, 2, max_tokens=8, repeats=2, vocab_sizes=(64, 128))
+    trials = entry["draft_vocab_trials"]
+    assert [t["size"] for t in trials] == [None, 64, 128]
+    assert all(0 <= t["acceptance_1"] <= 1 and len(t["draft"]) == 2 for t in trials)
+    assert "draft_vocab" not in model.head  # the trial leaves the head as it was
+    entry["draft_vocab"] = list(range(0, 288, 3))  # as if 96 tokens had won
+    store(model, entry)
+    reloaded, _ = mlx_mtp.load(folder)
+    assert reloaded.head.draft_vocab.tolist() == entry["draft_vocab"]
+    # on another machine the entry, and its vocabulary, are ignored
+    config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
+    config["tuned"][0]["machine"]["device"] = "elsewhere"
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config))
+    assert "draft_vocab" not in mlx_mtp.load(folder)[0].head
+
+
+# -- hybrid trunks: a plain round keeps no per-token state ------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    import tiny_hybrid
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    root = tmp_path_factory.mktemp("hybrid")
+    full, trunk_only = tiny_hybrid.build_folder(root / "qwen3_next", "qwen3_next")
+    return mlx_mtp.load_model(full), mlx_lm_load_model(trunk_only)[0]
+
+
+def test_plain_rounds_keep_no_states_and_stop_exactly(hybrid, monkeypatch):
+    from mlx_mtp.keep_states import KeepStatesCache
+
+    model, reference = hybrid
+    calls = []
+    start = KeepStatesCache.start_verify
+    monkeypatch.setattr(
+        KeepStatesCache, "start_verify", lambda self: calls.append(1) or start(self)
+    )
+    prompt = list(range(50, 80))
+    free, _, _ = run(model, prompt, 24, RandomDraft(0, 0))
+    assert calls == []  # no verify pass: mlx-lm's own step, nothing kept
+    stop = next(t for i, t in enumerate(free) if i > 3 and t not in free[:i])
+    expected = reference_greedy(reference, prompt, 24, stop={stop})
+    got, _, cache = run(model, prompt, 24, RandomDraft(0, 0), {stop})
+    assert got == expected
+    # the step started ahead on the stop token was undone: the caches hold
+    # what mlx-lm's hold after the same tokens (prefill chunks, then steps)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref = make_prompt_cache(reference)
+    for s in range(0, len(prompt) - 1, 16):
+        reference(mx.array(prompt[s : min(s + 16, len(prompt) - 1)])[None], cache=ref)
+    for t in [prompt[-1]] + got[:-1]:
+        reference(mx.array([[t]]), cache=ref)
+    assert cache.offset == ref[-1].offset == len(prompt) + len(got) - 1
+    for c, r in zip(cache.trunk, ref):
+        if hasattr(c, "verifying"):  # recurrent: conv window and state
+            for a, b in zip(c.cache, r.cache):
+                assert mx.allclose(a, b, atol=1e-5).item()
+    run(model, prompt, 8, FixedDraft(2))
+    assert calls  # drafting rounds do keep
+
+
+def test_untuned_on_a_compute_bound_cpu_no_round_drafts(models, monkeypatch):
+    model, _ = models
+    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: True)
+    policy = make_policy(model, 3)  # no tuned entry: the machine's prior
+    _, stats, _ = run(model, list(range(40, 60)), 40, policy)
+    assert stats.drafted == 0
+    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: False)
+    _, stats, _ = run(model, list(range(40, 60)), 40, make_policy(model, 3))
+    assert stats.drafted > 0
