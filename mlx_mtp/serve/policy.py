@@ -1,0 +1,86 @@
+"""How many drafts a batched round verifies.
+
+Verifying ``K`` drafts for each of ``B`` streams reads ``B * (K + 1)`` tokens in
+one forward. While that forward is memory-bound, drafts are nearly free; once
+it is compute-bound (many streams, long drafts), every draft costs its share
+and a round with no drafts (a plain batched decode step) can be the fastest.
+So the round's ``K`` is the one with the most expected tokens per second:
+
+- expected tokens: per stream ``1 + r_1 + r_1 r_2 + ... + r_1..r_K`` from its
+  running per-position acceptance (``AdaptiveDraftLength``'s rates), at most
+  the drafts it may take;
+- seconds: the measured time of rounds at this batch size and ``K`` (a moving
+  average). ``K = 0`` and the largest ``K`` are measured first at every batch
+  size; between measured values the time is interpolated linearly, and every
+  ``explore`` rounds a neighbour of the best ``K`` is measured again (contexts
+  grow, the machine's load changes).
+"""
+
+from typing import Dict, List, Sequence
+
+DEFAULT_EXPLORE = 32
+DEFAULT_SMOOTHING = 0.3
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens a round with ``k`` drafts emits on average (the +1 is the trunk's)."""
+    total, reach = 1.0, 1.0
+    for r in rates[:k]:
+        reach *= r
+        total += reach
+    return total
+
+
+class BatchDraftLength:
+    """Picks each batched round's draft length from acceptance and measured time."""
+
+    def __init__(
+        self, explore: int = DEFAULT_EXPLORE, smoothing: float = DEFAULT_SMOOTHING
+    ):
+        self.explore, self.smoothing = explore, smoothing
+        self.times: Dict[int, Dict[int, float]] = {}  # batch size -> K -> seconds
+        self.rounds = 0
+
+    def choose(self, batch: int, rates: List[Sequence[float]], caps: List[int]) -> int:
+        """The draft length for a round of ``batch`` streams.
+
+        ``rates[b]`` is stream ``b``'s per-position acceptance, ``caps[b]`` the
+        most drafts it may take.
+        """
+        top = max(caps, default=0)
+        if top == 0:
+            return 0
+        times = self.times.setdefault(batch, {})
+        for k in (top, 0):
+            if k not in times:
+                return k
+        self.rounds += 1
+
+        def speed(k: int) -> float:
+            tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+            return tokens / self._seconds(times, k)
+
+        best = max(range(top + 1), key=speed)
+        if self.rounds % self.explore == 0:
+            step = 1 if (self.rounds // self.explore) % 2 else -1
+            best = min(top, max(0, best + step))
+        return best
+
+    def record(self, batch: int, k: int, seconds: float) -> None:
+        times = self.times.setdefault(batch, {})
+        old = times.get(k)
+        times[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    @staticmethod
+    def _seconds(times: Dict[int, float], k: int) -> float:
+        """Measured, or interpolated between the nearest measured lengths."""
+        if k in times:
+            return times[k]
+        below = max((j for j in times if j < k), default=None)
+        above = min((j for j in times if j > k), default=None)
+        if below is None:
+            return times[above]
+        if above is None:
+            return times[below]
+        w = (k - below) / (above - below)
+        return times[below] + w * (times[above] - times[below])
