@@ -10,7 +10,7 @@ from .app import app, run_app
 # Importing a command module registers its command.
 from . import generate as _generate  # noqa: E402,F401
 
-for _name in ("info", "convert", "chat", "bench", "train_head"):
+for _name in ("info", "convert", "chat", "bench", "train_head", "serve"):
     try:
         __import__(f"{__name__}.{_name}")
     except ModuleNotFoundError as e:  # a command not built yet
