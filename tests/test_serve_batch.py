@@ -247,6 +247,8 @@ def test_policy_measures_both_ends_then_picks_the_fastest():
     # at 0.9 acceptance 4 drafts give 4.1 tokens per stream, 1 gives 1.9
     policy.record(8, 0, 0.2)
     assert policy.choose(8, rates, caps) == 0
+    # a batch size not seen yet starts from the nearest one's times
+    assert policy.choose(6, rates, caps) == 0
     # memory-bound: drafts nearly free, so draft all the way
     fast = BatchDraftLength(explore=1000)
     fast.record(1, 4, 0.11)
@@ -260,7 +262,9 @@ def test_policy_interpolates_and_explores():
     policy = BatchDraftLength(explore=2)
     policy.record(2, 0, 1.0)
     policy.record(2, 4, 2.0)
-    assert policy._seconds(policy.times[2], 2) == pytest.approx(1.5)
+    policy.record(2, 4, 9.0)  # one slow round
+    policy.record(2, 4, 2.0)
+    assert policy._seconds(policy.times(2), 2) == pytest.approx(1.5)
     picks = {policy.choose(2, [[1.0] * 4] * 2, [4, 4]) for _ in range(6)}
     assert picks == {4, 3}  # the best, and its neighbour every other round
     assert policy.choose(2, [[1.0] * 4] * 2, [0, 0]) == 0

@@ -9,17 +9,20 @@ So the round's ``K`` is the one with the most expected tokens per second:
 - expected tokens: per stream ``1 + r_1 + r_1 r_2 + ... + r_1..r_K`` from its
   running per-position acceptance (``AdaptiveDraftLength``'s rates), at most
   the drafts it may take;
-- seconds: the measured time of rounds at this batch size and ``K`` (a moving
-  average). ``K = 0`` and the largest ``K`` are measured first at every batch
-  size; between measured values the time is interpolated linearly, and every
-  ``explore`` rounds a neighbour of the best ``K`` is measured again (contexts
-  grow, the machine's load changes).
+- seconds: the median of the last rounds measured at this batch size and
+  ``K`` (a median: one slow round, another process's burst, does not sway
+  it). ``K = 0`` and the largest ``K`` are measured first; a batch size not
+  seen yet starts from the nearest one's times; between measured values the
+  time is interpolated linearly, and every ``explore`` rounds a neighbour of
+  the best ``K`` is measured again (contexts grow, the load changes).
 """
 
-from typing import Dict, List, Sequence
+import statistics
+from collections import deque
+from typing import Deque, Dict, List, Sequence
 
 DEFAULT_EXPLORE = 32
-DEFAULT_SMOOTHING = 0.3
+DEFAULT_WINDOW = 8
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -34,12 +37,20 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 class BatchDraftLength:
     """Picks each batched round's draft length from acceptance and measured time."""
 
-    def __init__(
-        self, explore: int = DEFAULT_EXPLORE, smoothing: float = DEFAULT_SMOOTHING
-    ):
-        self.explore, self.smoothing = explore, smoothing
-        self.times: Dict[int, Dict[int, float]] = {}  # batch size -> K -> seconds
+    def __init__(self, explore: int = DEFAULT_EXPLORE, window: int = DEFAULT_WINDOW):
+        self.explore, self.window = explore, window
+        # batch size -> K -> the last ``window`` round times
+        self.samples: Dict[int, Dict[int, Deque[float]]] = {}
         self.rounds = 0
+
+    def times(self, batch: int) -> Dict[int, float]:
+        """Median round time per K at ``batch`` streams; a batch size not seen
+        yet borrows the nearest one's."""
+        if not self.samples:
+            return {}
+        if batch not in self.samples:
+            batch = min(self.samples, key=lambda b: (abs(b - batch), b))
+        return {k: statistics.median(v) for k, v in self.samples[batch].items()}
 
     def choose(self, batch: int, rates: List[Sequence[float]], caps: List[int]) -> int:
         """The draft length for a round of ``batch`` streams.
@@ -50,7 +61,7 @@ class BatchDraftLength:
         top = max(caps, default=0)
         if top == 0:
             return 0
-        times = self.times.setdefault(batch, {})
+        times = self.times(batch)
         for k in (top, 0):
             if k not in times:
                 return k
@@ -67,9 +78,8 @@ class BatchDraftLength:
         return best
 
     def record(self, batch: int, k: int, seconds: float) -> None:
-        times = self.times.setdefault(batch, {})
-        old = times.get(k)
-        times[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        table = self.samples.setdefault(batch, {})
+        table.setdefault(k, deque(maxlen=self.window)).append(seconds)
 
     @staticmethod
     def _seconds(times: Dict[int, float], k: int) -> float:
