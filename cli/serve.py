@@ -82,7 +82,8 @@ def serve(
     from mlx_mtp.serve import ServeConfig, run
 
     config = ServeConfig(
-        draft_max=0 if no_mtp else draft_max,
+        draft_max=draft_max,
+        mtp=not no_mtp,
         max_tokens=max_tokens,
         max_batch=max_batch,
         prompt_cache_entries=prompt_cache_entries,

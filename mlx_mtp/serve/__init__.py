@@ -40,6 +40,7 @@ class ServeConfig:
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_MB << 20
     prefill_step: int = DEFAULT_SERVE_PREFILL_STEP
     adaptive_draft: bool = True
+    mtp: bool = True  # False: no request drafts, whatever it asks
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step"):
@@ -67,12 +68,22 @@ def run(
     log=None,
 ) -> None:
     """Serve until interrupted. ``log`` hears one line once the port is open."""
+    import socket
+
     import uvicorn
 
+    from ..errors import MTPError
+
     app = create_app(model, tokenizer, name, config)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level="warning")
-    )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    port = sock.getsockname()[1]
     if log is not None:
         app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
-    server.run()
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -472,8 +472,15 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(http: HTTPRequest):
-        return JSONResponse({"status": "ok", "model": service.name,
-                             **service.engine.counts()})  # fmt: skip
+        engine = service.engine
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": service.name,
+                **engine.counts(),
+                **engine.describe(),
+            }
+        )
 
     async def http_error(http: HTTPRequest, e: HTTPException):
         code = "not_found" if e.status_code == 404 else "method_not_allowed"

@@ -187,6 +187,22 @@ class Engine:
             "peak_batch": self.decoder.peak if self.batched else 1,
         }
 
+    def describe(self) -> Dict[str, object]:
+        """How this engine runs (for ``/health``)."""
+        c = self.config
+        return {
+            "mtp": self.model.head is not None and c.mtp,
+            "batched": self.batched,
+            "max_batch": c.max_batch if self.batched else 1,
+            "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
+            "prompt_cache": {
+                "entries": len(self.prompt_cache),
+                "max_entries": c.prompt_cache_entries,
+                "bytes": self.prompt_cache.nbytes,
+                "max_bytes": c.prompt_cache_bytes,
+            },
+        }
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mlx-mtp engine")
         self._thread.daemon = True
@@ -255,7 +271,8 @@ class Engine:
             cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
             job.reused = job.read
             verifier = make_verifier(request.sampling)
-            draft_max = request.draft_max if self.model.head is not None else 0
+            use_mtp = self.model.head is not None and self.config.mtp
+            draft_max = request.draft_max if use_mtp else 0
             job.stream = Stream(
                 history=list(request.prompt),
                 cache=cache,
