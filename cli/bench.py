@@ -16,6 +16,7 @@ from mlx_mtp.bench import (
     run_bench,
 )
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
+from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
@@ -94,11 +95,27 @@ def kinds_table(result: BenchResult) -> Table:
     return t
 
 
+def distributed_summary(result: BenchResult, sharding) -> dict:
+    """How the model was spread, and the per-round collective over all mlx-mtp runs."""
+    total = MTPStats()
+    for run in result.runs:
+        if run.stats is not None:
+            total.add(run.stats)
+    return {
+        "sharding": sharding.mode,
+        "processes": sharding.size,
+        "syncs": total.syncs,
+        "sync_ms": 1e3 * total.sync_time / total.syncs if total.syncs else 0.0,
+        "sync_share": total.sync_share,
+    }
+
+
 @app.command(no_args_is_help=True)
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
+    sharding: o.ShardingOption = o.Sharding.auto,
     prompts: Optional[Path] = typer.Option(
         None,
         "--prompts",
@@ -138,8 +155,9 @@ def bench(
     ),
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
+    o.processes()
     bench_prompts = load_prompts(prompts)
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
+    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
 
     def bench_run(progress=None):
@@ -155,7 +173,11 @@ def bench(
         )
 
     if as_json:
-        print(json.dumps(bench_run().to_dict()))
+        result = bench_run()
+        out = result.to_dict()
+        if loaded.sharding is not None:
+            out["distributed"] = distributed_summary(result, loaded.sharding)
+        print(json.dumps(out))
         return
     with err.status("benchmarking") as status:
         result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
@@ -163,6 +185,16 @@ def bench(
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)
     console.print(regime_line(result.regime), markup=False, soft_wrap=True)
+    if loaded.sharding is not None:
+        d = distributed_summary(result, loaded.sharding)
+        console.print(
+            f"distributed: {d['sharding']} over {d['processes']} processes; "
+            f"{d['syncs']} collectives (1 per mlx-mtp round), "
+            f"{d['sync_ms']:.3f} ms each, {100 * d['sync_share']:.1f}% of "
+            "mlx-mtp's generation time",
+            markup=False,
+            soft_wrap=True,
+        )
     if result.regime["backend"] == "cpu" and "OpenBLAS" not in result.regime["blas"]:
         console.print(
             "note: CPU without OpenBLAS is compute-bound: verifying k tokens costs "

@@ -94,6 +94,7 @@ def chat(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
+    sharding: o.ShardingOption = o.Sharding.auto,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(
         DEFAULT_MAX_TOKENS,
@@ -124,6 +125,7 @@ def chat(
     ),
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
+    o.processes()
     sampling = o.sampling_kwargs(
         temp,
         top_p,
@@ -137,7 +139,7 @@ def chat(
         draft_sampling,
         adaptive_draft,
     )
-    model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
+    model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")
     session = ChatSession(

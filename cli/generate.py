@@ -10,7 +10,7 @@ from mlx_mtp.generate import DEFAULT_MAX_TOKENS, stream_generate
 from mlx_mtp.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 
 from . import options as o
-from .app import OUTPUT, app
+from .app import OUTPUT, app, fail
 
 
 def read_prompt(prompt: str) -> str:
@@ -34,6 +34,7 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or - to read stdin."),
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
+    sharding: o.ShardingOption = o.Sharding.auto,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as is."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
@@ -54,12 +55,16 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, stats) instead of streaming.", rich_help_panel=OUTPUT),
 ):
     """Generate text with MTP speculative decoding."""
+    group = o.processes()
     sampling = o.sampling_kwargs(
         temp, top_p, top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias, seed, draft_sampling, adaptive_draft,
     )
+    if prompt == "-" and group.size() > 1:
+        # mlx.launch hands its input to every process but never closes it
+        raise fail("under mlx.launch the prompt cannot come from stdin: pass it")
     text = read_prompt(prompt)
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
+    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     text = apply_template(tokenizer, text, system, not no_chat_template)
     tokens, pieces, response = [], [], None
     for response in stream_generate(

@@ -2,10 +2,11 @@
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
-from mlx_mtp.convert.describe import describe, format_precision, format_size
+from mlx_mtp.convert.describe import describe, families, format_precision, format_size
 
 from .app import OUTPUT, app
 
@@ -25,10 +26,22 @@ def info_lines(info) -> list:
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="GGUF file, Hugging Face folder or MLX folder."),
+    path: Optional[Path] = typer.Argument(
+        None, help="GGUF file, Hugging Face folder or MLX folder (none: the MTP families)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object.", rich_help_panel=OUTPUT),
 ):
     """Show a model's architecture, layers, MTP layers, precision per part and size."""
+    if path is None:
+        rows = families()
+        if as_json:
+            print(json.dumps(rows))
+            return
+        for row in rows:
+            depth = ", layer j drafts depth j + 1" if row["layer_per_depth"] else ""
+            print(f"{row['model_type']:<15} {row['models']:<22} MTP layers: "
+                  f"{row['mtp_layers']}{depth}")
+        return
     described = describe(path)
     if as_json:
         print(json.dumps(described.to_dict()))

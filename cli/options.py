@@ -5,6 +5,7 @@ to the API with ``sampling_kwargs(...)``, so every command spells, documents
 and forwards them the same way.
 """
 
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Annotated, Dict, List, Optional
 
 import typer
 
+from mlx_mtp import distributed
 from mlx_mtp.trunk import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
@@ -22,6 +24,12 @@ class DraftSampling(str, Enum):
     sample = "sample"
 
 
+class Sharding(str, Enum):  # distributed.SHARDINGS
+    auto = "auto"
+    pipeline = "pipeline"
+    tensor = "tensor"
+
+
 def _option(*names, panel=SAMPLING, **kwargs):
     return typer.Option(*names, rich_help_panel=panel, **kwargs)
 
@@ -29,6 +37,7 @@ def _option(*names, panel=SAMPLING, **kwargs):
 ModelPath = Annotated[Optional[Path], _option("--model", "-m", panel=MODEL, help="MLX model folder (default: SmolLM2-135M-Instruct with its shipped MTP head).")]
 HeadPath = Annotated[Optional[Path], _option("--mtp", panel=MODEL, help="Attach the MTP head from this folder or file.")]
 HiddenTap = Annotated[Optional[str], _option("--hidden-tap", panel=MODEL, help="Hidden state fed to the head: post (after the final norm) or pre.")]
+ShardingOption = Annotated[Sharding, _option("--sharding", panel=MODEL, help="Under mlx.launch: pipeline (each process holds some layers), tensor (a slice of every layer) or auto (pipeline where mlx-lm can split the model).")]
 NoMTP = Annotated[bool, _option("--no-mtp", panel=SPECULATIVE, help="Generate without MTP (same loop, no drafts).")]
 Temp = Annotated[float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, _option("--top-p", min=0.0, max=1.0, help="Keep the most likely tokens holding this much probability (0: off).")]
@@ -45,8 +54,29 @@ DraftSamplingOption = Annotated[DraftSampling, _option("--draft-sampling", panel
 AdaptiveDraft = Annotated[bool, _option("--adaptive-draft", panel=SPECULATIVE, help="Pick each round's draft length from the running per-position acceptance.")]
 
 
-def load_model(model: Optional[Path], mtp: Optional[Path], hidden_tap: Optional[str], no_mtp: bool = False):
-    """Check the model options, fall back to the default model, and load it.
+def processes():
+    """The processes ``mlx.launch`` started (one without it); all but rank 0 go quiet.
+
+    Call first in a command that generates, before anything is printed.
+    """
+    group = distributed.world()
+    distributed.quiet_other_ranks(group)
+    if group.size() > 1:
+        # Ctrl-C reaches the processes at different moments, and mlx.launch
+        # stops forwarding input: end them all at once rather than hang.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return group
+
+
+def load_model(
+    model: Optional[Path],
+    mtp: Optional[Path],
+    hidden_tap: Optional[str],
+    no_mtp: bool = False,
+    sharding: Sharding = Sharding.auto,
+):
+    """Check the model options, fall back to the default model, and load it
+    (this process's shard of it under ``mlx.launch``).
 
     Returns ``(path, model, tokenizer)``; a notice (no MTP head) goes to stderr.
     """
@@ -55,9 +85,18 @@ def load_model(model: Optional[Path], mtp: Optional[Path], hidden_tap: Optional[
 
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:
         raise fail(f"--hidden-tap must be one of {', '.join(HIDDEN_TAPS)}")
+    group = processes()
     if model is None:
         model = default_model_path(lambda line: print(line, file=sys.stderr))
-    loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
+    if group.size() > 1:
+        mode = Sharding(sharding).value
+        loaded, tokenizer = distributed.load(model, mtp, hidden_tap, mode, group)
+        if loaded.sharding.notice:  # replicated, and why
+            print(f"notice: {loaded.sharding.notice}", file=sys.stderr)
+        else:
+            print(f"distributed: {loaded.sharding.describe()}", file=sys.stderr)
+    else:
+        loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
     if loaded.notice and not no_mtp:
         print(f"notice: {loaded.notice}", file=sys.stderr)
     return model, loaded, tokenizer

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_mtp.errors import MTPError
-from mlx_mtp.heads import family_for
+from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.loader import read_config
 
 
@@ -79,14 +79,7 @@ def _nbytes(e: Dict[str, Any]) -> int:
 
 
 def _mtp_layer_count(config: Dict[str, Any], family, names: List[str]) -> int:
-    if family is None:
-        return 0
-    count = 0
-    for j in range(max(family.num_layers(config), 1) + 4):
-        prefix = family.prefix(config, j)
-        if any(n.startswith(prefix) for n in names):
-            count += 1
-    return count
+    return 0 if family is None else layers_present(family, config, names)
 
 
 def describe_folder(path: Path) -> ModelInfo:
@@ -109,7 +102,9 @@ def describe_folder(path: Path) -> ModelInfo:
         path=str(path),
         format="MLX folder" if is_mlx else "Hugging Face folder",
         architecture=config["model_type"],
-        layers=int(config.get("num_hidden_layers", 0)),
+        layers=int(
+            config.get("text_config", config).get("num_hidden_layers", 0)
+        ),
         mtp_layers=_mtp_layer_count(config, family, list(head)),
         trunk_precision=dict(_folder_precision(trunk, quant)),
         mtp_precision=dict(_folder_precision(head, quant)),
@@ -120,6 +115,7 @@ def describe_folder(path: Path) -> ModelInfo:
 
 
 def describe_gguf(path: Path) -> ModelInfo:
+    from .gguf_hybrid import ARCHS as HYBRID
     from .gguf_source import ARCHS, Metadata, _open
 
     reader = _open(path)
@@ -141,11 +137,12 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
+    archs = {**ARCHS, **HYBRID}
     return ModelInfo(
         path=str(path),
         format="GGUF",
-        architecture=f"{arch} ({ARCHS[arch]})"
-        if arch in ARCHS
+        architecture=f"{arch} ({archs[arch]})"
+        if arch in archs
         else f"{arch} (not supported)",
         layers=first_mtp,
         mtp_layers=len(present),
@@ -169,6 +166,24 @@ def describe(path) -> ModelInfo:
     if not is_gguf(path):
         raise MTPError(f"{path}: not a GGUF file or a model folder")
     return describe_gguf(path)
+
+
+def families() -> List[Dict[str, Any]]:
+    """Every family with an MTP head: model_type, models, MTP layers, per depth or not."""
+    from mlx_mtp.heads import RELEASED, supported_model_types
+
+    rows = []
+    for model_type in supported_model_types():
+        name, layers, how = RELEASED.get(model_type, (model_type, 1, ""))
+        rows.append(
+            {
+                "model_type": model_type,
+                "models": name,
+                "mtp_layers": layers,
+                "layer_per_depth": how == "depth",
+            }
+        )
+    return rows
 
 
 def format_precision(counts: Dict[str, int]) -> str:

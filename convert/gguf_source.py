@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 
+from . import gguf_hybrid, gguf_step35
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -34,6 +35,8 @@ ARCHS = {
     "gemma3": "gemma3_text",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",  # deepseek_v2 when its gating is softmax
+    "glm-dsa": "glm_moe_dsa",  # GLM-5: deepseek2's MLA plus the DSA indexer
+    "step35": "step3p5",  # see gguf_step35
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
 # (llama.cpp splits kv_b_proj exactly as mlx-lm's sanitize does: k_b transposed)
@@ -42,8 +45,8 @@ MLX_ALIASES = {
     ".self_attn.unembed_out.": ".self_attn.v_b_proj.",
 }
 PERMUTED_QK = {"llama"}  # LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py
-# llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files too,
-# whose gated-delta layers are not mapped yet)
+# llama.cpp stores zero-centred norms with the +1 added (Qwen3-Next/3.5 files:
+# see gguf_hybrid)
 NORM_PLUS_ONE = {"gemma3"}
 
 # GGUF metadata key (after "{arch}.") -> config key
@@ -88,9 +91,14 @@ def _open(path: Path) -> GGUFFile:
 
 
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
+    if meta.arch in gguf_hybrid.ARCHS:
+        return gguf_hybrid.build_config(meta, tensor_names)
+    if meta.arch == "step35":
+        return gguf_step35.build_config(meta, tensor_names)
     if meta.arch not in ARCHS:
+        supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS])
         raise MTPError(
-            f"unsupported GGUF architecture {meta.arch!r} (supported: {', '.join(ARCHS)})"
+            f"unsupported GGUF architecture {meta.arch!r} (supported: {supported})"
         )
     config: Dict[str, Any] = {"model_type": ARCHS[meta.arch]}
     for key, name in CONFIG_KEYS.items():
@@ -129,8 +137,10 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         if isinstance(pattern, list):  # one flag per layer, the global layers False
             pattern = pattern.index(False) + 1 if False in pattern else len(pattern)
         config["sliding_window_pattern"] = int(pattern)
-    if meta.arch == "deepseek2":
+    if meta.arch in ("deepseek2", "glm-dsa"):
         _mla_config(meta, config)
+    if meta.arch == "glm-dsa":
+        _dsa_config(meta, config)
     if "n_routed_experts" in config:
         gating = meta.arch_key("expert_gating_func", 2)
         config["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
@@ -148,6 +158,22 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
             config[name] = int(value)
     config["torch_dtype"] = "float16"
     return config
+
+
+def _dsa_config(meta: Metadata, config: Dict[str, Any]) -> None:
+    """GLM-5 (llama.cpp ``conversion/glm.py``, ``GlmMoeDsaModel``: DeepSeek-V2's
+    conversion plus the indexer's head count, key length and top-k)."""
+    config.update(
+        model_type="glm_moe_dsa",  # sigmoid routing, whatever _mla_config guessed
+        index_n_heads=meta.arch_key("attention.indexer.head_count"),
+        index_head_dim=meta.arch_key("attention.indexer.key_length"),
+        index_topk=meta.arch_key("attention.indexer.top_k"),
+        moe_layer_freq=1,
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+    )
+    if config.get("rope_scaling"):
+        config["rope_parameters"].update(config.pop("rope_scaling"))
+        config["rope_parameters"]["rope_type"] = config["rope_parameters"].pop("type")
 
 
 def _mla_config(meta: Metadata, config: Dict[str, Any]) -> None:
@@ -212,11 +238,13 @@ def _candidate_names(config: Dict[str, Any]) -> List[str]:
             everything = {
                 f"{prefix}embed_tokens.weight": 0,
                 f"{prefix}shared_head.head.weight": 0,
+                f"{prefix}shared_head.output.weight": 0,  # Step-3.5's name
             }
             head = family.build(args, config, backbone, everything)
+            layer = head.layer(min(j, head.num_layers - 1))
             own = [
                 k
-                for k, _ in tree_flatten(head.parameters())
+                for k, _ in tree_flatten(layer.parameters())
                 if not k.startswith("block.")
             ]
             names += [prefix + k for k in own]
@@ -228,11 +256,16 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
     import gguf
 
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    if arch in gguf_hybrid.ARCHS:
+        return _hybrid_name_map(arch, arch_enum, config)
     n_blocks = config["num_hidden_layers"] + int(
         config.get("num_nextn_predict_layers", 0)
     )
     tmap = gguf.TensorNameMap(arch_enum, n_blocks)
     nextn = _nextn_names(n_blocks)
+    if arch == "step35":
+        names = _candidate_names(config)
+        return gguf_step35.name_map(config, tmap, nextn, names, _name_variants)
     out = {}
     for name in _candidate_names(config):
         for base, suffix in _name_variants(name):
@@ -246,6 +279,21 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
             if found is not None:
                 out.setdefault(found + ".weight", kv_b)
     return out
+
+
+def _hybrid_name_map(arch: str, arch_enum, config: Dict[str, Any]) -> Dict[str, str]:
+    import gguf
+    from mlx.utils import tree_flatten
+
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazy: nothing is computed
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    cfg = gguf_hybrid.text(config)
+    n_blocks = cfg["num_hidden_layers"] + int(
+        cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0))
+    )
+    tmap = gguf.TensorNameMap(arch_enum, n_blocks)
+    return gguf_hybrid.name_map(arch, config, tmap, names, _name_variants)
 
 
 def _nextn_names(n_blocks: int) -> Dict[str, str]:
@@ -277,6 +325,10 @@ def _unpermute(w: mx.array, n_head: int) -> mx.array:
 
 
 def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
+    if arch in gguf_hybrid.ARCHS:
+        return gguf_hybrid.fix(arch, config, name, tensors)
+    if arch == "step35":
+        return gguf_step35.fix(config, name, tensors)
     if arch in PERMUTED_QK:
         heads = None
         if name.endswith("self_attn.q_proj.weight"):
@@ -332,12 +384,16 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     if mtp_gguf is not None:
         mtp_reader = _open(mtp_gguf)
         mtp_meta = Metadata(mtp_reader)
-        n = mtp_meta.arch_key("nextn_predict_layers") or 1
-        config["num_nextn_predict_layers"] = int(n)
+        n = int(mtp_meta.arch_key("nextn_predict_layers") or 1)
+        if "text_config" in config:  # Qwen3.5's key
+            config["text_config"]["mtp_num_hidden_layers"] = n
+        else:
+            config["num_nextn_predict_layers"] = n
     names = name_map(meta.arch, config)
     weights = _read_tensors(reader, meta.arch, config, names, bar)
     if mtp_reader is not None:
         weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar))
+    weights = gguf_hybrid.finish(meta.arch, config, weights)
     return Source(path, config, weights, gguf_tokenizer_writer(path, reader.fields))
 
 

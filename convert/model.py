@@ -6,6 +6,7 @@ real modules lets quantization act on final module shapes (stacked experts,
 split MLA projections) and checks every tensor's shape on the way.
 """
 
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -13,9 +14,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_mtp.errors import MTPError
-from mlx_mtp.heads import family_for, load_head_weights
+from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import _first_line, _sanitize_block
-from mlx_mtp.trunk import find_backbone, output_head
+from mlx_mtp.trunk import embedding, find_backbone, output_head
 
 from .precision import is_quantized
 
@@ -71,7 +72,11 @@ def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Modu
 def build_heads(
     model: nn.Module, config: Dict[str, Any], mtp: Dict[str, mx.array]
 ) -> Tuple[List[Tuple[str, nn.Module]], Dict[str, mx.array]]:
-    """One loaded head per MTP layer present, and MTP tensors no head took."""
+    """(prefix, loaded layer) per MTP layer, and MTP tensors no layer took.
+
+    Layers that share tensors (Qwen3-Next's ``mtp.fc``) share one prefix and
+    modules; their tensors come out once.
+    """
     family = family_for(config["model_type"])
     if family is None or not mtp:
         return [], dict(mtp)
@@ -81,24 +86,25 @@ def build_heads(
     sanitize = getattr(family, "sanitize_block", None) or (
         lambda w: _sanitize_block(model, family, w)
     )
-    heads, taken = [], set()
-    prefixes = dict.fromkeys(
-        family.prefix(config, j) for j in range(max(family.num_layers(config), 1))
-    )
-    for prefix in prefixes:  # Qwen3-Next keeps all its layers under one prefix
-        if not any(k.startswith(prefix) for k in mtp):
-            continue
-        head = family.build(args, config, backbone, mtp)
+    if not any(k.startswith(family.prefix(config, 0)) for k in mtp):
+        return [], dict(mtp)
+    head = family.build(args, config, backbone, mtp)
+    layers = []
+    for j in range(head.num_layers):
+        prefix = family.prefix(config, j)
         try:
-            load_head_weights(head, prefix, mtp, sanitize, None)
+            load_head_weights(head.layer(j), prefix, mtp, sanitize, None)
         except ValueError as e:
             raise MTPError(
                 f"MTP layer {prefix} does not fit the model ({_first_line(e)})"
             ) from None
-        head.bind(backbone.embed_tokens, output_head(model))
-        heads.append((prefix, head))
-        taken.update(k for k in mtp if k.startswith(prefix))
-    return heads, {k: v for k, v in mtp.items() if k not in taken}
+        layers.append((prefix, head.layer(j)))
+    head.bind(embedding(backbone), output_head(model))
+    # a head norm in the other convention than its family's is shifted back
+    for note in norms.fix(head, [p for p, _ in layers], model):
+        print(f"warning: {note}", file=sys.stderr)
+    taken = {k for k in mtp for prefix, _ in layers if k.startswith(prefix)}
+    return layers, {k: v for k, v in mtp.items() if k not in taken}
 
 
 def _checkpoint_path(prefix: str, path: str) -> str:

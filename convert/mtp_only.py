@@ -119,7 +119,9 @@ def add_mtp(
     if not mtp:
         raise MTPError(f"{src}: no MTP tensors")
     config = dict(trunk_cfg)
-    config.update({k: head_cfg[k] for k in MTP_CONFIG_KEYS if k in head_cfg})
+    family = family_for(head_cfg["model_type"])
+    keys = MTP_CONFIG_KEYS + getattr(family, "HEAD_CONFIG_KEYS", ())
+    config.update({k: head_cfg[k] for k in keys if k in head_cfg})
     try:
         model, _ = mlx_lm_load_model(into, lazy=True)
     except Exception as e:

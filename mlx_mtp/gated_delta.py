@@ -9,12 +9,16 @@ Three implementations of one op, all matching mlx-lm's ``gated_delta_ops``:
 a pure-MLX reference (CPU and the fallback everywhere), a Metal kernel that is
 mlx-lm's shipped kernel plus one output, and its CUDA twin. Like mlx-lm's op,
 this one takes q and k already normalized and scaled (``normalize_qk``).
+``kernel_spec`` and ``kernel_call`` give the kernel builder's and a call's
+arguments: the dispatch and the CPU emulator in the tests share them. A
+kernel is checked against the reference the first time a process uses it.
 """
 
 import importlib.resources
+import sys
 from functools import cache
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
@@ -58,55 +62,29 @@ _INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
 _OUTPUTS = ["y", "state_out", "inter"]
 
 
-def _suffix(has_mask: bool, vectorized: bool) -> str:
-    return ("_vec" if vectorized else "") + ("_mask" if has_mask else "")
-
-
-@cache
-def _metal_kernel(has_mask: bool, vectorized: bool):
-    if not mx.metal.is_available():
-        return None
-    return mx.fast.metal_kernel(
-        name="gated_delta_keep" + _suffix(has_mask, vectorized),
-        input_names=_INPUTS + ["T"] + (["mask"] if has_mask else []),
+def kernel_spec(backend: str, has_mask: bool, vectorized: bool) -> Dict[str, Any]:
+    """Arguments of ``mx.fast.metal_kernel`` (backend "metal") or
+    ``mx.fast.cuda_kernel`` ("cuda") for one mask and gate variant."""
+    suffix = ("_vec" if vectorized else "") + ("_mask" if has_mask else "")
+    header = _variant_header(has_mask, vectorized)
+    metal = backend == "metal"
+    return dict(
+        name="gated_delta_keep" + suffix,
+        input_names=_INPUTS + ["T" if metal else "n_tokens"] + ["mask"] * has_mask,
         output_names=_OUTPUTS,
-        source=_source("gated_delta_keep.metal"),
-        header=_variant_header(has_mask, vectorized),
+        source=_source("gated_delta_keep.metal" if metal else "gated_delta_keep.cu"),
+        header=header if metal else _CUDA_HEADER + header,
     )
 
 
-def _cuda_available() -> bool:
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-@cache
-def _cuda_kernel(has_mask: bool, vectorized: bool):
-    if not _cuda_available():
-        return None
-    return mx.fast.cuda_kernel(
-        name="gated_delta_keep" + _suffix(has_mask, vectorized),
-        input_names=_INPUTS + ["n_tokens"] + (["mask"] if has_mask else []),
-        output_names=_OUTPUTS,
-        source=_source("gated_delta_keep.cu"),
-        header=_CUDA_HEADER + _variant_header(has_mask, vectorized),
-    )
-
-
-def _gpu_kernel(has_mask: bool, vectorized: bool):
-    """The kernel for the default device, or None where there is none."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return _metal_kernel(has_mask, vectorized)
-    return _cuda_kernel(has_mask, vectorized)
-
-
-def _run_kernel(kernel, q, k, v, g, beta, state, mask) -> Arrays3:
+def kernel_call(q, k, v, g, beta, state, mask=None) -> Dict[str, Any]:
+    """Keyword arguments of one kernel call, the same for both backends:
+    inputs, template, grid and threadgroup (in threads: one SIMD group per
+    state row), output shapes and dtypes."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    inputs = [q, k, v, g, beta, state, T] + ([] if mask is None else [mask])
-    return kernel(
-        inputs=inputs,
+    return dict(
+        inputs=[q, k, v, g, beta, state, T] + ([] if mask is None else [mask]),
         template=[
             ("InT", q.dtype),
             ("StT", state.dtype),
@@ -120,6 +98,23 @@ def _run_kernel(kernel, q, k, v, g, beta, state, mask) -> Arrays3:
         output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv, Dk)],
         output_dtypes=[q.dtype, state.dtype, state.dtype],
     )
+
+
+def _backend() -> Optional[str]:
+    """The GPU backend whose kernels the dispatch runs: "metal", "cuda" or None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+@cache
+def _build_kernel(backend: str, has_mask: bool, vectorized: bool):
+    build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return build(**kernel_spec(backend, has_mask, vectorized))
 
 
 @mx.compile
@@ -181,11 +176,101 @@ def gated_delta_keep(
     if state is None:
         state = mx.zeros((B, v.shape[2], v.shape[3], Dk), dtype=mx.float32)
     # Each of a SIMD group's 32 lanes holds Dk / 32 state floats.
-    if use_kernel and Dk >= 32 and Dk % 32 == 0:
-        kernel = _gpu_kernel(mask is not None, g.ndim == 4)
-        if kernel is not None:
-            return _run_kernel(kernel, q, k, v, g, beta, state, mask)
+    backend = _backend() if use_kernel and Dk >= 32 and Dk % 32 == 0 else None
+    if backend is not None:
+        variant = (backend, mask is not None, g.ndim == 4)
+        if _kernel_trusted(variant, (q, k, v, g, beta, state, mask)):
+            call = kernel_call(q, k, v, g, beta, state, mask)
+            return tuple(_build_kernel(*variant)(**call))
     return gated_delta_keep_ops(q, k, v, g, beta, state, mask)
+
+
+# Self-check on first use. The kernels are tested on the CPU through an
+# emulator (tests/kernel_harness), which cannot prove that a Metal compiler
+# accepts them or that a GPU runs them as emulated. So each kernel instance
+# (variant, input shapes and dtypes) is checked against the reference on
+# random inputs the first time a process uses it; one that fails or disagrees
+# is replaced by the reference, with one line on stderr.
+_verdicts: Dict[tuple, bool] = {}
+_warned = False
+
+
+def _kernel_trusted(variant: tuple, args: tuple) -> bool:
+    key = (variant, tuple((a.shape, a.dtype) for a in args if a is not None))
+    if key not in _verdicts:
+        problem = _self_check(variant, *args)
+        _verdicts[key] = problem is None
+        if problem is not None:
+            name = kernel_spec(*variant)["name"]
+            _warn_once(
+                f"the {variant[0]} kernel {name} {problem}; using the pure-MLX "
+                "reference instead (slower). Please report this."
+            )
+    return _verdicts[key]
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"warning: mlx-mtp: {message}", file=sys.stderr, flush=True)
+
+
+def check_inputs(q, k, v, g, beta, state, mask=None):
+    """Random inputs with the shapes and dtypes of the given ones, scaled as a
+    model's (unit-norm keys, decays in (0.5, 1)); with a mask, sequence 0's
+    first token is masked. Drawn from a fixed key: the global random state
+    is left alone."""
+    B, T, _, Dk = k.shape
+    kq, kk, kv, kg, kb, ks = mx.random.split(mx.random.key(0), 6)
+    q_ = mx.random.normal(q.shape, key=kq) * Dk**-0.5
+    k_ = mx.random.normal(k.shape, key=kk)
+    k_ = k_ / mx.linalg.norm(k_, axis=-1, keepdims=True)  # as normalize_qk does
+    v_ = mx.random.normal(v.shape, key=kv)
+    g_ = mx.random.uniform(0.5, 1.0, g.shape, key=kg)
+    b_ = mx.random.uniform(0.0, 1.0, beta.shape, key=kb)
+    s_ = 0.1 * mx.random.normal(state.shape, key=ks)
+    like = (q, k, v, g, beta, state)
+    out = [x.astype(a.dtype) for x, a in zip((q_, k_, v_, g_, b_, s_), like)]
+    if mask is not None:
+        start = mx.array([1 if T > 1 else 0] + [0] * (B - 1))
+        mask = mx.arange(T)[None] >= start[:, None]
+    return (*out, mask)
+
+
+def kernel_disagreement(outputs, inputs, atol: float = 1e-4) -> Optional[str]:
+    """None when kernel ``outputs`` (y, state, intermediates) match the
+    reference run in float32 on ``inputs``, else what differs.
+
+    A float32 output may differ by ``atol`` (sums of Dk products in another
+    order, fused multiply-adds); a bfloat16 one also by its rounding, at most
+    half a unit in the last place (2**-8 relative). y is compared where the
+    mask keeps the token (the kernels write 0 elsewhere).
+    """
+    *arrays, mask = inputs
+    want = gated_delta_keep_ops(*[a.astype(mx.float32) for a in arrays], mask)
+    valid = 1 if mask is None else mask[..., None, None]
+    for name, got, ref, keep in zip(("y", "state", "intermediates"), outputs, want,
+                                    (valid, 1, 1)):  # fmt: skip
+        rtol = 2.0**-8 if got.dtype == mx.bfloat16 else 0.0
+        if got.shape != ref.shape:
+            return f"gives {name} of shape {got.shape}, not {ref.shape}"
+        err = mx.abs(got.astype(mx.float32) - ref) * keep
+        bound = atol + rtol * mx.abs(ref)
+        if not mx.all(err <= bound).item():  # NaN fails too
+            worst = mx.max(err).item()
+            return f"disagrees with the reference (max |diff| in {name} {worst:.3g})"
+    return None
+
+
+def _self_check(variant: tuple, *args) -> Optional[str]:
+    inputs = check_inputs(*args)
+    try:
+        outputs = _build_kernel(*variant)(**kernel_call(*inputs))
+        mx.eval(outputs)
+    except Exception as e:  # a Metal compile error, a launch failure
+        return f"failed ({(str(e).strip() or type(e).__name__).splitlines()[0]})"
+    return kernel_disagreement(outputs, inputs)
 
 
 def gated_delta_update_keep(

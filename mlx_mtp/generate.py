@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import MTPCache
+from .distributed import sync_verifier
 from .loader import MTPModel
 from .adaptive import AdaptiveDraftLength
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
@@ -112,6 +113,7 @@ def stream_generate(
         verifier = make_verifier(config, sampler, logits_processors)
     policy = AdaptiveDraftLength(draft_max) if adaptive_draft and mtp else None
     stats = MTPStats(trace=[] if trace else None)
+    verifier = sync_verifier(model, verifier, stats)  # over processes: one decision
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stop_tokens = set(getattr(tokenizer, "eos_token_ids", ()) or ())

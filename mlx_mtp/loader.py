@@ -12,20 +12,23 @@ import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import MTPCache, Pending, can_rollback
 from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights
+from .heads import MTPHead, family_for, load_head_weights, norms
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
 # Written beside a head trained by ``train-head``: names the head's family, so
 # the head attaches to a trunk whose model_type has no MTP family of its own.
 HEAD_CONFIG_FILE = "mtp_config.json"
+# Called as ``shard(model, head, config)`` on the loaded model before its
+# weights are read (``mlx_mtp.distributed`` splits it over processes there).
+ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class MTPModel:
     head: Optional[MTPHead]
     config: Dict[str, Any]
     notice: Optional[str] = None  # why there is no head, when there is none
+    sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
 
     @property
     def model_type(self) -> str:
@@ -146,6 +150,8 @@ def _check_model_type(config: Dict[str, Any]) -> None:
 def _sanitize_block(model: nn.Module, family, weights):
     """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
     layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
+    if callable(layer):  # the trunk sanitizes some layers only as their kind needs
+        layer = layer(model)
     sanitize = getattr(model, "sanitize", lambda w: w)
     out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
     return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}
@@ -156,12 +162,15 @@ def load_model(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     lazy: bool = False,
+    shard: Optional[ShardHook] = None,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
     ``mtp`` names a separate head (a folder holding ``mtp*.safetensors`` or a
     ``.safetensors`` file) to attach instead of the one in the folder.
     ``hidden_tap`` ("post" or "pre") overrides the family's hidden-state tap.
+    ``shard(model, head, config)`` runs before the trunk's weights are read
+    (``mlx_mtp.distributed`` splits the model there).
     """
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -210,6 +219,8 @@ def load_model(
     if head is not None and not can_rollback(trunk.make_cache()):
         notice = f"{model_type}: its caches cannot roll back, generating without MTP"
         head = None
+    if shard is not None:
+        shard(model, head, config)
     if not lazy:
         mx.eval(model.parameters())
     return MTPModel(trunk=trunk, head=head, config=config, notice=notice)
@@ -250,6 +261,9 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
     except ValueError as e:
         raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
     head.bind(trunk.embed_tokens, output_head(model))
+    # a norm in the other convention drafts garbage: convert fixes it, we refuse
+    prefixes = [family.prefix(config, j) for j in range(head.num_layers)]
+    norms.check(head, prefixes, model)
     return head
 
 
@@ -258,11 +272,14 @@ def load(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    shard: Optional[ShardHook] = None,
 ) -> Tuple[MTPModel, Any]:
-    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``."""
+    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``.
+
+    ``shard`` as in ``load_model``."""
     from mlx_lm.utils import load_tokenizer
 
-    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap)
+    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap, shard=shard)
     try:
         tokenizer = load_tokenizer(
             Path(path),

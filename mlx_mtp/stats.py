@@ -8,6 +8,10 @@
 - per-position acceptance j = P(draft j accepted | drafts 1..j-1 accepted).
 
 Invariant: emitted == rounds + accepted.
+
+Over several processes (``mlx_mtp.distributed``) each round ends with one
+collective that shares the verify decision: ``syncs`` counts them and
+``sync_time`` is their time, included in ``generation_time``.
 """
 
 from dataclasses import dataclass, field
@@ -36,6 +40,8 @@ class MTPStats:
     accepted_at: List[int] = field(default_factory=list)
     peak_memory: float = 0.0  # GB
     trace: Optional[List[DraftRound]] = None
+    syncs: int = 0
+    sync_time: float = 0.0
 
     def record_round(self, drafted: List[int], accepted: int) -> None:
         """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
@@ -57,7 +63,8 @@ class MTPStats:
         """Add another generation's counts and times (totals over several runs)."""
         self.draft_max = other.draft_max
         for name in ("prompt_tokens", "prompt_time", "generation_tokens",
-                     "generation_time", "rounds", "drafted", "accepted"):
+                     "generation_time", "rounds", "drafted", "accepted",
+                     "syncs", "sync_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at),
                              (self.accepted_at, other.accepted_at)):
@@ -84,6 +91,11 @@ class MTPStats:
         return self.rounds / self.generation_tokens if self.generation_tokens else 0.0
 
     @property
+    def sync_share(self) -> float:
+        """The decision collective's share of generation (round) time."""
+        return self.sync_time / self.generation_time if self.generation_time else 0.0
+
+    @property
     def prompt_tps(self) -> float:
         return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
 
@@ -94,6 +106,13 @@ class MTPStats:
     def summary(self) -> str:
         """The stats line, in llama.cpp's words."""
         per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance)
+        sync = ""
+        if self.syncs:
+            sync = (
+                f"\ncollective: {self.syncs} (1 per round), "
+                f"{1e3 * self.sync_time / self.syncs:.3f} ms each, "
+                f"{100 * self.sync_share:.1f}% of generation time"
+            )
         return (
             f"draft acceptance = {self.acceptance_rate:.2f} "
             f"({self.accepted} accepted / {self.drafted} generated), "
@@ -102,6 +121,7 @@ class MTPStats:
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
             f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "
             f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB"
+            + sync
         )
 
     def to_dict(self) -> dict:
@@ -119,4 +139,7 @@ class MTPStats:
             "per_position_acceptance": self.per_position_acceptance,
             "forwards_per_token": self.forwards_per_token,
             "peak_memory_gb": self.peak_memory,
+            "syncs": self.syncs,
+            "sync_time": self.sync_time,
+            "sync_share": self.sync_share,
         }

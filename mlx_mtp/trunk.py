@@ -14,18 +14,43 @@ import mlx.nn as nn
 HIDDEN_TAPS = ("post", "pre")
 
 
+# mlx-lm's names for the token embedding and the final norm: most families use
+# the first; Nemotron-H ``embeddings`` / ``norm_f``, Bailing ``word_embeddings``.
+_EMBEDDINGS = ("embed_tokens", "embeddings", "word_embeddings")
+_FINAL_NORMS = ("norm", "norm_f")
+
+
+def _first(m: nn.Module, names) -> Optional[str]:
+    return next((n for n in names if hasattr(m, n)), None)
+
+
 def find_backbone(model: nn.Module) -> nn.Module:
-    """The module that owns ``embed_tokens``, ``layers`` and the final ``norm``."""
-    candidates = [model, getattr(model, "model", None)]
+    """The module that owns the token embedding, ``layers`` and the final norm."""
+    candidates = [
+        model,
+        getattr(model, "model", None),
+        getattr(model, "backbone", None),
+    ]
     lm = getattr(model, "language_model", None)
     if lm is not None:
         candidates += [lm, getattr(lm, "model", None)]
     for m in candidates:
-        if m is not None and all(
-            hasattr(m, name) for name in ("embed_tokens", "layers", "norm")
+        if (
+            m is not None
+            and hasattr(m, "layers")
+            and _first(m, _EMBEDDINGS)
+            and _first(m, _FINAL_NORMS)
         ):
             return m
     raise ValueError(f"cannot find the backbone of {type(model).__name__}")
+
+
+def embedding(backbone: nn.Module) -> nn.Module:
+    return getattr(backbone, _first(backbone, _EMBEDDINGS))
+
+
+def final_norm(backbone: nn.Module) -> nn.Module:
+    return getattr(backbone, _first(backbone, _FINAL_NORMS))
 
 
 def output_head(model: nn.Module):
@@ -33,7 +58,7 @@ def output_head(model: nn.Module):
     for m in (model, getattr(model, "language_model", None)):
         if m is not None and "lm_head" in m:
             return m.lm_head
-    return find_backbone(model).embed_tokens.as_linear
+    return embedding(find_backbone(model)).as_linear
 
 
 class _Tap:
@@ -70,7 +95,7 @@ class Trunk:
         self.model = model
         self.backbone = find_backbone(model)
         self._tap = _Tap(hidden_tap)
-        _install_tap(self.backbone.norm, self._tap)
+        _install_tap(final_norm(self.backbone), self._tap)
 
     @property
     def hidden_tap(self) -> str:
@@ -82,7 +107,7 @@ class Trunk:
 
     @property
     def embed_tokens(self) -> nn.Module:
-        return self.backbone.embed_tokens
+        return embedding(self.backbone)
 
     def make_cache(self) -> List[Any]:
         from mlx_lm.models.cache import make_prompt_cache

@@ -7,8 +7,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
+import tiny_2026  # noqa: E402
 
-DRAFT_FAMILIES = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
+# heads in the DeepSeek and MiMo layouts (tests/tiny.py)
+DRAFT_FAMILIES = [
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "mimo",
+    "deepseek_v32",
+    "glm_moe_dsa",
+]
+# heads in their own layouts (tests/tiny_2026.py); then those of several layers
+OWN_LAYOUT_FAMILIES = list(tiny_2026.MODEL_TYPES)
+MULTI_LAYER_FAMILIES = list(tiny_2026.MULTI_LAYER_TYPES)
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +31,9 @@ def tiny_folders(tmp_path_factory):
 
     def get(model_type: str, seed: int = 0):
         if (model_type, seed) not in cache:
-            cache[model_type, seed] = tiny.build_folder(
+            own = OWN_LAYOUT_FAMILIES + MULTI_LAYER_FAMILIES
+            builder = tiny_2026 if model_type in own else tiny
+            cache[model_type, seed] = builder.build_folder(
                 root / f"{model_type}-{seed}", model_type, seed
             )
         return cache[model_type, seed]

@@ -12,7 +12,7 @@ import pytest
 import tiny
 import tiny_hybrid
 import tiny_plain
-from conftest import DRAFT_FAMILIES
+from conftest import DRAFT_FAMILIES, MULTI_LAYER_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_mtp.convert import convert
 from test_speculative import assert_same_or_near_tie, mtp_greedy, reference_greedy
 
@@ -22,7 +22,7 @@ from mlx_mtp.generate import mtp_logits
 
 PLAIN = list(tiny_plain.PLAIN_CONFIGS)
 HYBRID = list(tiny_hybrid.MODEL_TYPES)  # Qwen3-Next / Qwen3.5: mtp.* heads
-HEADS = DRAFT_FAMILIES + HYBRID
+HEADS = DRAFT_FAMILIES + HYBRID + OWN_LAYOUT_FAMILIES + MULTI_LAYER_FAMILIES
 TOKENS = list(range(40, 72))
 # 8-bit trunk, 8-bit head: max |logit error| / max |logit|
 BOUND_8BIT = 0.03
@@ -76,6 +76,14 @@ def test_float_round_trip_is_exact(sources, converted, family):
         np.testing.assert_array_equal(
             np.array(mtp_logits(src, TOKENS)), np.array(mtp_logits(out, TOKENS))
         )
+        assert out.head.num_layers == src.head.num_layers
+        for j in range(1, src.head.num_layers):  # every later layer came along
+            a, b = src.head.layer(j), out.head.layer(j)
+            h = mx.random.normal((1, 8, src.trunk.embed_tokens.weight.shape[-1]))
+            t = mx.array(TOKENS[:8])[None]
+            np.testing.assert_array_equal(
+                np.array(a(h, t, a.make_cache())[0]), np.array(b(h, t, b.make_cache())[0])
+            )
 
 
 # dense families only: MLX's CPU MoE kernel (GatherMM) runs float32 alone

@@ -159,6 +159,7 @@ def test_repack_matches_mx_load(tmp_path):
         ("glm4_moe", "glm4moe", False),
         ("deepseek_v3", "deepseek2", False),
         ("deepseek_v3", "deepseek2", True),
+        ("glm_moe_dsa", "glm-dsa", False),
     ],
 )
 def test_moe_gguf_with_nextn_head(tmp_path, tiny_folders, family, arch, joined_kv_b):

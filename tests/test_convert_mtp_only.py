@@ -21,7 +21,19 @@ from mlx_mtp.generate import mtp_logits
 TOKENS = list(range(40, 72))
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mimo"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "glm4_moe",
+        "mimo",
+        "glm_moe_dsa",
+        "ernie4_5_moe",
+        "exaone_moe",
+        "longcat_flash",
+        "step3p5",
+        "mimo_v2_flash",
+    ],
+)
 @pytest.mark.parametrize("quantize", [False, True])
 def test_head_added_later_equals_full_conversion(
     tiny_folders, tmp_path, family, quantize

@@ -12,7 +12,6 @@ import pytest
 from conftest import DRAFT_FAMILIES
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 import mlx_mtp
@@ -43,7 +42,7 @@ def reference_block(config, weights, prefix, model_type):
     return block
 
 
-def numpy_head(model_type, w, prefix, eps, hidden, tokens, block, first):
+def numpy_head(model_type, w, prefix, eps, hidden, tokens, block, first, cache):
     g = lambda name: np.array(w[prefix + name])  # noqa: E731
     if model_type == "mimo":
         e = np.array(w["model.embed_tokens.weight"])[tokens]
@@ -61,7 +60,7 @@ def numpy_head(model_type, w, prefix, eps, hidden, tokens, block, first):
             [rms(e, g("enorm.weight"), eps), rms(hidden, g("hnorm.weight"), eps)], -1
         ) @ g("eh_proj.weight").T
     xm = mx.array(x)[None]
-    y = np.array(block(xm, create_attention_mask(xm, None, return_array=True), KVCache()))[0]
+    y = np.array(block(xm, create_attention_mask(xm, None, return_array=True), cache))[0]
     if model_type == "mimo":
         h = rms(y, g("final_layernorm.weight"), eps)
         return h @ np.array(w["lm_head.weight"]).T
@@ -80,8 +79,10 @@ def test_head_matches_numpy(tiny_folders, family):
     rng = np.random.default_rng(1)
     hidden = rng.standard_normal((6, config["hidden_size"])).astype(np.float32)
     tokens = rng.integers(0, 256, 6)
+    # a fresh cache of the trunk's kind for one layer (DSA: [latent, indexer keys])
+    cache = model.trunk.make_cache()[0]
     expected = numpy_head(
-        family, weights, prefix, config["rms_norm_eps"], hidden, tokens, block, True
+        family, weights, prefix, config["rms_norm_eps"], hidden, tokens, block, True, cache
     )
     got, _ = model.head(mx.array(hidden)[None], mx.array(tokens)[None], model.head.make_cache())
     np.testing.assert_allclose(np.array(got[0]), expected, rtol=1e-4, atol=1e-4)

@@ -33,7 +33,10 @@ from mlx_mtp.stats import MTPStats
 FAMILIES = list(tiny_hybrid.MODEL_TYPES)
 # float32 states: bit-identical on CPU (measured: max |diff| 0.0); a GPU kernel
 # may sum a (k+1)-token verify in another order than one-token steps.
-STATE_ATOL = 1e-5
+# On CUDA mlx-lm's own float32 matmuls run at reduced precision (measured on an
+# H100: kept states up to 5e-4 off the one-token reference, same tokens).
+CUDA = mx.default_device() == mx.gpu and not mx.metal.is_available()
+STATE_ATOL = 5e-3 if CUDA else 1e-5
 
 
 @pytest.fixture(scope="module")

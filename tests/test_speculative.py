@@ -8,7 +8,7 @@ with the trunk); the caches afterwards hold exactly the processed tokens.
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import DRAFT_FAMILIES
+from conftest import DRAFT_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -16,6 +16,7 @@ import mlx_mtp
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
+FAMILIES = DRAFT_FAMILIES + OWN_LAYOUT_FAMILIES
 NEAR_TIE = 1e-4  # a divergence is only acceptable on a top-2 logit gap below this
 PREFILL = 16  # small prefill chunk so that the prompts below span several chunks
 
@@ -80,10 +81,17 @@ def assert_same_or_near_tie(reference, prompt, expected, got):
     assert gap < NEAR_TIE, f"diverged at {i}: {expected[i]} vs {got[i]}, gap {gap}"
 
 
+def _kv(cache):
+    """Every array a cache holds (a ``CacheList`` holds several caches)."""
+    if hasattr(cache, "caches"):
+        return [a for c in cache.caches for a in _kv(c)]
+    return list(cache.keys_and_values())
+
+
 def assert_states_close(caches, fresh):
     for c, f in zip(caches, fresh):
         assert c.offset == f.offset
-        for a, b in zip(c.keys_and_values(), f.keys_and_values()):
+        for a, b in zip(_kv(c), _kv(f)):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4)
 
 
@@ -104,7 +112,7 @@ def assert_cache_exact(model, cache, prompt, out):
     assert_states_close(cache.head, head_fresh)
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_max", [1, 2, 3, 4])
 def test_greedy_identical_long_prompt(models, family, draft_max):
     model, reference = models(family)
@@ -117,7 +125,7 @@ def test_greedy_identical_long_prompt(models, family, draft_max):
     assert_cache_exact(model, cache, prompt, got)
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_max", [1, 2, 3, 4])
 def test_stop_token_inside_a_draft(models, family, draft_max):
     model, reference = models(family)
@@ -148,7 +156,7 @@ def test_stop_token_inside_a_draft(models, family, draft_max):
     assert_cache_exact(model, cache, prompt, got)
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_max", [1, 2, 3, 4])
 def test_max_tokens_inside_a_draft(models, family, draft_max):
     model, reference = models(family)
@@ -170,7 +178,7 @@ def test_max_tokens_inside_a_draft(models, family, draft_max):
         assert_cache_exact(model, cache, prompt, got)
 
 
-@pytest.mark.parametrize("family", DRAFT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_no_mtp_path_is_plain_greedy(models, family):
     model, reference = models(family)
     prompt = list(range(60, 90))

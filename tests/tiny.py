@@ -86,6 +86,29 @@ CONFIGS: Dict[str, dict] = {
         "num_nextn_predict_layers": 1,
     },
     "mimo": {**_COMMON, "num_nextn_predict_layers": 1},
+    # DeepSeek-V3.2 / GLM-5: MLA with the sparse-attention indexer; a top-k of 8
+    # keys makes the indexer select (not just pass everything) past 8 tokens
+    "deepseek_v32": {
+        **_COMMON,
+        **_MOE,
+        **_MLA,
+        "num_key_value_heads": 4,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "num_nextn_predict_layers": 1,
+    },
+    "glm_moe_dsa": {
+        **_COMMON,
+        **_MOE,
+        **_MLA,
+        "num_key_value_heads": 4,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "num_nextn_predict_layers": 1,
+    },
 }
 # The tensors the DeepSeek-style layer owns besides its decoder block.
 _DEEPSEEK_OWN = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head")

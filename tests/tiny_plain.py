@@ -184,15 +184,21 @@ def write_gguf(
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    if arch != "deepseek2":
+    mla = arch in ("deepseek2", "glm-dsa")
+    if not mla:
         writer.add_head_count_kv(config["num_key_value_heads"])
-    if arch == "deepseek2":
+    if mla:
         _mla_metadata(writer, config)
-    else:
+    if arch == "glm-dsa":  # llama.cpp's GlmMoeDsaModel: the indexer's keys
+        writer.add_indexer_head_count(config["index_n_heads"])
+        writer.add_indexer_key_length(config["index_head_dim"])
+        writer.add_indexer_top_k(config["index_topk"])
+    if not mla:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    rope = config.get("rope_parameters") or config
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
@@ -206,7 +212,7 @@ def write_gguf(
         writer.add_expert_weights_scale(config["routed_scaling_factor"])
         writer.add_expert_weights_norm(config["norm_topk_prob"])
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        if arch != "deepseek2":  # its rope width is among the MLA keys
+        if not mla:  # its rope width is among the MLA keys
             rope = int(config["head_dim"] * config["partial_rotary_factor"])
             writer.add_rope_dimension_count(rope)
     if n_mtp:

@@ -10,7 +10,8 @@ A family module provides:
   ``MultiLayerHead`` when its layers draft successive depths); the loader
   loads ``prefix(config, j)`` into ``head.layer(j)``.
 
-Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0),
+Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0;
+or a function of the trunk model naming a trunk layer of the block's kind),
 ``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
 ``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
 caches that roll back).
@@ -22,7 +23,42 @@ from typing import Optional
 
 from .base import MTPHead, MultiLayerHead, load_head_weights
 
-FAMILY_MODULES = ("deepseek", "mimo", "qwen3_next")
+FAMILY_MODULES = (
+    "deepseek",
+    "mimo",
+    "qwen3_next",
+    "ernie",
+    "exaone_moe",
+    "longcat",
+    "step3p5",
+    "mimo_v2_flash",
+    "nemotron_h",
+    "kimi_linear",
+    "bailing_hybrid",
+)
+
+
+# What ``mlx-mtp info`` lists: model_type -> (models, MTP layers of the released
+# checkpoints, how they draft: "depth" when layer j drafts depth j + 1)
+RELEASED = {
+    "deepseek_v3": ("DeepSeek-V3/R1", 1, ""),
+    "deepseek_v32": ("DeepSeek-V3.2", 1, ""),
+    "glm4_moe": ("GLM-4.5/4.6/4.7", 1, ""),
+    "glm4_moe_lite": ("GLM-4.7-Flash", 1, ""),
+    "glm_moe_dsa": ("GLM-5", 1, ""),
+    "mimo": ("MiMo-7B", 1, ""),
+    "mimo_v2_flash": ("MiMo-V2-Flash", 3, "depth"),
+    "step3p5": ("Step-3.5/3.7-Flash", 3, "depth"),
+    "qwen3_next": ("Qwen3-Next", 1, ""),
+    "qwen3_5": ("Qwen3.5/3.6", 1, ""),
+    "qwen3_5_moe": ("Qwen3.5/3.6 MoE", 1, ""),
+    "ernie4_5_moe": ("ERNIE-4.5 MoE", 1, ""),
+    "exaone_moe": ("EXAONE-MoE, K-EXAONE", 1, ""),
+    "longcat_flash": ("LongCat-Flash", 1, ""),
+    "nemotron_h": ("Nemotron-H / Nemotron 3", 1, ""),
+    "kimi_linear": ("Kimi-Linear", 1, ""),
+    "bailing_hybrid": ("Ling hybrid (Ling-2.5)", 1, ""),
+}
 
 
 def family_for(model_type: str) -> Optional[ModuleType]:
@@ -32,6 +68,19 @@ def family_for(model_type: str) -> Optional[ModuleType]:
         if model_type in module.MODEL_TYPES:
             return module
     return None
+
+
+def layers_present(family: ModuleType, config, names) -> int:
+    """How many MTP layers the tensor ``names`` of a checkpoint hold."""
+    if hasattr(family, "layers_present"):  # layers sharing one prefix
+        return family.layers_present(names, config)
+    n, prefixes = 0, set()
+    while family.prefix(config, n) not in prefixes and any(
+        k.startswith(family.prefix(config, n)) for k in names
+    ):
+        prefixes.add(family.prefix(config, n))
+        n += 1
+    return n
 
 
 def supported_model_types():
@@ -46,6 +95,8 @@ __all__ = [
     "MTPHead",
     "MultiLayerHead",
     "family_for",
+    "layers_present",
+    "RELEASED",
     "load_head_weights",
     "supported_model_types",
 ]

@@ -1,4 +1,4 @@
-"""DeepSeek-style MTP head: DeepSeek-V3/R1, GLM-4.5/4.6/4.7 and GLM-4.7-Flash.
+"""DeepSeek-style MTP head: DeepSeek-V3/R1/V3.2, GLM-4.5-4.7, GLM-4.7-Flash, GLM-5.
 
 Checkpoint layout (``N = num_hidden_layers``)::
 
@@ -9,17 +9,35 @@ Checkpoint layout (``N = num_hidden_layers``)::
 
 The block is the trunk's own decoder layer class built at index ``N``, so it
 is MoE exactly where the trunk's layer ``N`` would be.
+
+DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``) keep this layout
+with an MLA block that carries the sparse-attention indexer
+(``self_attn.indexer.*``). vLLM's ``deepseek_mtp.py`` (its DeepSeek-V2 layer
+carries the indexer) zeroes the embedding at position 0 and takes the trunk's
+final-norm output; SGLang and llama.cpp
+(``src/models/glm-dsa.cpp``, whose head leaves the indexer out) do not zero.
+We follow vLLM. Such a block caches ``[MLA latent, indexer keys]`` in one
+``CacheList``, which the trunk's layers use too.
 """
 
 import inspect
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from .base import MTPHead, MultiLayerHead
+from .common import OffsetCacheList
+from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 
-MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+MODEL_TYPES = (
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "deepseek_v32",
+    "glm_moe_dsa",
+)
 
 
 class SharedHead(nn.Module):
@@ -56,6 +74,11 @@ class DeepSeekMTP(MTPHead):
             # forward, and the drafts only need their argmax (the trunk's
             # verify keeps the output exact).
             self.draft_vocab = mx.zeros((draft_vocab,), mx.int32)
+
+    def make_cache(self) -> List[Any]:
+        if "indexer" in self.block.self_attn:  # DSA: [MLA latent, indexer keys]
+            return [OffsetCacheList(KVCache(), KVCache())]
+        return [KVCache()]
 
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)

@@ -14,9 +14,10 @@ Qwen's RMSNorms are zero-centred, ``x * (1 + w)``, and the head's tensors are
 read as Hugging Face stores them: ``ZeroCentredRMSNorm`` applies the ``1 +``,
 where mlx-lm's trunk instead adds 1 to the weights in ``sanitize``.
 
-With several MTP layers only layer 0 drafts: a layer ``j > 0`` would see only
-the chained positions it drafts, never the catch-up positions, so its cache
-could not stay position-consistent. Released checkpoints have one layer.
+With several MTP layers, layer ``j`` drafts depth ``j + 1`` and ``fc``, its
+norms and ``mtp.norm`` are shared by all of them: vLLM's ``qwen3_next_mtp.py``
+and ``qwen3_5_mtp.py`` run ``layers[spec_step_idx % n]`` between the one
+``fc`` and the one ``norm``. Released checkpoints have one layer.
 """
 
 import importlib
@@ -27,7 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 
 from ..gdn_cache import patch_trunk  # noqa: F401  (the loader's hook)
-from .base import MTPHead
+from .base import MTPHead, MultiLayerHead
+from .common import Depth
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 PREFIX = "mtp."
@@ -48,29 +50,15 @@ class ZeroCentredRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class MTPLayers(nn.Module):
-    """The ``mtp.layers`` list; layer 0 runs every draft step (see module doc)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = layers
-
-    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        return self.layers[0](x, mask, cache)
-
-
 class Qwen3NextMTP(MTPHead):
     OWN = ("fc", "norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
     zero_first_embedding = False  # vLLM's qwen3_next_mtp keeps position 0
 
-    def __init__(self, args: Any, layers):
+    def __init__(self, shared: Dict[str, nn.Module], block: Depth):
         super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(dims, eps)
-        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(dims, eps)
-        self.fc = nn.Linear(2 * dims, dims, bias=False)
-        self.norm = ZeroCentredRMSNorm(dims, eps)
-        self.block = MTPLayers(layers)
+        for name, module in shared.items():
+            setattr(self, name, module)
+        self.block = block
 
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         x = [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)]
@@ -99,6 +87,11 @@ def prefix(config: Dict[str, Any], j: int = 0) -> str:
 
 def is_mtp_key(key: str, config: Dict[str, Any]) -> bool:
     return key.startswith(PREFIX)
+
+
+def layers_present(names, config: Dict[str, Any]) -> int:
+    js = [int(k.split(".")[2]) for k in names if k.startswith(_LAYERS)]
+    return 1 + max(js) if js else 0
 
 
 def _text_args(args: Any, layer_class: type) -> Any:
@@ -131,13 +124,20 @@ def build(
     layer_class = type(backbone.layers[0])
     args = _text_args(args, layer_class)
     # Count layers in the tensors: Qwen3-Next configs may not declare them.
-    js = [int(k.split(".")[2]) for k in weights if k.startswith(_LAYERS)]
-    n = 1 + max(js, default=0)
+    n = max(1, layers_present(weights, config))
     layers = [
         _mtp_layer(args, layer_class, f"{_LAYERS}{j}.mlp.gate.weight" in weights)
         for j in range(n)
     ]
-    return Qwen3NextMTP(args, layers)
+    dims, eps = args.hidden_size, args.rms_norm_eps
+    shared = {
+        "pre_fc_norm_embedding": ZeroCentredRMSNorm(dims, eps),
+        "pre_fc_norm_hidden": ZeroCentredRMSNorm(dims, eps),
+        "fc": nn.Linear(2 * dims, dims, bias=False),
+        "norm": ZeroCentredRMSNorm(dims, eps),
+    }
+    heads = [Qwen3NextMTP(shared, Depth(layers, j)) for j in range(n)]
+    return heads[0] if n == 1 else MultiLayerHead(heads)
 
 
 def sanitize_block(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:

@@ -1,0 +1,257 @@
+"""MTP across several processes (several Macs) with ``mlx.distributed``.
+
+Started by ``mlx.launch``, every process loads its shard of the trunk the way
+mlx-lm's ``sharded_load`` does: a pipeline split where the model class has
+``pipeline``, tensor sharding where it has ``shard``. Either way every process
+ends a forward holding the final hidden state (mlx-lm's pipeline all-gathers
+it; tensor-parallel layers all-sum their outputs) and the output head (every
+pipeline stage keeps the embedding, final norm and ``lm_head``), so every
+process also holds the MTP head and drafts the same tokens without a transfer.
+In tensor mode the head's blocks are sharded like trunk layers.
+
+Every process runs the same speculative loop. ``SyncedVerifier`` adds the one
+collective of a round: an ``all_gather`` of each rank's verify decision and
+drafts. Rank 0's decision becomes every rank's, so every cache rolls back by
+the same count, and a rank that drafted differently stops the run instead of
+emitting tokens its caches do not hold.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MTPError
+from .loader import MTPModel, _first_line
+from .loader import load as load_local
+
+SHARDINGS = ("auto", "pipeline", "tensor")
+DEFAULT_SHARDING = "auto"
+_MESSAGE_BYTES = 512  # per rank, in the load handshake
+_MAGIC = np.array([77, 84, 80], np.int32)  # "MTP": heads every gathered row
+
+
+@dataclass
+class Sharding:
+    """How a loaded model is spread over the processes of ``group``."""
+
+    group: Any  # mx.distributed.Group
+    mode: str  # "pipeline", "tensor" or "replicated"
+    notice: Optional[str] = None  # why the model is replicated, when it is
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def describe(self) -> str:
+        return f"{self.mode} over {self.size} processes"
+
+
+def world():
+    """The group ``mlx.launch`` started this process in (size 1 when it did not)."""
+    return mx.distributed.init()
+
+
+def quiet_other_ranks(group) -> None:
+    """Send everything ranks other than 0 print to /dev/null, MLX's own messages too.
+
+    Failures every rank sees (loading, diverging drafts) are reported by rank
+    0; ``mlx.launch`` names a rank that exits non-zero on its own.
+    """
+    if group.rank() == 0:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+
+
+def _plan(model, config, group, sharding: str) -> Tuple[str, Optional[str]]:
+    """The sharding mode for ``model``, and a notice when it must be replicated."""
+    if sharding not in SHARDINGS:
+        raise MTPError(f"sharding must be one of {', '.join(SHARDINGS)}")
+    name = config.get("model_type", type(model).__name__)
+    pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    tensor = hasattr(model, "shard")
+    if sharding == "pipeline" and not pipeline:
+        raise MTPError(f"{name}: mlx-lm has no pipeline split for this model")
+    if sharding == "tensor" and not tensor:
+        raise MTPError(f"{name}: mlx-lm has no tensor sharding for this model")
+    n = group.size()
+    if sharding == "tensor" or (sharding == "auto" and tensor and not pipeline):
+        heads = [config.get(k) for k in ("num_attention_heads", "num_key_value_heads")]
+        if any(isinstance(h, int) and h % n for h in heads):
+            why = f"{name}: its attention heads {heads} do not split over {n} processes"
+            if sharding == "tensor":
+                raise MTPError(why)
+            return "replicated", f"{why}; every process loads the whole model"
+        return "tensor", None
+    if pipeline:
+        layers = len(model.model.layers)
+        if layers < n:
+            raise MTPError(f"{name}: {layers} layers cannot split over {n} processes")
+        return "pipeline", None
+    return "replicated", (
+        f"{name}: mlx-lm has no pipeline or tensor sharding for this model; "
+        "every process loads the whole model"
+    )
+
+
+class _Sharder:
+    """The loader's hook: shards the lazily loaded trunk and head before the
+    weights are read, so each process reads only its own part."""
+
+    def __init__(self, group, sharding: str):
+        self.group, self.sharding = group, sharding
+        self.mode, self.notice = None, None
+
+    def __call__(self, model, head, config) -> None:
+        self.mode, self.notice = _plan(model, config, self.group, self.sharding)
+        if self.mode == "pipeline":
+            # mlx-lm's split: rank 0 holds the last layers; the head, embedding,
+            # final norm and lm_head stay on every rank (see the module notes).
+            model.model.pipeline(self.group)
+        elif self.mode == "tensor":
+            layers = model.model.layers
+            # The head's blocks are trunk layers (layers N.. of the checkpoint):
+            # shard them with the trunk's own rules, as more layers.
+            n = head.num_layers if head is not None else 0
+            blocks = [getattr(head.layer(j), "block", None) for j in range(n)]
+            blocks = [b for b in blocks if type(b) is type(layers[0])]
+            layers.extend(blocks)
+            try:
+                model.shard(self.group)
+            finally:
+                del layers[len(layers) - len(blocks) :]
+            for b in blocks:  # loaded whole before: keep only this rank's slices
+                mx.eval(b.parameters())
+
+
+def _gather(row: mx.array, group) -> mx.array:
+    """``all_gather`` of one row per rank, as ``[ranks, len(row)]``.
+
+    A peer that died makes MLX's ring backend raise, or fail the pending
+    transfer and hand back uninitialised memory: rows start with ``_MAGIC``
+    so that a lost peer is told apart from its data.
+    """
+    try:
+        rows = mx.distributed.all_gather(row, group=group, stream=mx.cpu)
+        rows = np.array(rows).reshape(group.size(), -1)
+    except RuntimeError as e:
+        raise MTPError(f"lost contact with another process ({e})") from None
+    if (rows[:, : len(_MAGIC)] != _MAGIC).any():
+        raise MTPError("lost contact with another process")
+    return rows[:, len(_MAGIC) :]
+
+
+def _agree(group, error: Optional[str]) -> None:
+    """All ranks learn whether every rank loaded; the first failure is raised
+    on all of them, so none waits for a peer that will never come."""
+    row = np.zeros(_MESSAGE_BYTES, np.uint8)
+    if error is not None:
+        text = error.encode()[: _MESSAGE_BYTES - 1]
+        row[0] = 1
+        row[1 : 1 + len(text)] = np.frombuffer(text, np.uint8)
+    try:
+        rows = _gather(mx.array(np.concatenate([_MAGIC.astype(np.uint8), row])), group)
+    except MTPError as e:
+        raise MTPError(f"a process stopped before all had loaded: {e}") from None
+    for rank, r in enumerate(rows):
+        if r[0]:
+            text = bytes(r[1:]).rstrip(b"\0").decode(errors="replace")
+            raise MTPError(f"rank {rank}: {text}" if len(rows) > 1 else text)
+
+
+def load(
+    path: Union[str, Path],
+    mtp: Optional[Union[str, Path]] = None,
+    hidden_tap: Optional[str] = None,
+    sharding: str = DEFAULT_SHARDING,
+    group=None,
+    tokenizer_config: Optional[dict] = None,
+) -> Tuple[MTPModel, Any]:
+    """Load this process's shard of a model folder: ``(model, tokenizer)``.
+
+    Every process of ``group`` (default: ``mlx.launch``'s) must call it with
+    the same folder, which each process finds at ``path`` on its machine. It
+    returns once all have loaded; when any failed, all raise the first
+    failure as an ``MTPError`` ("rank R: ..."). ``sharding`` is "pipeline",
+    "tensor" or "auto" (pipeline where mlx-lm has a split for the model,
+    else tensor sharding; a model with neither is loaded whole on every
+    process, with ``model.sharding.notice`` saying so). The returned model
+    generates through ``stream_generate`` as usual: call it on every process.
+    This is what a server should call to load under ``mlx.launch``.
+    """
+    group = group if group is not None else world()
+    sharder = _Sharder(group, sharding)
+    model, tokenizer, error = None, None, None
+    try:
+        model, tokenizer = load_local(
+            path, mtp, hidden_tap, tokenizer_config, shard=sharder
+        )
+    except MTPError as e:
+        error = str(e)
+    except Exception as e:  # anything else must still reach the handshake
+        error = f"{type(e).__name__}: {_first_line(e)}"
+    _agree(group, error)
+    model.sharding = Sharding(group, sharder.mode, sharder.notice)
+    return model, tokenizer
+
+
+class SyncedVerifier:
+    """Makes rank 0's verify decision every rank's, with one collective a round.
+
+    Wraps any verifier (``draft``/``verify``). Each rank verifies as usual,
+    then one ``all_gather`` of ``[n, emitted (padded), drafts]`` per rank
+    hands every rank rank 0's tokens. The drafts ride along: a rank whose
+    drafts differ from rank 0's (so its trunk verified other tokens) stops
+    the run on every rank. ``stats.syncs`` / ``stats.sync_time`` count the
+    collectives and their time.
+    """
+
+    def __init__(self, inner, group, stats=None):
+        self.inner, self.group, self.stats = inner, group, stats
+        if isinstance(getattr(inner, "seed", None), int):
+            # A seed drawn at random differs per process: use rank 0's.
+            row = np.append(_MAGIC, inner.seed).astype(np.int64)
+            inner.seed = int(_gather(mx.array(row), group)[0, 0])
+
+    def draft(self, logits, history=(), previous=()):
+        return self.inner.draft(logits, history, previous)
+
+    def verify(self, logits, drafts, history) -> List[int]:
+        emitted = self.inner.verify(logits, drafts, history)
+        k = len(drafts)
+        proposed = mx.concatenate([d.token for d in drafts]).tolist() if k else []
+        row = [len(emitted)] + emitted + [-1] * (k + 1 - len(emitted)) + proposed
+        tic = time.perf_counter()
+        rows = _gather(mx.array(np.concatenate([_MAGIC, row]), mx.int32), self.group)
+        rows = rows.tolist()
+        if self.stats is not None:
+            self.stats.syncs += 1
+            self.stats.sync_time += time.perf_counter() - tic
+        if any(r[k + 2 :] != rows[0][k + 2 :] for r in rows):
+            raise MTPError(
+                "the processes drafted different tokens (different MLX versions "
+                "or hardware?); run the same setup everywhere or use --draft-max 0"
+            )
+        return rows[0][1 : 1 + rows[0][0]]
+
+
+def sync_verifier(model: MTPModel, verifier, stats=None):
+    """``verifier`` wrapped for a sharded ``model``; unchanged on one process."""
+    sharding = getattr(model, "sharding", None)
+    if sharding is None or sharding.size == 1:
+        return verifier
+    return SyncedVerifier(verifier, sharding.group, stats)

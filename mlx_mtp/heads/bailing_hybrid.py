@@ -1,0 +1,73 @@
+"""Ling's hybrid MTP head (``bailing_hybrid``: lightning attention + MLA trunks).
+
+Checkpoint layout (vLLM ``model_executor/models/bailing_moe_mtp.py``,
+``BailingMoeV25MTPModel``; ``N = num_hidden_layers``, count in
+``num_nextn_predict_layers``; mlx-lm's ``sanitize`` drops these layers)::
+
+    model.layers.{N}.enorm / hnorm / eh_proj            fuse, embedding FIRST
+    model.layers.{N}.input_layernorm, attention.*, post_attention_layernorm, mlp.*
+    model.layers.{N}.final_layernorm                    closes the block
+    model.layers.{N}.shared_head.head                   optional output head
+
+The block is the trunk's decoder layer built at index ``N``: past the last
+full group, so MLA with rotary positions, and MoE. Embedding and output head
+are the trunk's (vLLM loads ``model.word_embeddings`` and ``lm_head`` into the
+draft; its shared head adds no norm). vLLM zeroes the embedding at position 0
+and feeds the trunk's output hidden state, after the final norm.
+"""
+
+from typing import Any, Dict
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..lightning_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from . import deepseek
+from .base import MTPHead
+
+MODEL_TYPES = ("bailing_hybrid",)
+
+num_layers = deepseek.num_layers
+prefix = deepseek.prefix
+is_mtp_key = deepseek.is_mtp_key
+
+
+class SharedHead(nn.Module):
+    def __init__(self, dims: int, vocab_size: int):
+        super().__init__()
+        self.head = nn.Linear(dims, vocab_size, bias=False)
+
+
+class BailingMTP(MTPHead):
+    OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm", "shared_head")
+
+    def __init__(self, args: Any, block: nn.Module, has_head: bool):
+        super().__init__()
+        dims, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(dims, eps=eps)
+        self.hnorm = nn.RMSNorm(dims, eps=eps)
+        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+        self.final_layernorm = nn.RMSNorm(dims, eps=eps)
+        if has_head:
+            self.shared_head = SharedHead(dims, args.vocab_size)
+        self.block = block
+
+    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
+        return self.eh_proj(x)
+
+    def final_norm(self, x: mx.array) -> mx.array:
+        return self.final_layernorm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if "shared_head" in self:
+            return self.shared_head.head(h)
+        return super().logits(h)
+
+
+def build(
+    args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
+) -> MTPHead:
+    block = deepseek.make_block(backbone, args, args.num_hidden_layers)
+    head = f"{prefix(config)}shared_head.head."
+    return BailingMTP(args, block, any(k.startswith(head) for k in weights))

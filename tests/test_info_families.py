@@ -1,0 +1,21 @@
+"""``mlx-mtp info`` without a path lists every MTP family and its layer count."""
+
+import json
+
+from mlx_mtp.cli.app import run_app
+from mlx_mtp.heads import RELEASED, supported_model_types
+
+
+def test_info_lists_every_family(capsys):
+    assert run_app(["info", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["model_type"] for r in rows] == supported_model_types()
+    assert set(RELEASED) == set(supported_model_types())  # no family left unnamed
+    by_type = {r["model_type"]: r for r in rows}
+    assert (
+        by_type["step3p5"]["mtp_layers"] == 3 and by_type["step3p5"]["layer_per_depth"]
+    )
+    assert by_type["qwen3_5"]["mtp_layers"] == 1
+    assert run_app(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "mimo_v2_flash" in text and "MiMo-V2-Flash" in text
