@@ -14,11 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
+import tiny_2026
 import tiny_hybrid
+import tiny_recurrent
 from live_server import LiveServer
 from test_multilayer import build_multilayer
 
 import mlx_mtp
+from mlx_mtp.generate import stream_generate
 from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.batch import BatchDecoder, Stream
@@ -40,6 +43,10 @@ def folders(tmp_path_factory):
                 built[kind] = build_multilayer(root / kind)[0]
             elif kind in tiny_hybrid.MODEL_TYPES:
                 built[kind] = tiny_hybrid.build_folder(root / kind, kind)[0]
+            elif kind in tiny_recurrent.MODEL_TYPES:
+                built[kind] = tiny_recurrent.build_folder(root / kind, kind)[0]
+            elif kind in tiny_2026.MULTI_LAYER_TYPES + tiny_2026.MODEL_TYPES:
+                built[kind] = tiny_2026.build_folder(root / kind, kind)[0]
             else:
                 built[kind] = tiny.build_folder(root / kind, kind)[0]
         return built[kind]
@@ -129,6 +136,52 @@ def test_recurrent_prompt_cache_resumes_at_a_turn_boundary(folders):
         fresh.close()
 
 
+def test_caches_without_a_batch_form_are_served_one_token_at_a_time(folders):
+    """LongCat-Flash caches in an ``OffsetCacheList``: no batch form here, so
+    streams take turns through the single-stream loop; answers are the same."""
+    family = "longcat_flash"
+    model, tokenizer = mlx_mtp.load(folders(family))
+    server = LiveServer(model, tokenizer, family, ServeConfig())
+    try:
+        client = server.client()
+        assert server.get("/health")[1]["batched"] is False
+
+        def ask(prompt, n=12, **kwargs):
+            r = client.completions.create(
+                model=family, prompt=prompt, max_tokens=n, **kwargs
+            )
+            return r.choices[0].text, r.usage
+
+        prompts = _prompts()[:3]
+        alone = [ask(p) for p in prompts]
+        together = [None] * 3
+        threads = [
+            threading.Thread(
+                target=lambda i=i: together.__setitem__(i, ask(prompts[i]))
+            )
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        # a stop string ends the answer inside a round; the cache it leaves
+        # holds what the trunk read, and the next request reuses it exactly
+        text = alone[0][0]
+        cut, usage = ask(prompts[0], stop=text[5:7])
+        assert cut == text[:5] and usage.completion_tokens < 12
+        first = tokenizer.encode(prompts[0])
+        answer = [r.token for r in stream_generate(model, tokenizer, first, 12)]
+        longer = first + answer[:8]
+        again, usage = ask(longer)
+        assert usage.prompt_tokens_details.cached_tokens >= len(first)
+        expected = list(stream_generate(model, tokenizer, longer, 12))
+        assert again == "".join(r.text for r in expected)
+    finally:
+        server.close()
+
+
 # -- the batch decoder itself -------------------------------------------------------
 
 
@@ -150,9 +203,13 @@ def _layer_arrays(c):
     return [x for x in getattr(c, "cache", []) if x is not None]
 
 
-@pytest.mark.parametrize(
-    "family", ["deepseek_v3", "mimo", "multi", "qwen3_next", "qwen3_5"]
-)
+# attention, several MTP layers, and each recurrent cache (GDN, Mamba2, KDA,
+# lightning attention)
+BATCHED = ["deepseek_v3", "mimo", "multi", "step3p5", "qwen3_next", "qwen3_5"]
+BATCHED += ["nemotron_h", "kimi_linear", "bailing_hybrid"]
+
+
+@pytest.mark.parametrize("family", BATCHED)
 def test_streams_join_and_leave_between_rounds(folders, family):
     model = mlx_mtp.load_model(folders(family))
     prompts = [

@@ -31,7 +31,7 @@ from ..cache import MTPCache, start_verify
 from ..sampling import Draft
 from ..speculative import PENDING_LIMIT, _cut, count_round
 from ..stats import MTPStats
-from .batch_cache import merge, rollback
+from .batch_cache import RaggedKVCache, merge, rollback
 from .policy import BatchDraftLength
 
 
@@ -185,6 +185,12 @@ def draft(model, streams: List[Stream], caches: List[Any], ks: List[int], p_min:
     return drafts, tentative
 
 
+def _extract(cache, b: int, kind: type):
+    if isinstance(cache, RaggedKVCache):
+        return cache.extract(b)
+    return cache.extract(b, kind)  # a recurrent layer's own cache class
+
+
 class BatchDecoder:
     """Streams decoded together, one speculative round at a time."""
 
@@ -196,6 +202,7 @@ class BatchDecoder:
         self.streams: List[Stream] = []
         self.trunk: List[Any] = []  # batch caches, one per trunk layer
         self.head: List[Any] = []  # batch caches, the head's flat list
+        self.kinds: List[type] = []  # the trunk's single-stream cache classes
         self.policy = BatchDraftLength() if adaptive else None
         self.peak = 0  # the most streams a round has decoded
 
@@ -211,6 +218,7 @@ class BatchDecoder:
                 mine.extend(theirs)
         else:
             self.trunk, self.head = trunk, head
+            self.kinds = [type(c) for c in streams[0].cache.trunk]
         for s in streams:
             s.cache.trunk, s.cache.head = [], []
         self.streams += streams
@@ -221,12 +229,28 @@ class BatchDecoder:
         gone = [index[id(s)] for s in streams]
         if extract:
             for s, b in zip(streams, gone):
-                s.cache.trunk = [c.extract(b) for c in self.trunk]
+                s.cache.trunk = [
+                    _extract(c, b, t) for c, t in zip(self.trunk, self.kinds)
+                ]
                 s.cache.head = [c.extract(b) for c in self.head]
         keep = [b for b in range(len(self.streams)) if b not in set(gone)]
         for c in self.trunk + self.head:
             c.filter(keep)
         self.streams = [self.streams[b] for b in keep]
+
+    def prefill(self, tokens: List[List[int]]) -> None:
+        """Stream ``b`` reads ``tokens[b]``; all of the same length, so the
+        recurrent layers run unpadded (as ``speculative.prefill`` reads a chunk)."""
+        model = self.model
+        _, hidden = model.trunk(mx.array(tokens), self.trunk)
+        if model.head is None:
+            mx.eval([c.state for c in self.trunk])
+            return
+        for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
+            s.cache.pending[0].push(hidden[b : b + 1], chunk)
+        catch_up(model, self.streams, self.head)
+        pending = [q.hidden for s in self.streams for q in s.cache.pending]
+        mx.eval(pending, [c.state for c in self.trunk + self.head])
 
     def _cap(self, s: Stream) -> int:
         """The most drafts stream ``s`` may take this round."""

@@ -12,8 +12,9 @@ each stream writes at its own length instead (``RaggedKVCache``):
 - rolling a stream back lowers its length: the entries past it are masked and
   overwritten by its next write. No holes, no compaction.
 
-``BatchGDNCache`` is the gated-delta-net ``GDNCache`` with a per-stream
-rollback: each stream picks the state after its own last kept token.
+``BatchStatesCache`` holds a recurrent layer's ``KeepStatesCache`` (gated
+delta net, Mamba2, ...) for every stream, with a per-stream rollback: each
+stream picks the window and state after its own last kept token.
 
 Both build from, and give back, the single-stream caches (``merge``,
 ``extract``), and drop or add streams between rounds (``filter``, ``extend``).
@@ -24,8 +25,7 @@ from typing import Any, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from ..gated_delta import select_state
-from ..gdn_cache import GDNCache
+from ..keep_states import KeepStatesCache
 
 Counts = Union[int, Sequence[int]]
 
@@ -185,42 +185,46 @@ def _pad_to(x: mx.array, size: int) -> mx.array:
     return mx.pad(x, pad)
 
 
-class BatchGDNCache(GDNCache):
-    """``GDNCache`` over ``streams`` streams, each rolled back by its own count.
+class BatchStatesCache(KeepStatesCache):
+    """A recurrent ``KeepStatesCache`` over ``streams`` streams, each rolled back
+    by its own count: each slot takes, per stream, its window or state after
+    that stream's last kept token.
 
-    A stream that has read nothing yet starts from zeros, as mlx-lm's layer
-    does for a missing state.
+    A stream that has read nothing yet starts from zeros, as mlx-lm's layers
+    do for a missing state.
     """
 
-    def __init__(self, streams: int = 0):
-        super().__init__()
+    def __init__(self, size: int, streams: int = 0):
+        super().__init__(size)
         self.streams = streams
 
     def rollback(self, n: Counts) -> None:
-        v, self._verify = self._verify, None
-        if v is None or v.states is None:
-            return
-        verified = v.states.shape[1]
+        kept_slots, self._verify = self._verify, None
         n = _per_stream(n, self.streams)
-        if not any(n):
+        if not kept_slots or not any(n):
             return
-        if max(n) >= verified:
+        counts = {seq.shape[1] - window for seq, window in kept_slots.values()}
+        verified = counts.pop()
+        if counts or max(n) >= verified:
             raise ValueError(f"cannot roll back {max(n)} of {verified} verified tokens")
         kept = mx.array([verified - k for k in n], dtype=mx.int32)
-        window = v.conv_input.shape[1] - verified
-        # stream b's window is the ``window`` conv inputs before its next token
-        rows = kept[:, None] + mx.arange(window)
-        self[0] = mx.take_along_axis(v.conv_input, rows[..., None], axis=1)
-        self[1] = select_state(v.states, kept - 1)
+        for slot, (seq, window) in kept_slots.items():
+            ones = [1] * (seq.ndim - 2)
+            if window:  # stream b's window: the ``window`` inputs before its next
+                rows = (kept[:, None] + mx.arange(window)).reshape(-1, window, *ones)
+                self[slot] = mx.take_along_axis(seq, rows, axis=1)
+            else:  # its state after its last kept token
+                rows = (kept - 1).reshape(-1, 1, *ones)
+                self[slot] = mx.take_along_axis(seq, rows, axis=1).squeeze(1)
 
     @classmethod
-    def merge(cls, caches: Sequence[Any]) -> "BatchGDNCache":
-        out = cls(len(caches))
+    def merge(cls, caches: Sequence[Any]) -> "BatchStatesCache":
+        out = cls(len(caches[0].cache), len(caches))
         for i in range(len(out.cache)):
             out[i] = _stack([c[i] for c in caches], [1] * len(caches))
         return out
 
-    def extend(self, other: "BatchGDNCache") -> None:
+    def extend(self, other: "BatchStatesCache") -> None:
         counts = [self.streams, other.streams]
         self.cache = [_stack([a, b], counts) for a, b in zip(self.cache, other.cache)]
         self.streams += other.streams
@@ -230,8 +234,9 @@ class BatchGDNCache(GDNCache):
         self.cache = [None if c is None or not keep else c[idx] for c in self.cache]
         self.streams = len(keep)
 
-    def extract(self, b: int) -> GDNCache:
-        c = GDNCache()
+    def extract(self, b: int, like: type) -> KeepStatesCache:
+        """Stream ``b`` as a single-stream cache of class ``like``."""
+        c = like(len(self.cache))
         c.cache = [
             None if x is None else mx.contiguous(x[b : b + 1]) for x in self.cache
         ]
@@ -253,14 +258,14 @@ def _stack(parts: Sequence[Optional[mx.array]], counts: Sequence[int]):
 
 def batchable(caches: Sequence[Any]) -> bool:
     """Whether ``caches`` (one stream's) have batch counterparts here."""
-    return all(type(c) in (KVCache, GDNCache) for c in caches)
+    return all(type(c) is KVCache or isinstance(c, KeepStatesCache) for c in caches)
 
 
 def merge(caches: Sequence[Any]) -> Any:
     """The batch cache of one layer from each stream's cache of that layer."""
     if type(caches[0]) is KVCache:
         return RaggedKVCache.merge(caches)
-    return BatchGDNCache.merge(caches)
+    return BatchStatesCache.merge(caches)
 
 
 def rollback(caches: Sequence[Any], n: Counts) -> None:

@@ -5,9 +5,10 @@ Each turn of its loop
 1) takes new requests, and drops cancelled ones (their state is freed);
 2) starts waiting requests while the batch has room: each gets the prompt
    cache's best entry for its prompt;
-3) reads one chunk of a started prompt (a long prompt does not stall the
-   streams already decoding), and when a prompt is read, its stream joins
-   the batch;
+3) reads one chunk of the started prompts, together: every prompt still
+   being read takes the same number of tokens, so they share one forward
+   unpadded (a long prompt does not stall the streams already decoding);
+   a stream whose prompt is read joins the decoding batch;
 4) runs one speculative round of the whole batch (``batch.py``) and turns
    each stream's tokens into text: end-of-sequence tokens, ``max_tokens`` and
    stop strings finish a stream, which leaves the batch and leaves its cache
@@ -30,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..chat import _truncatable
 from ..sampling import SamplingConfig, make_verifier
-from ..speculative import prefill, speculative_generate_step
+from ..speculative import speculative_generate_step
 from ..stats import MTPStats
 from . import ServeConfig
 from .batch import BatchDecoder, Stream
@@ -157,12 +158,13 @@ class Engine:
         cache = model.make_cache()
         self.batched = batchable(cache.trunk) and batchable(cache.head)
         self.decoder = BatchDecoder(model, adaptive=config.adaptive_draft)
+        self.reader = BatchDecoder(model)  # streams whose prompts are being read
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
         self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self.waiting: List[Request] = []
-        self.reading: List[_Job] = []  # prompts being read
+        self.reading: Dict[int, _Job] = {}  # prompts being read, by id of their stream
         self.jobs: Dict[int, _Job] = {}  # decoding, by id of their stream
         self.serial: List[_Job] = []  # decoding without a batch
         self._thread: Optional[threading.Thread] = None
@@ -227,9 +229,9 @@ class Engine:
             try:
                 # 2) start requests while there is room
                 self._start_waiting()
-                # 3) one chunk of a prompt
+                # 3) one chunk of the prompts being read
                 if self.reading:
-                    self._read_prompt(self.reading[0])
+                    self._read_prompts()
                 # 4) one round
                 if self.jobs:
                     self._round()
@@ -251,7 +253,11 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         self.waiting = [r for r in self.waiting if not r.cancelled]
-        self.reading = [j for j in self.reading if not j.request.cancelled]
+        gone = [j for j in self.reading.values() if j.request.cancelled]
+        if gone:
+            self.reader.remove([j.stream for j in gone], extract=False)
+            for j in gone:
+                del self.reading[id(j.stream)]
         gone = [j for j in self.jobs.values() if j.request.cancelled]
         if gone:
             self._leave(gone)
@@ -282,36 +288,43 @@ class Engine:
                 stop_tokens=set(self.text_eos()),
             )
             job.stream.stats.prompt_tokens = len(request.prompt) - job.read
-            if self.batched:
-                self.reading.append(job)
-            else:
+            if not self.batched:
                 self._start_serial(job, cache)
+            elif job.read < len(request.prompt) - 1:
+                self.reader.add([job.stream])
+                self.reading[id(job.stream)] = job
+            else:  # all but the last token came from the prompt cache
+                self._join([job])
 
     def text_eos(self):
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
 
-    def _read_prompt(self, job: _Job) -> None:
-        """Read the next chunk of ``job``'s prompt; join the batch when done."""
-        tokens, s = job.request.prompt, job.stream
+    def _read_prompts(self) -> None:
+        """Every prompt being read takes its next chunk, all of one length."""
+        jobs = [self.reading[id(s)] for s in self.reader.streams]
+        left = [len(j.request.prompt) - 1 - j.read for j in jobs]
+        n = min(min(left), self.config.prefill_step)
         tic = time.perf_counter()
-        end = min(job.read + self.config.prefill_step, len(tokens) - 1)
-        if end > job.read:  # prefill reads all but the last token given
-            prefill(
-                self.model,
-                s.cache,
-                tokens[job.read : end + 1],
-                self.config.prefill_step,
-                self.model.head is not None,
-            )
-            job.read = end
-        s.stats.prompt_time += time.perf_counter() - tic
-        if job.read < len(tokens) - 1:
-            return
-        self.reading.remove(job)
-        if not _truncatable(s.cache):  # keep the state at the turn boundary
-            self.prompt_cache.insert(tokens[:-1], copy_cache(s.cache))
-        self.decoder.add([s])
-        self.jobs[id(s)] = job
+        self.reader.prefill([j.request.prompt[j.read : j.read + n] for j in jobs])
+        seconds = time.perf_counter() - tic
+        for job in jobs:
+            job.read += n
+            job.stream.stats.prompt_time += seconds
+        done = [j for j, m in zip(jobs, left) if m == n]
+        if done:
+            self.reader.remove([j.stream for j in done])
+            for j in done:
+                del self.reading[id(j.stream)]
+            self._join(done)
+
+    def _join(self, jobs: List[_Job]) -> None:
+        """Streams whose prompts are read join the decoding batch."""
+        for job in jobs:
+            s = job.stream
+            if not _truncatable(s.cache):  # keep the state at the turn boundary
+                self.prompt_cache.insert(job.request.prompt[:-1], copy_cache(s.cache))
+            self.jobs[id(s)] = job
+        self.decoder.add([j.stream for j in jobs])
 
     def _round(self) -> None:
         out = self.decoder.step()
@@ -347,13 +360,14 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         """After an internal error: every request gets it, the batch starts afresh."""
-        jobs = list(self.jobs.values()) + self.reading + self.serial
+        jobs = list(self.jobs.values()) + list(self.reading.values()) + self.serial
         for job in jobs:
             job.request.emit(Event(error=message))
         for request in self.waiting:
             request.emit(Event(error=message))
-        self.waiting, self.reading, self.jobs, self.serial = [], [], {}, []
+        self.waiting, self.reading, self.jobs, self.serial = [], {}, {}, []
         self.decoder = BatchDecoder(self.model, adaptive=self.config.adaptive_draft)
+        self.reader = BatchDecoder(self.model)
 
     # -- without a batch ---------------------------------------------------------
 
