@@ -17,7 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -251,17 +251,17 @@ class Service:
             code="invalid_type",
         )
 
-    def fit(self, tokens: List[int], max_tokens: int) -> int:
+    def fit(self, tokens: List[int], max_tokens: int, param: str) -> int:
         """``max_tokens``, cut where the context ends; a prompt past it is refused."""
         if not tokens:
-            raise APIError("the prompt is empty", param="prompt", code="invalid_value")
+            raise APIError("the prompt is empty", param=param, code="invalid_value")
         if self.context is None:
             return max_tokens
         if len(tokens) > self.context:
             raise APIError(
                 f"the prompt holds {len(tokens)} tokens, more than the model's "
                 f"context of {self.context} tokens",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         # the last new token is predicted at position context - 1
@@ -362,7 +362,7 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
     config.validate()
     service = Service(model, tokenizer, name, config)
 
-    def submit(tokens: List[int], p: Params) -> Tuple[Request, asyncio.Queue]:
+    def submit(tokens: List[int], p: Params, kind: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -374,7 +374,9 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
 
         request = Request(
             prompt=tokens,
-            max_tokens=service.fit(tokens, p.max_tokens),
+            max_tokens=service.fit(
+                tokens, p.max_tokens, "messages" if kind == "chat" else "prompt"
+            ),
             sampling=p.sampling,
             draft_max=p.draft_max,
             emit=emit,
@@ -395,7 +397,7 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
                 p.sampling.validate()
             except ValueError as e:
                 raise APIError(str(e)) from None
-            request, events = submit(tokens, p)
+            request, events = submit(tokens, p, kind)
         except APIError as e:
             return e.response()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"

@@ -321,7 +321,8 @@ class Engine:
         """Streams whose prompts are read join the decoding batch."""
         for job in jobs:
             s = job.stream
-            if not _truncatable(s.cache):  # keep the state at the turn boundary
+            if self.prompt_cache.enabled and not _truncatable(s.cache):
+                # keep the recurrent state at the turn boundary
                 self.prompt_cache.insert(job.request.prompt[:-1], copy_cache(s.cache))
             self.jobs[id(s)] = job
         self.decoder.add([j.stream for j in jobs])
@@ -342,7 +343,7 @@ class Engine:
 
     def _leave(self, jobs: List[_Job], texts: Optional[List[str]] = None) -> None:
         """Take ``jobs`` out of the batch; finished ones send their last event."""
-        keep = self.prompt_cache.max_entries > 0
+        keep = self.prompt_cache.enabled
         self.decoder.remove([j.stream for j in jobs], extract=keep)
         for i, job in enumerate(jobs):
             s = job.stream
@@ -404,6 +405,6 @@ class Engine:
             s.generated += 1
         job.steps.close()
         self.serial.remove(job)
-        if self.prompt_cache.max_entries > 0:
+        if self.prompt_cache.enabled:
             self.prompt_cache.insert(s.history[:-1], s.cache)
         self._finish(job, text)

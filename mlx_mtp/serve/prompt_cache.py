@@ -73,6 +73,10 @@ class PromptCache:
         return len(self.entries)
 
     @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
@@ -99,7 +103,7 @@ class PromptCache:
 
     def insert(self, tokens: List[int], cache: MTPCache) -> None:
         """Keep ``cache``, which has read ``tokens``; older entries it covers go."""
-        if self.max_entries <= 0 or not tokens:
+        if not self.enabled or not tokens:
             return
         cut = _truncatable(cache)
         self.entries = [
