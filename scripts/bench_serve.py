@@ -182,6 +182,9 @@ def main():
                     file=sys.stderr,
                     flush=True,
                 )
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
+            lengths = json.loads(r.read())["draft_lengths"]
+        print(f"server rounds per draft length: {lengths}", file=sys.stderr)
     finally:
         server.terminate()
         server.wait()

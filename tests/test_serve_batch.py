@@ -8,6 +8,7 @@ streams joining and leaving between rounds; afterwards each stream's caches
 equal those of the single-stream loop.
 """
 
+import statistics
 import threading
 
 import mlx.core as mx
@@ -294,22 +295,33 @@ def test_expected_tokens():
     assert expected_tokens([1.0, 1.0, 1.0], 2) == 3
 
 
+def _measured(policy, batch, times, rounds=3):
+    for _ in range(rounds):
+        for k, t in times.items():
+            policy.record(batch, k, t)
+
+
 def test_policy_measures_both_ends_then_picks_the_fastest():
     policy = BatchDraftLength(explore=1000)
     rates, caps = [[0.9] * 4] * 8, [4] * 8
-    assert policy.choose(8, rates, caps) == 4
-    policy.record(8, 4, 1.0)
-    assert policy.choose(8, rates, caps) == 0
+    # the largest K, then alternating with K = 0 until each has 3 rounds
+    picks = []
+    for _ in range(6):
+        k = policy.choose(8, rates, caps)
+        picks.append(k)
+        policy.record(8, k, 1.0 if k else 0.2)
+    assert picks == [4, 0, 4, 0, 4, 0]
     # compute-bound: a round with 4 drafts costs 5x a plain one (1 drafts 1.8x);
     # at 0.9 acceptance 4 drafts give 4.1 tokens per stream, 1 gives 1.9
-    policy.record(8, 0, 0.2)
+    assert policy.choose(8, rates, caps) == 0
+    # a slow round does not sway the median
+    policy.record(8, 0, 5.0)
     assert policy.choose(8, rates, caps) == 0
     # a batch size not seen yet starts from the nearest one's times
     assert policy.choose(6, rates, caps) == 0
     # memory-bound: drafts nearly free, so draft all the way
     fast = BatchDraftLength(explore=1000)
-    fast.record(1, 4, 0.11)
-    fast.record(1, 0, 0.10)
+    _measured(fast, 1, {4: 0.11, 0: 0.10})
     assert fast.choose(1, [[0.9] * 4], [4]) == 4
     # low acceptance: drafting does not pay even when it is cheap-ish
     assert fast.choose(1, [[0.01] * 4], [4]) == 0
@@ -317,13 +329,12 @@ def test_policy_measures_both_ends_then_picks_the_fastest():
 
 def test_policy_interpolates_and_explores():
     policy = BatchDraftLength(explore=2)
-    policy.record(2, 0, 1.0)
-    policy.record(2, 4, 2.0)
-    policy.record(2, 4, 9.0)  # one slow round
-    policy.record(2, 4, 2.0)
-    assert policy._seconds(policy.times(2), 2) == pytest.approx(1.5)
-    picks = {policy.choose(2, [[1.0] * 4] * 2, [4, 4]) for _ in range(6)}
-    assert picks == {4, 3}  # the best, and its neighbour every other round
+    _measured(policy, 2, {0: 1.0, 4: 2.0})
+    times = {k: statistics.median(v) for k, v in policy.times(2).items()}
+    assert policy._seconds(times, 2) == pytest.approx(1.5)
+    picks = [policy.choose(2, [[1.0] * 4] * 2, [4, 4]) for _ in range(10)]
+    # the best, and every other round each length in turn
+    assert picks[0::2] == [4] * 5 and picks[1::2] == [1, 2, 3, 4, 0]
     assert policy.choose(2, [[1.0] * 4] * 2, [0, 0]) == 0
 
 

@@ -197,6 +197,8 @@ class Engine:
             "batched": self.batched,
             "max_batch": c.max_batch if self.batched else 1,
             "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
+            # rounds per draft length so far (adaptive)
+            "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
             "prompt_cache": {
                 "entries": len(self.prompt_cache),
                 "max_entries": c.prompt_cache_entries,

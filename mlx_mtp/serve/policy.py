@@ -11,18 +11,22 @@ So the round's ``K`` is the one with the most expected tokens per second:
   the drafts it may take;
 - seconds: the median of the last rounds measured at this batch size and
   ``K`` (a median: one slow round, another process's burst, does not sway
-  it). ``K = 0`` and the largest ``K`` are measured first; a batch size not
-  seen yet starts from the nearest one's times; between measured values the
-  time is interpolated linearly, and every ``explore`` rounds a neighbour of
-  the best ``K`` is measured again (contexts grow, the load changes).
+  it); between measured lengths the time is interpolated linearly.
+
+Until the largest ``K`` and ``K = 0`` have ``MIN_SAMPLES`` rounds each, rounds
+alternate between them (a first round at a new shape is slow: one sample is
+no evidence); a batch size not seen yet starts from the nearest one's times.
+Every ``explore`` rounds one length, each in turn, is measured again
+(contexts grow, the machine's load changes).
 """
 
 import statistics
 from collections import deque
 from typing import Deque, Dict, List, Sequence
 
-DEFAULT_EXPLORE = 32
+DEFAULT_EXPLORE = 16
 DEFAULT_WINDOW = 8
+MIN_SAMPLES = 3
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -42,15 +46,16 @@ class BatchDraftLength:
         # batch size -> K -> the last ``window`` round times
         self.samples: Dict[int, Dict[int, Deque[float]]] = {}
         self.rounds = 0
+        self.chosen: Dict[int, int] = {}  # K -> rounds that drafted K
 
-    def times(self, batch: int) -> Dict[int, float]:
-        """Median round time per K at ``batch`` streams; a batch size not seen
-        yet borrows the nearest one's."""
+    def times(self, batch: int) -> Dict[int, Deque[float]]:
+        """Round times per K at ``batch`` streams; a batch size not seen yet
+        borrows the nearest one's."""
         if not self.samples:
             return {}
         if batch not in self.samples:
             batch = min(self.samples, key=lambda b: (abs(b - batch), b))
-        return {k: statistics.median(v) for k, v in self.samples[batch].items()}
+        return self.samples[batch]
 
     def choose(self, batch: int, rates: List[Sequence[float]], caps: List[int]) -> int:
         """The draft length for a round of ``batch`` streams.
@@ -61,23 +66,23 @@ class BatchDraftLength:
         top = max(caps, default=0)
         if top == 0:
             return 0
-        times = self.times(batch)
-        for k in (top, 0):
-            if k not in times:
-                return k
+        samples = self.times(batch)
+        ends = [len(samples.get(k, ())) for k in (top, 0)]
+        if min(ends) < MIN_SAMPLES:  # the largest K first, then alternate
+            return top if ends[0] <= ends[1] else 0
         self.rounds += 1
+        if self.rounds % self.explore == 0:
+            return (self.rounds // self.explore) % (top + 1)
+        times = {k: statistics.median(v) for k, v in samples.items()}
 
         def speed(k: int) -> float:
             tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
             return tokens / self._seconds(times, k)
 
-        best = max(range(top + 1), key=speed)
-        if self.rounds % self.explore == 0:
-            step = 1 if (self.rounds // self.explore) % 2 else -1
-            best = min(top, max(0, best + step))
-        return best
+        return max(range(top + 1), key=speed)
 
     def record(self, batch: int, k: int, seconds: float) -> None:
+        self.chosen[k] = self.chosen.get(k, 0) + 1
         table = self.samples.setdefault(batch, {})
         table.setdefault(k, deque(maxlen=self.window)).append(seconds)
 
