@@ -325,6 +325,11 @@ def test_policy_measures_both_ends_then_picks_the_fastest():
     assert fast.choose(1, [[0.9] * 4], [4]) == 4
     # low acceptance: drafting does not pay even when it is cheap-ish
     assert fast.choose(1, [[0.01] * 4], [4]) == 0
+    # an expected gain under 5% does not move it from the drafts asked for
+    one = BatchDraftLength(explore=1000)
+    _measured(one, 1, {1: 0.11, 0: 0.10})
+    assert one.choose(1, [[0.08]], [1]) == 1  # K = 0 would be 1.8% faster
+    assert one.choose(1, [[0.01]], [1]) == 0  # 8.9% faster
 
 
 def test_policy_interpolates_and_explores():

@@ -39,6 +39,10 @@ from .batch_cache import batchable
 from .prompt_cache import PromptCache, copy_cache
 
 
+# When idle, how long the first request waits for others sent with it.
+GATHER = 0.02
+
+
 @dataclass
 class Event:
     """Text to send, and at the end the finish reason and usage (or an error)."""
@@ -244,12 +248,19 @@ class Engine:
                 self._fail_all(f"{type(e).__name__}: {e}")
 
     def _take(self, block: bool) -> None:
+        """Move new requests to ``waiting``; when idle, wait for one, then
+        ``GATHER`` seconds more for others sent with it (their prompts are
+        then read in one forward)."""
         try:
             item = self.inbox.get(block=block)
+            gather = block and item is not None
             while True:
                 if item is not None:
                     self.waiting.append(item)
-                item = self.inbox.get_nowait()
+                if gather:
+                    item = self.inbox.get(timeout=GATHER)
+                else:
+                    item = self.inbox.get_nowait()
         except queue.Empty:
             pass
 

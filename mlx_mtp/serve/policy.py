@@ -17,7 +17,8 @@ Until the largest ``K`` and ``K = 0`` have ``MIN_SAMPLES`` rounds each, rounds
 alternate between them (a first round at a new shape is slow: one sample is
 no evidence); a batch size not seen yet starts from the nearest one's times.
 Every ``explore`` rounds one length, each in turn, is measured again
-(contexts grow, the machine's load changes).
+(contexts grow, the machine's load changes). The largest ``K`` (the drafts
+asked for) stays unless another is expected ``MARGIN`` faster.
 """
 
 import statistics
@@ -27,6 +28,7 @@ from typing import Deque, Dict, List, Sequence
 DEFAULT_EXPLORE = 16
 DEFAULT_WINDOW = 8
 MIN_SAMPLES = 3
+MARGIN = 0.05
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -79,7 +81,9 @@ class BatchDraftLength:
             tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
             return tokens / self._seconds(times, k)
 
-        return max(range(top + 1), key=speed)
+        best = max(range(top + 1), key=speed)
+        # the drafts asked for, unless clearly slower (noise must not move it)
+        return best if speed(best) > speed(top) * (1 + MARGIN) else top
 
     def record(self, batch: int, k: int, seconds: float) -> None:
         self.chosen[k] = self.chosen.get(k, 0) + 1
