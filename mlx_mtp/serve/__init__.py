@@ -80,6 +80,7 @@ def run(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
     except OSError as e:
         sock.close()
         raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
