@@ -1,255 +1,402 @@
 """``mlx-mtp train-head``: train an MTP head for a model that has none."""
 
 import json
+import sys
+import time
+from enum import Enum
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
-from mlx_mtp.train_head import Hooks, TrainConfig
-from mlx_mtp.train_head import train_head as run_train_head
+from mlx_mtp.training import Hooks, Stop, TrainConfig
+from mlx_mtp.training import train_head as run_train_head
+from mlx_mtp.training.data import DEFAULT_DISTILL_BATCH, DEFAULT_DISTILL_TOKENS
+from mlx_mtp.training.head import EH_INITS
+from mlx_mtp.training.run import (
+    DEFAULT_EVAL_DRAFT_MAXES,
+    DEFAULT_EVAL_TOKENS,
+    DEFAULT_TRUNK_BATCH,
+    DEFAULT_VALIDATION_PROMPTS,
+)
+from mlx_mtp.training.trainer import DISTILL_TARGETS
 
 from .app import app
 
 DATA = "Data"
 TRAINING = "Training"
+RUN = "Run"
+EXIT_STOPPED = 75  # EX_TEMPFAIL: not finished, run again with --resume
 d = TrainConfig()
 
 
-def _hooks(progress: Progress, console: Console) -> Hooks:
-    state = {"task": None, "tokens": 0, "t0": None, "agreement": None}
+def _choices(name: str, values) -> type:
+    """An Enum of ``values``: typer shows the choices in --help and checks them."""
+    return Enum(name, {v: v for v in values}, type=str)
 
-    def phase(name: str, total: int):
-        if state["task"] is not None:
-            progress.update(state["task"], visible=False)
-        state["task"] = progress.add_task(name, total=total, info="")
 
-    def step(n: int, loss: float, tokens: int):
-        import time
+EhInit = _choices("EhInit", EH_INITS)
+Distill = _choices("Distill", DISTILL_TARGETS)
+Dtype = _choices("Dtype", ("bfloat16", "float16", "float32"))
 
-        if state["t0"] is None:
-            state["t0"] = time.time()
-        state["tokens"] += tokens
-        rate = state["tokens"] / max(time.time() - state["t0"], 1e-9)
-        agree = state["agreement"]
-        info = f"loss {loss:.3f}  {rate:.0f} tok/s"
-        if agree is not None:
-            info += f"  held-out agreement {agree:.1%}"
-        progress.update(state["task"], completed=n, info=info)
 
-    def evaluated(n: int, agreement: float):
-        state["agreement"] = agreement
-        progress.console.print(f"step {n}: held-out top-1 agreement {agreement:.1%}")
+def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
+    """One line per phase, progress every ``every`` seconds: for logs."""
+    s = {"name": "", "total": 0, "done": 0, "t0": 0.0, "last": 0.0, "info": ""}
+
+    def line():
+        rate = s["done"] / max(time.time() - s["t0"], 1e-9)
+        console.print(
+            f"{s['name']}: {s['done']}/{s['total']} ({rate:.1f}/s){s['info']}"
+        )
+        s["last"] = time.time()
+
+    def phase(name, total):
+        if s["name"] and s["done"]:
+            line()
+        s.update(
+            name=name, total=total, done=0, t0=time.time(), last=time.time(), info=""
+        )
+
+    def advance(n):
+        s["done"] += n
+        if time.time() - s["last"] >= every:
+            line()
+
+    def step(n, loss, tokens):
+        s["info"] = f", loss {loss:.3f}"
+        advance(n - s["done"])
 
     return Hooks(
         phase=phase,
-        advance=lambda k: progress.advance(state["task"], k),
+        advance=advance,
+        step=step,
+        evaluated=lambda n, acc: console.print(f"step {n}: {_agreement(acc)}"),
+        message=console.print,
+    )
+
+
+def _rich_hooks(progress, console: Console) -> Hooks:
+    s = {"task": None, "agreement": ""}
+
+    def phase(name, total):
+        if s["task"] is not None:
+            progress.update(s["task"], visible=False)
+        s["task"] = progress.add_task(name, total=total, info="")
+
+    def step(n, loss, tokens):
+        info = f"loss {loss:.3f}  {s['agreement']}"
+        progress.update(s["task"], completed=n, info=info)
+
+    def evaluated(n, acc):
+        s["agreement"] = _agreement(acc)
+        progress.console.print(f"step {n}: {s['agreement']}")
+
+    return Hooks(
+        phase=phase,
+        advance=lambda k: progress.advance(s["task"], k),
         step=step,
         evaluated=evaluated,
-        message=lambda text: progress.console.print(text),
+        message=progress.console.print,
     )
+
+
+def _agreement(per_depth) -> str:
+    return "held-out agreement by depth " + ", ".join(f"{a:.1%}" for a in per_depth)
 
 
 def _summary(report: dict) -> str:
     lines = [
-        f"trained on {report['train_tokens']} tokens ({report['train_windows']} windows), "
-        f"{report['steps']} steps in {report['train_seconds']:.0f} s; best step {report['best_step']}",
-        f"held-out teacher-forced agreement: {report['initial_agreement']:.1%} untrained -> "
-        f"{report['agreement']:.1%}",
+        f"trained on {report['train_tokens']} answer tokens "
+        f"({report['train_windows']} windows), {report['steps']} steps in "
+        f"{report['train_seconds']:.0f} s; best step {report['best_step']}",
+        "held-out teacher-forced agreement by depth: "
+        + ", ".join(
+            f"{a:.1%} (untrained {b:.1%})"
+            for a, b in zip(report["agreement"], report["initial_agreement"])
+        ),
     ]
-    for k, a in report.get("acceptance", {}).items():
-        lines.append(
-            f"draft-max {k}: acceptance {a['acceptance_rate']:.1%} "
-            f"({a['accepted']}/{a['drafted']}), mean accepted length "
-            f"{a['mean_accepted_length']:.2f}"
-        )
+    if "table" in report:
+        lines += ["held-out acceptance, mean accepted length:", report["table"]]
+        lines.append(f"recommended draft-max: {report['recommended_draft_max']}")
     return "\n".join(lines)
+
+
+def _weights(text: str) -> tuple:
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise typer.BadParameter("a comma-separated list of numbers") from None
+    if any(w < 0 for w in weights):
+        raise typer.BadParameter("weights must not be negative")
+    return weights
 
 
 @app.command("train-head")
 def train_head(
     base: Path = typer.Argument(..., help="MLX model folder (the frozen trunk)."),
     out: Path = typer.Argument(
-        ..., help="Folder for the head (mtp.safetensors, mtp_config.json)."
+        ...,
+        help="Folder for the head (mtp.safetensors, mtp_config.json) and the "
+        "run's data and checkpoints.",
     ),
-    data: Optional[List[Path]] = typer.Option(
+    data: list[Path] | None = typer.Option(
         None,
         "--data",
-        help='Training text: plain text, or JSON lines with "tokens" or "text". Repeatable.',
         rich_help_panel=DATA,
+        help='Training text: UTF-8 text, or JSON lines with "tokens" (and '
+        '"prompt_len") or "text". Repeatable.',
     ),
     self_distill: int = typer.Option(
         0,
         "--self-distill",
         min=0,
-        help="Also train on the model's greedy answers to this many generated prompts.",
         rich_help_panel=DATA,
+        help="Also train on the model's greedy answers to this many generated prompts.",
     ),
     distill_tokens: int = typer.Option(
-        256,
+        DEFAULT_DISTILL_TOKENS,
         "--distill-tokens",
         min=8,
-        help="Tokens per self-distilled answer.",
         rich_help_panel=DATA,
+        help="Tokens per self-distilled answer at most.",
+    ),
+    distill_batch: int = typer.Option(
+        DEFAULT_DISTILL_BATCH,
+        "--distill-batch",
+        min=1,
+        rich_help_panel=DATA,
+        help="Answers generated at once (mlx-lm's continuous batching).",
+    ),
+    trunk_batch: int = typer.Option(
+        DEFAULT_TRUNK_BATCH,
+        "--trunk-batch",
+        min=1,
+        rich_help_panel=DATA,
+        help="Windows per trunk forward when computing hidden states.",
+    ),
+    validation: int = typer.Option(
+        DEFAULT_VALIDATION_PROMPTS,
+        "--validation-prompts",
+        min=1,
+        rich_help_panel=DATA,
+        help="Generated prompts kept apart for early stopping.",
     ),
     steps: int = typer.Option(
         d.steps,
         "--steps",
         min=1,
-        help="Training steps at most.",
         rich_help_panel=TRAINING,
+        help="Training steps at most.",
     ),
     batch_size: int = typer.Option(
         d.batch_size,
         "--batch-size",
         min=1,
-        help="Windows per step.",
         rich_help_panel=TRAINING,
+        help="Windows per step.",
     ),
     seq_len: int = typer.Option(
         d.seq_len,
         "--seq-len",
         min=16,
-        help="Tokens per window.",
         rich_help_panel=TRAINING,
+        help="Tokens per window.",
     ),
     lr: float = typer.Option(
         d.lr,
         "--lr",
         min=0.0,
-        help="Peak learning rate (AdamW, warmup then cosine).",
         rich_help_panel=TRAINING,
+        help="Peak learning rate (AdamW, warmup then cosine).",
+    ),
+    warmup: int = typer.Option(
+        d.warmup,
+        "--warmup",
+        min=0,
+        rich_help_panel=TRAINING,
+        help="Warm-up steps (at most a tenth of --steps).",
     ),
     seed: int = typer.Option(
         d.seed,
         "--seed",
-        help="Seed for prompts and data order.",
         rich_help_panel=TRAINING,
+        help="Seed for prompts and data order.",
     ),
     eval_every: int = typer.Option(
         d.eval_every,
         "--eval-every",
         min=1,
-        help="Steps between held-out evaluations.",
         rich_help_panel=TRAINING,
+        help="Steps between held-out evaluations.",
     ),
     patience: int = typer.Option(
         d.patience,
         "--patience",
         min=1,
-        help="Stop after this many evaluations without improvement.",
         rich_help_panel=TRAINING,
+        help="Stop after this many evaluations without improvement.",
     ),
     save_every: int = typer.Option(
         d.save_every,
         "--save-every",
         min=1,
+        rich_help_panel=TRAINING,
         help="Steps between checkpoints.",
-        rich_help_panel=TRAINING,
     ),
-    resume: bool = typer.Option(
-        False,
-        "--resume",
-        help="Go on from OUT's checkpoint and reuse its precomputed data.",
-        rich_help_panel=TRAINING,
-    ),
-    eh_init: str = typer.Option(
+    eh_init: EhInit = typer.Option(
         d.eh_init,
         "--eh-init",
-        help="eh_proj starts as the identity on the hidden or the embedding half.",
         rich_help_panel=TRAINING,
+        help="eh_proj starts as the identity on this half of its input.",
     ),
     vocab_top: int = typer.Option(
         d.vocab_top,
         "--vocab-top",
         min=0,
-        help="Softmax over the K most frequent targets only (faster; 0: whole vocabulary).",
         rich_help_panel=TRAINING,
+        help="Draft from the K most frequent targets only (cheaper drafts; 0: "
+        "the whole vocabulary).",
     ),
-    hard_targets: bool = typer.Option(
-        False,
-        "--hard-targets",
-        help="Train on the trunk's greedy token alone, not its top-8 probabilities.",
+    distill: Distill = typer.Option(
+        d.distill,
+        "--distill",
         rich_help_panel=TRAINING,
+        help="Target: the trunk's top-8 probabilities, its full distribution "
+        "(over the draft vocabulary), or its greedy token.",
     ),
-    dtype: str = typer.Option(
+    depth: int = typer.Option(
+        d.depth,
+        "--depth",
+        min=1,
+        rich_help_panel=TRAINING,
+        help="Chained drafts trained, as the runtime chains them (1: the first only).",
+    ),
+    chain_weights: str = typer.Option(
+        ",".join(f"{w:g}" for w in d.chain_weights),
+        "--chain-weights",
+        rich_help_panel=TRAINING,
+        help="Loss weight per depth, comma-separated.",
+    ),
+    dtype: Dtype = typer.Option(
         d.dtype,
         "--dtype",
-        help="Saved head dtype: bfloat16, float16 or float32.",
         rich_help_panel=TRAINING,
+        help="Saved head dtype.",
     ),
     eval_tokens: int = typer.Option(
-        128,
+        DEFAULT_EVAL_TOKENS,
         "--eval-tokens",
         min=8,
-        help="Tokens per held-out answer.",
-        rich_help_panel=TRAINING,
+        rich_help_panel=RUN,
+        help="Tokens per held-out generation at the end.",
     ),
     no_acceptance: bool = typer.Option(
         False,
         "--no-acceptance",
-        help="Skip the speculative generations at the end.",
-        rich_help_panel=TRAINING,
+        rich_help_panel=RUN,
+        help="Skip the held-out speculative generations at the end.",
+    ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        rich_help_panel=RUN,
+        help="Go on from OUT's checkpoint and reuse its data.",
+    ),
+    max_minutes: float = typer.Option(
+        0.0,
+        "--max-minutes",
+        min=0.0,
+        rich_help_panel=RUN,
+        help="Stop cleanly after this many minutes (0: no limit); exits with "
+        f"{EXIT_STOPPED} and a checkpoint, --resume goes on.",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the final report as JSON."
     ),
 ):
-    """Train a DeepSeek-style MTP head for a model, its trunk frozen."""
-    from mlx_mtp.errors import MTPError
+    """Train a DeepSeek-style MTP head for a model, its trunk frozen.
 
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise MTPError("--dtype must be bfloat16, float16 or float32")
+    Ctrl-C stops at the next safe point (seconds) and keeps a checkpoint; run
+    the same command with --resume to go on.
+    """
+    weights = _weights(chain_weights)
+    if len(weights) < depth:
+        raise typer.BadParameter(
+            f"{len(weights)} weights for --depth {depth}", param_hint="--chain-weights"
+        )
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,
         seq_len=seq_len,
         lr=lr,
+        warmup=min(warmup, max(steps // 10, 1)),
         seed=seed,
         eval_every=eval_every,
         patience=patience,
         save_every=save_every,
-        eh_init=eh_init,
+        eh_init=EhInit(eh_init).value,
+        dtype=Dtype(dtype).value,
         vocab_top=vocab_top,
-        dtype=dtype,
-        soft_targets=not hard_targets,
-        warmup=min(d.warmup, max(steps // 10, 1)),
+        distill=Distill(distill).value,
+        depth=depth,
+        chain_weights=weights[:depth],
     )
     console = Console(stderr=True)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[info]}"),
+    stop = Stop(max_minutes)
+    args = dict(
+        base=base,
+        out=out,
+        data=data or [],
+        self_distill_prompts=self_distill,
+        distill_tokens=distill_tokens,
+        cfg=cfg,
+        resume=resume,
+        eval_tokens=eval_tokens,
+        eval_draft_maxes=() if no_acceptance else DEFAULT_EVAL_DRAFT_MAXES,
+        distill_batch=distill_batch,
+        trunk_batch=trunk_batch,
+        validation=validation,
+        stop=stop,
     )
-    with Progress(*columns, console=console) as progress:
-        report = run_train_head(
-            base,
-            out,
-            data or [],
-            self_distill,
-            distill_tokens,
-            cfg,
-            resume,
-            eval_tokens,
-            () if no_acceptance else (1, 2, 3, 4),
-            _hooks(progress, console),
+    if console.is_terminal:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
         )
+
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        with Progress(*columns, console=console) as progress:
+            report = run_train_head(**args, hooks=_rich_hooks(progress, console))
+    else:
+        hooks = _plain_hooks(console)
+        try:
+            report = run_train_head(**args, hooks=hooks)
+        finally:
+            hooks.phase("", 0)  # the last phase's closing line
     if as_json:
         print(json.dumps(report))
-    else:
-        console.print(_summary(report))
+    if not report["complete"]:
+        why = "interrupted" if stop.interrupted else "time budget reached"
         console.print(
-            f"head written to {out}; use it with: mlx-mtp generate -m {base} --mtp {out}"
+            f"{why} during {report['stopped_in']}; progress is saved in {out}: "
+            "run the same command with --resume to go on"
         )
+        raise typer.Exit(130 if stop.interrupted else EXIT_STOPPED)
+    if not as_json:
+        console.print(_summary(report))
+    console.print(
+        f"head written to {out}; use it with: mlx-mtp generate -m {base} --mtp {out}"
+    )
+    sys.stderr.flush()

@@ -87,7 +87,7 @@ def describe_folder(path: Path) -> ModelInfo:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise MTPError(f"{path}: no *.safetensors weights")
-    family = family_for(config["model_type"])
+    family = family_for(config)
     entries: Dict[str, Dict[str, Any]] = {}
     is_mlx = "quantization" in config
     for f in files:
@@ -116,6 +116,7 @@ def describe_folder(path: Path) -> ModelInfo:
 
 def describe_gguf(path: Path) -> ModelInfo:
     from .gguf_hybrid import ARCHS as HYBRID
+    from .gguf_nemotron import ARCHS as NEMOTRON
     from .gguf_source import ARCHS, Metadata, _open
 
     reader = _open(path)
@@ -137,7 +138,7 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
-    archs = {**ARCHS, **HYBRID}
+    archs = {**ARCHS, **HYBRID, **NEMOTRON}
     return ModelInfo(
         path=str(path),
         format="GGUF",

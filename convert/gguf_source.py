@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 
-from . import gguf_hybrid, gguf_step35
+from . import gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -95,8 +95,10 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         return gguf_hybrid.build_config(meta, tensor_names)
     if meta.arch == "step35":
         return gguf_step35.build_config(meta, tensor_names)
+    if meta.arch in gguf_nemotron.ARCHS:
+        return gguf_nemotron.build_config(meta, tensor_names)
     if meta.arch not in ARCHS:
-        supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS])
+        supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS, *gguf_nemotron.ARCHS])
         raise MTPError(
             f"unsupported GGUF architecture {meta.arch!r} (supported: {supported})"
         )
@@ -229,7 +231,7 @@ def _candidate_names(config: Dict[str, Any]) -> List[str]:
     model_class, args_class = model_classes(wide)
     model = model_class(args_class.from_dict(wide))  # lazy: nothing is computed
     names = [k for k, _ in tree_flatten(model.parameters())]
-    family = family_for(config["model_type"])
+    family = family_for(config)
     if family is not None and n_mtp:
         backbone = find_backbone(model)
         args = getattr(model, "args", None)
@@ -258,6 +260,11 @@ def name_map(arch: str, config: Dict[str, Any]) -> Dict[str, str]:
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     if arch in gguf_hybrid.ARCHS:
         return _hybrid_name_map(arch, arch_enum, config)
+    if arch in gguf_nemotron.ARCHS:
+        n_mtp = config.get("num_nextn_predict_layers", 0)
+        tmap = gguf.TensorNameMap(arch_enum, config["num_hidden_layers"] + n_mtp)
+        trunk = _candidate_names(dict(config, num_nextn_predict_layers=0))
+        return gguf_nemotron.name_map(config, tmap, trunk, _name_variants)
     n_blocks = config["num_hidden_layers"] + int(
         config.get("num_nextn_predict_layers", 0)
     )
@@ -329,6 +336,8 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
         return gguf_hybrid.fix(arch, config, name, tensors)
     if arch == "step35":
         return gguf_step35.fix(config, name, tensors)
+    if arch in gguf_nemotron.ARCHS:
+        return gguf_nemotron.fix(config, name, tensors)
     if arch in PERMUTED_QK:
         heads = None
         if name.endswith("self_attn.q_proj.weight"):
@@ -406,6 +415,19 @@ _SPECIAL_TOKENS = {
 }
 
 
+def _gguf_tokenizer_builders():
+    """transformers' GGUF tokenizer tables and builder, where its version keeps them.
+
+    transformers 5.18 moved them from ``integrations.ggml`` (5.7-5.17, the
+    versions mlx-lm 0.32 also accepts) to ``integrations.gguf``.
+    """
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+    except ImportError:
+        from transformers.integrations import ggml as m
+    return m.GGUF_TOKENIZER_MAPPING, m.convert_gguf_tokenizer
+
+
 def gguf_tokenizer_writer(path: Path, fields: Dict[str, Any]):
     """Write tokenizer files built from the GGUF's tokenizer metadata.
 
@@ -415,11 +437,8 @@ def gguf_tokenizer_writer(path: Path, fields: Dict[str, Any]):
 
     def write(out: Path) -> None:
         from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
 
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _gguf_tokenizer_builders()
         grouped = {
             group: {
                 name: fields[f"tokenizer.{key}"]

@@ -34,7 +34,7 @@ def model_classes(config: Dict[str, Any]):
 
 def split_mtp(config: Dict[str, Any], weights: Dict[str, mx.array]):
     """(trunk tensors, MTP tensors) by the family's own ``is_mtp_key``."""
-    family = family_for(config["model_type"])
+    family = family_for(config)
     if family is None:
         return weights, {}
     mtp = {k: v for k, v in weights.items() if family.is_mtp_key(k, config)}
@@ -77,7 +77,7 @@ def build_heads(
     Layers that share tensors (Qwen3-Next's ``mtp.fc``) share one prefix and
     modules; their tensors come out once.
     """
-    family = family_for(config["model_type"])
+    family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
     args = getattr(model, "args", None)

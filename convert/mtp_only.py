@@ -68,12 +68,12 @@ def read_head_source(src: PathLike):
             raise MTPError(f"{src}: no such file or folder")
 
         def is_mtp(key, config):
-            family = family_for(config.get("model_type", ""))
+            family = family_for(config)
             return family is not None and family.is_mtp_key(key, config)
 
         path = fetch_mtp_shards(str(src), is_mtp)
     config = read_config(path)
-    family = family_for(config["model_type"])
+    family = family_for(config)
     if family is None:
         raise MTPError(f"{src}: {config['model_type']} has no MTP head family")
     return config, _mtp_from_folder(path, config, family.is_mtp_key)
@@ -119,9 +119,15 @@ def add_mtp(
     if not mtp:
         raise MTPError(f"{src}: no MTP tensors")
     config = dict(trunk_cfg)
-    family = family_for(head_cfg["model_type"])
+    family = family_for(head_cfg)
     keys = MTP_CONFIG_KEYS + getattr(family, "HEAD_CONFIG_KEYS", ())
     config.update({k: head_cfg[k] for k in keys if k in head_cfg})
+    text = head_cfg.get("text_config")  # Kimi-K3 counts its layers there
+    if isinstance(text, dict) and isinstance(config.get("text_config"), dict):
+        config["text_config"] = {
+            **config["text_config"],
+            **{k: text[k] for k in keys if k in text},
+        }
     try:
         model, _ = mlx_lm_load_model(into, lazy=True)
     except Exception as e:
@@ -168,7 +174,7 @@ def _merge_quantization(
     config: Dict[str, Any], head: Dict[str, Dict[str, Any]]
 ) -> None:
     """Head entries join the trunk's quantization, replacing those of an earlier head."""
-    family = family_for(config["model_type"])
+    family = family_for(config)
     current = config.get("quantization")
     if current is None:
         merged = quantization_config({}, head)

@@ -39,11 +39,25 @@ def rollback(caches: List[Any], n: int) -> None:
                 raise RuntimeError(f"{type(c).__name__} trimmed {trimmed} of {n}")
 
 
+def cache_offset(cache: Any) -> Optional[int]:
+    """Tokens ``cache`` holds, or None when it does not count them (a recurrent state).
+
+    A cache made of caches (mlx-lm's ``CacheList``: an MLA layer's latent and
+    indexer keys) reports the first of its members that counts.
+    """
+    if hasattr(cache, "offset"):
+        return int(cache.offset)
+    for c in getattr(cache, "caches", ()):
+        if (n := cache_offset(c)) is not None:
+            return n
+    return None
+
+
 def cache_length(caches: List[Any]) -> int:
-    """Tokens held by the first cache that reports an offset."""
+    """Tokens held by the first cache that counts them (0 when none does)."""
     for c in caches:
-        if hasattr(c, "offset"):
-            return int(c.offset)
+        if (n := cache_offset(c)) is not None:
+            return n
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from mlx_lm.models.cache import ArraysCache
 
-from .cache import MTPCache, rollback
+from .cache import MTPCache, cache_offset, rollback
 from .generate import DEFAULT_MAX_TOKENS, GenerationResponse, _encode, stream_generate
 from .loader import MTPModel
 from .stats import MTPStats
@@ -70,7 +70,7 @@ def _mark(c) -> Optional[tuple]:
     never writes into them, so keeping the arrays is a snapshot.
     """
     if not hasattr(c, "rollback") and c.is_trimmable():
-        return ("offset", c.offset)
+        return ("offset", cache_offset(c))
     if isinstance(c, ArraysCache):
         return ("arrays", list(c.cache))
     return None
@@ -79,7 +79,7 @@ def _mark(c) -> Optional[tuple]:
 def _restore(c, mark: tuple) -> None:
     kind, value = mark
     if kind == "offset":
-        rollback([c], c.offset - value)
+        rollback([c], cache_offset(c) - value)
         return
     if hasattr(c, "rollback"):
         c.rollback(0)  # forget what an unfinished verify pass kept

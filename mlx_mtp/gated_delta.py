@@ -11,28 +11,22 @@ mlx-lm's shipped kernel plus one output, and its CUDA twin. Like mlx-lm's op,
 this one takes q and k already normalized and scaled (``normalize_qk``).
 ``kernel_spec`` and ``kernel_call`` give the kernel builder's and a call's
 arguments: the dispatch and the CPU emulator in the tests share them. A
-kernel is checked against the reference the first time a process uses it.
+kernel is checked against the reference the first time a process uses it
+(``kernels.py``).
 """
 
-import importlib.resources
 import sys
 from functools import cache
-from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
 
+from . import kernels
+from .kernels import gpu_backend as _backend
+from .kernels import source as _source
+
 Arrays3 = Tuple[mx.array, mx.array, mx.array]
-
-
-def _source(name: str) -> str:
-    # Installed, metal/ is the package mlx_mtp.metal; in a checkout it sits
-    # beside mlx_mtp/.
-    try:
-        return importlib.resources.files("mlx_mtp.metal").joinpath(name).read_text()
-    except (ImportError, OSError):
-        return (Path(__file__).parent.parent / "metal" / name).read_text()
 
 
 def _variant_header(has_mask: bool, vectorized: bool) -> str:
@@ -48,15 +42,7 @@ def _variant_header(has_mask: bool, vectorized: bool) -> str:
     )
 
 
-# CUDA has no simd_sum builtin; this butterfly is its warp-wide equivalent.
-_CUDA_HEADER = """
-__device__ __forceinline__ float gdn_simd_sum(float x) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    x += __shfl_xor_sync(0xffffffff, x, offset);
-  }
-  return x;
-}
-"""
+_CUDA_HEADER = kernels.CUDA_SIMD_SUM.format(name="gdn_simd_sum")
 
 _INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
 _OUTPUTS = ["y", "state_out", "inter"]
@@ -98,17 +84,6 @@ def kernel_call(q, k, v, g, beta, state, mask=None) -> Dict[str, Any]:
         output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv, Dk)],
         output_dtypes=[q.dtype, state.dtype, state.dtype],
     )
-
-
-def _backend() -> Optional[str]:
-    """The GPU backend whose kernels the dispatch runs: "metal", "cuda" or None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return None
 
 
 @cache
@@ -185,35 +160,13 @@ def gated_delta_keep(
     return gated_delta_keep_ops(q, k, v, g, beta, state, mask)
 
 
-# Self-check on first use. The kernels are tested on the CPU through an
-# emulator (tests/kernel_harness), which cannot prove that a Metal compiler
-# accepts them or that a GPU runs them as emulated. So each kernel instance
-# (variant, input shapes and dtypes) is checked against the reference on
-# random inputs the first time a process uses it; one that fails or disagrees
-# is replaced by the reference, with one line on stderr.
+# Self-check on first use (see kernels.py): this process's verdicts.
 _verdicts: Dict[tuple, bool] = {}
 _warned = False
 
 
 def _kernel_trusted(variant: tuple, args: tuple) -> bool:
-    key = (variant, tuple((a.shape, a.dtype) for a in args if a is not None))
-    if key not in _verdicts:
-        problem = _self_check(variant, *args)
-        _verdicts[key] = problem is None
-        if problem is not None:
-            name = kernel_spec(*variant)["name"]
-            _warn_once(
-                f"the {variant[0]} kernel {name} {problem}; using the pure-MLX "
-                "reference instead (slower). Please report this."
-            )
-    return _verdicts[key]
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        print(f"warning: mlx-mtp: {message}", file=sys.stderr, flush=True)
+    return kernels.kernel_trusted(sys.modules[__name__], variant, args)
 
 
 def check_inputs(q, k, v, g, beta, state, mask=None):
@@ -250,27 +203,8 @@ def kernel_disagreement(outputs, inputs, atol: float = 1e-4) -> Optional[str]:
     *arrays, mask = inputs
     want = gated_delta_keep_ops(*[a.astype(mx.float32) for a in arrays], mask)
     valid = 1 if mask is None else mask[..., None, None]
-    for name, got, ref, keep in zip(("y", "state", "intermediates"), outputs, want,
-                                    (valid, 1, 1)):  # fmt: skip
-        rtol = 2.0**-8 if got.dtype == mx.bfloat16 else 0.0
-        if got.shape != ref.shape:
-            return f"gives {name} of shape {got.shape}, not {ref.shape}"
-        err = mx.abs(got.astype(mx.float32) - ref) * keep
-        bound = atol + rtol * mx.abs(ref)
-        if not mx.all(err <= bound).item():  # NaN fails too
-            worst = mx.max(err).item()
-            return f"disagrees with the reference (max |diff| in {name} {worst:.3g})"
-    return None
-
-
-def _self_check(variant: tuple, *args) -> Optional[str]:
-    inputs = check_inputs(*args)
-    try:
-        outputs = _build_kernel(*variant)(**kernel_call(*inputs))
-        mx.eval(outputs)
-    except Exception as e:  # a Metal compile error, a launch failure
-        return f"failed ({(str(e).strip() or type(e).__name__).splitlines()[0]})"
-    return kernel_disagreement(outputs, inputs)
+    names = ("y", "state", "intermediates")
+    return kernels.disagreement(names, outputs, want, (valid, 1, 1), atol)
 
 
 def gated_delta_update_keep(

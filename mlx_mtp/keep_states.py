@@ -7,7 +7,8 @@ recurrent state. Neither can be trimmed, so between ``start_verify()`` and
 the conv inputs it read (window slots) or the state after every verified token
 (state slots). ``rollback(n)`` then sets each slot to its value after the last
 kept token: the window ending there, the state kept there. Nothing is
-recomputed, and nothing is kept outside a verify pass (DESIGN.md section 6).
+recomputed, and nothing is kept outside a verify pass (DESIGN.md section 6);
+so dropping tokens outside one is refused, never silently skipped.
 
 Outside a verify pass the cache is mlx-lm's ``ArraysCache`` and the layers run
 mlx-lm's own code. ``chat.py`` snapshots such a cache at a turn boundary by
@@ -59,8 +60,10 @@ class KeepStatesCache(ArraysCache):
     def rollback(self, n: int) -> None:
         """Drop the last ``n`` verified tokens and release what the pass kept."""
         kept_slots, self._verify = self._verify, None
-        if n == 0 or not kept_slots:
+        if n == 0:
             return
+        if not kept_slots:  # e.g. a head's tentative entries: no state was kept
+            raise RuntimeError(f"cannot roll back {n} tokens outside a verify pass")
         counts = {seq.shape[1] - window for seq, window in kept_slots.values()}
         if len(counts) != 1:
             raise RuntimeError(f"slots kept different token counts: {counts}")

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from .cache import MTPCache, Pending, can_rollback
 from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights, norms
+from .heads import MTPHead, family_for, load_head_weights, norms, not_yet
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
@@ -178,7 +178,7 @@ def load_model(
     config = read_config(path)
     model_type = config["model_type"]
     _check_model_type(config)
-    family = family_for(model_type)
+    family = family_for(config)
     split: Dict[str, mx.array] = {}
     weight_files = glob.glob(str(path / "model*.safetensors"))
     if not weight_files:
@@ -208,7 +208,12 @@ def load_model(
     family = _trained_head_family(head_dir) or family
 
     head, notice = None, None
-    if family is None:
+    if family is None and not_yet(config):
+        notice = (
+            f"{model_type}: its MTP head is not supported yet ({not_yet(config)}),"
+            " generating without MTP"
+        )
+    elif family is None:
         notice = f"{model_type}: no MTP support for this family, generating without MTP"
     elif not any(family.is_mtp_key(k, config) for k in head_weights):
         notice = f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"

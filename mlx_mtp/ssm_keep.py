@@ -10,69 +10,48 @@ everywhere) with the arithmetic of mlx-lm's one-token kernel, that kernel
 looped over the tokens with one more output (``metal/ssm_keep.metal``), and
 its CUDA twin (``metal/ssm_keep.cu``). Per token the state is
 ``exp(dt A) state + (x dt) B`` and the output ``C . state + D x``, with
-``dt = clip(softplus(dt + dt_bias))`` as mlx-lm computes it.
+``dt = clip(softplus(dt + dt_bias))`` as mlx-lm computes it. ``kernel_spec``
+and ``kernel_call`` give the kernel builder's and a call's arguments (shared
+by the dispatch and the CPU emulator in the tests); a kernel is checked
+against the reference the first time a process uses it (``kernels.py``).
 """
 
+import sys
 from functools import cache
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.ssm import compute_dt
 
-from .gated_delta import _source
+from . import kernels
+from .kernels import gpu_backend as _backend
 
 Arrays3 = Tuple[mx.array, mx.array, mx.array]
-
-# CUDA has no simd_sum builtin; this butterfly is its warp-wide equivalent.
-_CUDA_HEADER = """
-__device__ __forceinline__ float ssm_simd_sum(float x) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    x += __shfl_xor_sync(0xffffffff, x, offset);
-  }
-  return x;
-}
-"""
 
 _INPUTS = ["X", "A_log", "B", "C", "D", "dt", "state_in"]
 _OUTPUTS = ["out", "state_out", "inter"]
 
 
-@cache
-def _metal_kernel():
-    if not mx.metal.is_available():
-        return None
-    return mx.fast.metal_kernel(
+def kernel_spec(backend: str) -> Dict[str, Any]:
+    """Arguments of ``mx.fast.metal_kernel`` (backend "metal") or
+    ``mx.fast.cuda_kernel`` ("cuda")."""
+    metal = backend == "metal"
+    return dict(
         name="ssm_keep",
-        input_names=_INPUTS + ["T"],
+        input_names=_INPUTS + ["T" if metal else "n_tokens"],
         output_names=_OUTPUTS,
-        source=_source("ssm_keep.metal"),
+        source=kernels.source("ssm_keep.metal" if metal else "ssm_keep.cu"),
+        header="" if metal else kernels.CUDA_SIMD_SUM.format(name="ssm_simd_sum"),
     )
 
 
-@cache
-def _cuda_kernel():
-    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        return None
-    return mx.fast.cuda_kernel(
-        name="ssm_keep",
-        input_names=_INPUTS + ["n_tokens"],
-        output_names=_OUTPUTS,
-        source=_source("ssm_keep.cu"),
-        header=_CUDA_HEADER,
-    )
-
-
-def _gpu_kernel():
-    """The kernel for the default device, or None where there is none."""
-    if mx.default_device() != mx.gpu:
-        return None
-    return _metal_kernel() if mx.metal.is_available() else _cuda_kernel()
-
-
-def _run_kernel(kernel, x, A_log, B, C, D, dt, state) -> Arrays3:
+def kernel_call(x, A_log, B, C, D, dt, state) -> Dict[str, Any]:
+    """Keyword arguments of one kernel call, the same for both backends:
+    inputs, template, grid and threadgroup (in threads: one SIMD group per
+    state row), output shapes and dtypes. ``dt`` is through ``compute_dt``."""
     b, T, H, Dh = x.shape
     G, Ds = B.shape[2:]
-    return kernel(
+    return dict(
         inputs=[x, A_log, B, C, D, dt, state, T],
         template=[
             ("InT", x.dtype),
@@ -87,6 +66,12 @@ def _run_kernel(kernel, x, A_log, B, C, D, dt, state) -> Arrays3:
         output_shapes=[x.shape, state.shape, (b, T, H, Dh, Ds)],
         output_dtypes=[x.dtype, state.dtype, state.dtype],
     )
+
+
+@cache
+def _build_kernel(backend: str):
+    build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return build(**kernel_spec(backend))
 
 
 @mx.compile
@@ -148,8 +133,43 @@ def ssm_update_keep(
     if state is None:
         state = mx.zeros((b, H, Dh, Ds), dtype=mx.float32)
     dt = compute_dt(dt, dt_bias, time_step_limit)
-    if use_kernel and mask is None and Ds % 32 == 0:
-        kernel = _gpu_kernel()
-        if kernel is not None:
-            return _run_kernel(kernel, hidden_states, A_log, B, C, D, dt, state)
-    return ssm_keep_ops(hidden_states, A_log, B, C, D, dt, state, mask)
+    args = (hidden_states, A_log, B, C, D, dt, state)
+    # Each of a SIMD group's 32 lanes holds Ds / 32 state floats.
+    backend = _backend() if use_kernel and mask is None and Ds % 32 == 0 else None
+    if backend is not None and _kernel_trusted((backend,), args):
+        return tuple(_build_kernel(backend)(**kernel_call(*args)))
+    return ssm_keep_ops(*args, mask)
+
+
+# Self-check on first use (see kernels.py): this process's verdicts.
+_verdicts: Dict[tuple, bool] = {}
+_warned = False
+
+
+def _kernel_trusted(variant: tuple, args: tuple) -> bool:
+    return kernels.kernel_trusted(sys.modules[__name__], variant, args)
+
+
+def check_inputs(x, A_log, B, C, D, dt, state):
+    """Random inputs with the shapes and dtypes of the given ones, scaled as a
+    model's (``dt`` after softplus, decays ``exp(dt A)`` in (0, 1)). Drawn
+    from a fixed key: the global random state is left alone."""
+    keys = mx.random.split(mx.random.key(0), 7)
+    x_ = mx.random.normal(x.shape, key=keys[0])
+    a_ = mx.log(mx.random.uniform(0.5, 4.0, A_log.shape, key=keys[1]))
+    b_ = 0.5 * mx.random.normal(B.shape, key=keys[2])
+    c_ = 0.5 * mx.random.normal(C.shape, key=keys[3])
+    d_ = mx.random.normal(D.shape, key=keys[4])
+    dt_ = mx.random.uniform(0.01, 1.0, dt.shape, key=keys[5])
+    s_ = 0.3 * mx.random.normal(state.shape, key=keys[6])
+    like = (x, A_log, B, C, D, dt, state)
+    return tuple(r.astype(a.dtype) for r, a in zip((x_, a_, b_, c_, d_, dt_, s_), like))
+
+
+def kernel_disagreement(outputs, inputs, atol: float = 1e-4) -> Optional[str]:
+    """None when kernel ``outputs`` (y, state, intermediates) match the
+    reference run in float32 on ``inputs``, else what differs (tolerances as
+    in ``kernels.disagreement``)."""
+    want = ssm_keep_ops(*[a.astype(mx.float32) for a in inputs])
+    names = ("y", "state", "intermediates")
+    return kernels.disagreement(names, outputs, want, (1, 1, 1), atol)

@@ -15,8 +15,9 @@ HIDDEN_TAPS = ("post", "pre")
 
 
 # mlx-lm's names for the token embedding and the final norm: most families use
-# the first; Nemotron-H ``embeddings`` / ``norm_f``, Bailing ``word_embeddings``.
-_EMBEDDINGS = ("embed_tokens", "embeddings", "word_embeddings")
+# the first; Nemotron-H ``embeddings`` / ``norm_f``, Bailing ``word_embeddings``,
+# LongCat-Flash-Ngram ``ngram_embeddings`` (which holds ``word_embeddings``).
+_EMBEDDINGS = ("embed_tokens", "embeddings", "word_embeddings", "ngram_embeddings")
 _FINAL_NORMS = ("norm", "norm_f")
 
 
@@ -46,7 +47,9 @@ def find_backbone(model: nn.Module) -> nn.Module:
 
 
 def embedding(backbone: nn.Module) -> nn.Module:
-    return getattr(backbone, _first(backbone, _EMBEDDINGS))
+    """The token embedding (an n-gram embedding's plain token part)."""
+    found = getattr(backbone, _first(backbone, _EMBEDDINGS))
+    return getattr(found, "word_embeddings", found)
 
 
 def final_norm(backbone: nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import mlx_mtp
 import mlx_mtp.chat
+from mlx_mtp.cache import cache_offset
 from mlx_mtp.chat import ChatSession, truncate
 from mlx_mtp.cli import app
 from mlx_mtp.generate import stream_generate
@@ -59,6 +60,8 @@ def assert_cache_holds(model, cache, tokens, successor=None):
     fresh = model.make_cache()
     _, hidden = model.trunk(mx.array(tokens)[None], fresh.trunk)
     assert_kv_close(cache.trunk, fresh.trunk)
+    if model.head is None:
+        return
     pending = 0 if cache.pending_hidden is None else cache.pending_hidden.shape[1]
     assert cache.head_offset + pending == len(tokens)
     assert len(cache.pending_tokens) == max(pending - 1, 0)
@@ -71,7 +74,7 @@ def assert_cache_holds(model, cache, tokens, successor=None):
 
 def assert_kv_close(caches, fresh):
     for c, f in zip(caches, fresh):
-        assert c.offset == f.offset
+        assert cache_offset(c) == cache_offset(f)
         # a CacheList (DeepSeek-V3.2's latent and indexer keys) holds several
         for ci, fi in zip(getattr(c, "caches", [c]), getattr(f, "caches", [f])):
             for a, b in ((ci.keys, fi.keys), (ci.values, fi.values)):
@@ -298,5 +301,29 @@ def test_hybrid_model_keeps_its_recurrent_state_consistent(tmp_path, monkeypatch
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
     got = answer(session, "again")
     assert session.last.reused_tokens == len(boundary)
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+    assert len(spy.calls) == 4
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_cache_lists_without_a_head_are_reused(tiny_folders, family, monkeypatch):
+    """Trunks whose layers cache a ``CacheList`` (MLA latent + indexer keys) and
+    no MTP head: the prompt cache is still measured, reused and cut back."""
+    model, tok = mlx_mtp.load(tiny_folders(family)[1])
+    assert model.head is None
+    spy = Interrupt(monkeypatch, after={2: 3})
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+    answer(session, "hello")
+    assert session.cache.offset == len(session.cached_tokens) > 20
+    first_prompt = session.last.prompt_tokens
+    got = answer(session, "and then?")
+    assert first_prompt <= session.last.reused_tokens < len(session.cached_tokens)
+    assert got == fresh_answer(model, tok, session.messages[:-1])
+    assert_cache_holds(model, session.cache, session.cached_tokens)
+    boundary = list(session.cached_tokens)
+    with pytest.raises(KeyboardInterrupt):
+        answer(session, "stop me")
+    assert session.cache.offset == len(session.cached_tokens) <= len(boundary)
+    got = answer(session, "again")
     assert got == fresh_answer(model, tok, session.messages[:-1])
     assert len(spy.calls) == 4

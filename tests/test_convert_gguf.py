@@ -239,3 +239,29 @@ def test_unsupported_quant_type_and_missing_tokenizer_are_refused(tmp_path):
     with pytest.raises(MTPError, match="no tokenizer"):
         convert(bare, tmp_path / "out")
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_tokenizer_builders_of_older_transformers(tmp_path, monkeypatch):
+    """transformers 5.7-5.17 (which mlx-lm accepts) keep the GGUF tokenizer
+    builders in ``integrations.ggml``; 5.18 moved them. Both convert."""
+    import sys
+    import types
+
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as new
+
+    old = types.ModuleType("transformers.integrations.ggml")
+    old.GGUF_TOKENIZER_MAPPING = new.GGUF_TOKENIZER_MAPPING
+    old.convert_gguf_tokenizer = new.convert_gguf_tokenizer
+    moved = "transformers.integrations.gguf.gguf_tokenizer_mapping"
+    monkeypatch.setitem(sys.modules, moved, None)  # as if it did not exist
+    monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", old)
+    import transformers.integrations as integrations
+
+    monkeypatch.setattr(integrations, "ggml", old, raising=False)
+    gguf_path, ref = gguf_and_reference(tmp_path, "llama", None)
+    out = convert(gguf_path, tmp_path / "out")
+    assert json.loads((out / "tokenizer.json").read_text())["model"]
+    assert (out / "tokenizer_config.json").is_file()
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < BOUND_F16

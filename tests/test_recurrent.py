@@ -1,11 +1,13 @@
-"""Recurrent hybrids beyond GDN: Nemotron-H (Mamba2), Kimi-Linear (KDA), Ling (GLA).
+"""Recurrent hybrids beyond GDN: Nemotron-H (Mamba2), Kimi-Linear, Kimi-K3 and Ling-3
+(KDA), Ling-2.5 (lightning attention).
 
 Greedy MTP output equals mlx-lm's greedy output at draft-max 1..4, with stop
 tokens and token limits inside a draft; after every round each recurrent
 state and conv window equals mlx-lm's after the kept tokens one at a time; a
 round costs one trunk forward (rollback picks a kept state, never replays);
 rollback of every length and a pass in two pieces; the head's logits equal an
-independent numpy forward of the checkpoint tensors.
+independent numpy forward of the checkpoint tensors, and the hidden states
+the head reads (the trunk's, a chained draft's) are the ones vLLM feeds.
 """
 
 import dataclasses
@@ -193,6 +195,30 @@ def test_rollback_of_every_length(models, family):
         rollback(cache, 4)
 
 
+def test_no_rollback_outside_a_verify_pass(models):
+    """A recurrent cache kept no states to drop tokens with: it says so."""
+    model, _, _ = models("kimi_k3")
+    cache = model.make_cache().trunk
+    model.trunk(mx.array([list(range(10, 20))]), cache)
+    with pytest.raises(RuntimeError, match="cannot roll back 1 tokens outside"):
+        rollback(cache, 1)
+    rollback(cache, 0)  # releasing what nothing kept is fine
+
+
+def test_a_kda_mtp_block_is_refused(tmp_path):
+    """vLLM's Kimi MTP block is MLA; one a config made KDA would need its own
+    rollback: loading says so in one line instead of drafting from stale states."""
+    from mlx_mtp.errors import MTPError
+
+    config, trunk_w, mtp_w = tiny_recurrent.build_weights("kimi_k3")
+    text = config["text_config"]
+    attn = dict(text["linear_attn_config"], kda_layers=[1, 2, 4, 6])  # 6: layer 5
+    config["text_config"] = dict(text, linear_attn_config=attn)
+    folder = tiny_recurrent.save_folder(tmp_path / "k3", config, trunk_w, mtp_w)
+    with pytest.raises(MTPError, match="MTP layer 5 is a Kimi delta attention"):
+        mlx_mtp.load_model(folder)
+
+
 def _mutant_rollback(shift_states: int, shift_windows: int):
     """``KeepStatesCache.rollback`` picking a neighbouring slot or window."""
 
@@ -254,30 +280,65 @@ def reference_blocks(model_type, config, weights):
             blocks.append(block)
         return blocks
     own = {"enorm", "hnorm", "eh_proj", "shared_head", "final_layernorm"}
-    n = config["num_hidden_layers"]
-    slot = "model.layers.1." if model_type == "kimi_linear" else "model.layers.0."
-    pre = f"model.layers.{n}."
+    text = tiny_recurrent.text_config(config)
+    n = text["num_hidden_layers"]
+    # a trunk layer of the block's kind: Kimi-Linear MoE at 1, Kimi-K3 MLA + MoE
+    # at 2, Ling MoE at 0 or 1
+    slot = {"kimi_linear": 1, "kimi_k3": 2, "bailing_moe_v3": 1}.get(model_type, 0)
+    top = "language_model." if model_type == "kimi_k3" else ""
+    slot, pre = f"{top}model.layers.{slot}.", f"{top}model.layers.{n}."
     raw = {slot + k[len(pre) :]: v for k, v in weights.items()
            if k.startswith(pre) and k[len(pre) :].split(".")[0] not in own}  # fmt: skip
-    block = type(trunk.layers[0])(args, n)
+    if model_type == "bailing_moe_v3":  # vLLM's rename of the router bias
+        raw = {k.replace("gate.e_score_correction_bias", "gate.expert_bias"): v
+               for k, v in raw.items()}  # fmt: skip
+    if model_type == "kimi_k3":
+        from dataclasses import replace
+
+        from mlx_lm.models.kimi_k3 import KimiK3DecoderLayer
+
+        # vLLM's block: no attention residuals
+        layer = KimiK3DecoderLayer(
+            replace(args.text_config, attn_res_block_size=None), n
+        )
+        block = lambda x, mask, cache: layer(x, mask, cache)[0]  # noqa: E731
+    else:
+        layer = block = type(trunk.layers[0])(args, n)
     clean = trunk.sanitize(raw)
-    block.load_weights([(k[len(slot) :], v) for k, v in clean.items()])
+    layer.load_weights([(k[len(slot) :], v) for k, v in clean.items()])
     return [block]
 
 
+# vLLM's source for each family (see the head modules): the hidden state the
+# trunk hands over, and the one a chained draft reads, "pre" or "post" norm
+HIDDEN = {
+    "nemotron_h": ("post", "post"),
+    "kimi_linear": ("pre", "pre"),
+    "bailing_hybrid": ("post", "post"),
+    "kimi_k3": ("pre", "pre"),
+    "bailing_moe_v3": ("post", "post"),
+}
+
+
 def numpy_head(model_type, config, w, hidden, tokens, blocks):
-    """The head's wiring in numpy (vLLM's, see the head modules), blocks from mlx-lm."""
+    """The head's wiring in numpy (vLLM's, see the head modules), blocks from mlx-lm.
+
+    Returns the logits and the hidden state a chained draft reads.
+    """
+    text = tiny_recurrent.text_config(config)
     if model_type == "nemotron_h":
         pre, eps = "mtp.layers.0.", config["layer_norm_epsilon"]
         e = np.array(w["backbone.embeddings.weight"])[tokens]  # position 0 kept
     else:
+        top = "language_model." if model_type == "kimi_k3" else ""
         pre, eps = (
-            f"model.layers.{config['num_hidden_layers']}.",
-            config["rms_norm_eps"],
+            f"{top}model.layers.{text['num_hidden_layers']}.",
+            text["rms_norm_eps"],
         )
-        name = "embed_tokens" if model_type == "kimi_linear" else "word_embeddings"
-        e = np.array(w[f"model.{name}.weight"])[tokens]
-        e[0] = 0  # vLLM zeroes the embedding at position 0
+        name = "word_embeddings" if "bailing" in model_type else "embed_tokens"
+        e = np.array(w[f"{top}model.{name}.weight"])[tokens]
+        if model_type != "bailing_moe_v3":  # Ling-3's layer takes them as they come
+            e[0] = 0  # vLLM zeroes the embedding at position 0
     g = lambda name: np.array(w[pre + name])  # noqa: E731
     x = (
         np.concatenate(
@@ -293,11 +354,13 @@ def numpy_head(model_type, config, w, hidden, tokens, blocks):
     y = np.array(xm)[0]
     if model_type == "nemotron_h":
         h = rms(y, np.array(w["mtp.layers.1.final_layernorm.weight"]), eps)
-    elif model_type == "kimi_linear":
+    elif model_type.startswith("kimi"):
         h = rms(y, g("shared_head.norm.weight"), eps)
     else:
         h = rms(y, g("final_layernorm.weight"), eps)
-    return h @ np.array(w["lm_head.weight"]).T
+    top = "language_model." if model_type == "kimi_k3" else ""
+    chained = y if HIDDEN[model_type][1] == "pre" else h
+    return h @ np.array(w[f"{top}lm_head.weight"]).T, chained
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -307,15 +370,43 @@ def test_head_logits_match_numpy(models, family):
     config = model.config
     blocks = reference_blocks(family, config, weights)
     rng = np.random.default_rng(1)
-    hidden = rng.standard_normal((6, config["hidden_size"])).astype(np.float32)
+    d = tiny_recurrent.text_config(config)["hidden_size"]
+    hidden = rng.standard_normal((6, d)).astype(np.float32)
     tokens = rng.integers(0, 256, 6)
-    expected = numpy_head(family, config, weights, hidden, tokens, blocks)
-    got, _ = model.head(
+    expected, chained = numpy_head(family, config, weights, hidden, tokens, blocks)
+    got, out = model.head(
         mx.array(hidden)[None], mx.array(tokens)[None], model.head.make_cache()
     )
-    np.testing.assert_allclose(
-        np.array(got[0]), expected, rtol=LOGITS_TOL, atol=LOGITS_TOL
-    )
+    tol = dict(rtol=LOGITS_TOL, atol=LOGITS_TOL)
+    np.testing.assert_allclose(np.array(got[0]), expected, **tol)
+    # what a chained draft reads: the block output before or after the norm
+    np.testing.assert_allclose(np.array(out[0]), chained, **tol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_trunk_hands_over_the_hidden_state_vllm_does(models, family):
+    """Before or after the final norm, as vLLM's model returns it to its drafter."""
+    model, reference, _ = models(family)
+    from mlx_mtp.trunk import find_backbone, final_norm
+
+    norm = final_norm(find_backbone(reference))
+    seen = {}
+    base = type(norm)
+
+    class Spy(base):
+        def __call__(self, x, *args, **kwargs):
+            seen["pre"], seen["post"] = x, base.__call__(self, x, *args, **kwargs)
+            return seen["post"]
+
+    tokens = mx.array([list(range(30, 50))])
+    norm.__class__ = Spy
+    try:
+        reference(tokens)
+    finally:
+        norm.__class__ = base
+    _, hidden = model.trunk(tokens, model.trunk.make_cache())
+    want = seen[HIDDEN[family][0]]
+    np.testing.assert_allclose(np.array(hidden), np.array(want), atol=1e-5, rtol=1e-5)
 
 
 # Per-layer recurrent shapes of released checkpoints, everything else tiny:
@@ -424,3 +515,27 @@ def test_convert_keeps_the_head_and_mtp_only_adds_it(models, tmp_path, family):
     # the converted folder speculates like the source
     prompt = list(range(60, 90))
     assert mtp_greedy(added, prompt, 20, 3)[0] == mtp_greedy(model, prompt, 20, 3)[0]
+
+
+def test_mtp_only_brings_the_text_config_count(models, tmp_path):
+    """Kimi-K3 counts its MTP layers in text_config: --mtp-only copies it there."""
+    import json
+
+    from mlx_mtp.convert import add_mtp, convert
+
+    model, _, source = models("kimi_k3")
+    trunk = convert(source.parent / f"{source.name}-trunk", tmp_path / "trunk")
+    config = json.loads((trunk / "config.json").read_text())
+    del config["text_config"]["num_nextn_predict_layers"]
+    (trunk / "config.json").write_text(json.dumps(config))
+    add_mtp(source, trunk)
+    config = json.loads((trunk / "config.json").read_text())
+    assert config["text_config"]["num_nextn_predict_layers"] == 1
+    added = mlx_mtp.load_model(trunk)
+    assert added.head is not None and added.notice is None
+    tokens = list(range(40, 60))
+    from mlx_mtp.generate import mtp_logits
+
+    np.testing.assert_array_equal(
+        np.array(mtp_logits(added, tokens)), np.array(mtp_logits(model, tokens))
+    )

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.ssm import ssm_update
 
-from mlx_mtp.gated_delta import _source
-from mlx_mtp.ssm_keep import _gpu_kernel, ssm_update_keep
+from mlx_mtp.kernels import source
+from mlx_mtp.ssm_keep import _backend, ssm_update_keep
 
 # float32 sums of Ds products in another order (mlx-lm's chunked path is
 # matmuls): a few ulps of values near 1.
@@ -83,14 +83,14 @@ def test_no_state_starts_from_zeros_and_mask_holds_the_state(cpu):
 def test_kernel_sources_are_found():
     # CPU runs never build the kernels; this catches a missing package data file.
     for name in ("ssm_keep.metal", "ssm_keep.cu"):
-        assert "o_inter[s_idx] = static_cast<StT>(state[i]);" in _source(name)
+        assert "o_inter[s_idx] = static_cast<StT>(state[i]);" in source(name)
 
 
 def kernel_matches_reference():
     # Kernel vs reference, a Nemotron-H-like head size too (Dh 64, Ds 128).
     shapes = SHAPES + [(1, 4, 8, 64, 2, 128)]
     with mx.stream(mx.gpu):
-        assert _gpu_kernel() is not None
+        assert _backend() is not None
     for shape in shapes:
         for dtype in (mx.float32, mx.bfloat16):
             x, A_log, B, C, D, dt, dt_bias, state = make_inputs(*shape)

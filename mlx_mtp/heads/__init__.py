@@ -1,5 +1,9 @@
 """MTP head families, one module each, resolved by ``model_type``.
 
+A config resolves as mlx-lm picks the trunk's module: Ling-3 is
+``model_type`` ``bailing_hybrid`` with the architecture
+``BailingMoeV3ForCausalLM``, which mlx-lm loads as ``bailing_moe_v3``.
+
 A family module provides:
 
 - ``MODEL_TYPES``: the ``model_type`` values it serves;
@@ -19,7 +23,7 @@ caches that roll back).
 
 import importlib
 from types import ModuleType
-from typing import Optional
+from typing import Any, Dict, Optional, Union
 
 from .base import MTPHead, MultiLayerHead, load_head_weights
 
@@ -34,7 +38,9 @@ FAMILY_MODULES = (
     "mimo_v2_flash",
     "nemotron_h",
     "kimi_linear",
+    "kimi_k3",
     "bailing_hybrid",
+    "bailing_moe_v3",
 )
 
 
@@ -57,12 +63,49 @@ RELEASED = {
     "longcat_flash": ("LongCat-Flash", 1, ""),
     "nemotron_h": ("Nemotron-H / Nemotron 3", 1, ""),
     "kimi_linear": ("Kimi-Linear", 1, ""),
+    "kimi_k3": ("Kimi-K3", 1, ""),
     "bailing_hybrid": ("Ling hybrid (Ling-2.5)", 1, ""),
+    "bailing_moe_v3": ("Ling-3 (bailing_hybrid)", 1, ""),
 }
 
 
-def family_for(model_type: str) -> Optional[ModuleType]:
-    """The head family serving ``model_type``, or None when MTP is unsupported."""
+# Families whose checkpoints carry MTP layers that mlx-mtp cannot use yet, and why
+NOT_YET = {
+    "longcat_flash_ngram": "no engine source pins how its MTP layer reads the "
+    "n-gram embedding",
+    "deepseek_v41": "mlx-lm's LayerCache (sliding window, compressed groups) "
+    "cannot roll back a verify pass",
+}
+
+
+def not_yet(config: Dict[str, Any]) -> Optional[str]:
+    """Why the MTP layers of ``config``'s family cannot be used yet, if they cannot."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = module_type(config)
+    return NOT_YET.get(MODEL_REMAPPING.get(model_type, model_type))
+
+
+def module_type(config: Dict[str, Any]) -> str:
+    """``config``'s model_type, or the mlx-lm module its architecture maps it to."""
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING
+
+    model_type = config.get("model_type", "")
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    for architecture in architectures:
+        remapped = MODEL_ARCHITECTURE_REMAPPING.get((model_type, architecture))
+        if remapped is not None:
+            return remapped
+    return model_type
+
+
+def family_for(model_type: Union[str, Dict[str, Any]]) -> Optional[ModuleType]:
+    """The head family serving ``model_type`` (or a config, see ``module_type``),
+    or None when MTP is unsupported."""
+    if isinstance(model_type, dict):
+        model_type = module_type(model_type)
     for name in FAMILY_MODULES:
         module = importlib.import_module(f"{__name__}.{name}")
         if model_type in module.MODEL_TYPES:
@@ -96,6 +139,8 @@ __all__ = [
     "MultiLayerHead",
     "family_for",
     "layers_present",
+    "module_type",
+    "not_yet",
     "RELEASED",
     "load_head_weights",
     "supported_model_types",

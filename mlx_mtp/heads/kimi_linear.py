@@ -13,10 +13,14 @@ The layout is DeepSeek's (``N = num_hidden_layers``, count in
 The block is the trunk's decoder layer built at index ``N``: not in
 ``kda_layers``, so MLA (full attention), and MoE where the trunk's layer
 ``N`` would be. vLLM zeroes the embedding at position 0 (``fused_mtp_input``
-masks it where ``position == 0``) and feeds the trunk's output hidden state,
-after the final norm. The trunk's ``sanitize`` turns the block's checkpoint
-tensors (``block_sparse_moe`` experts, joined ``kv_b_proj``) into mlx-lm's, run
-on a trunk layer whose MLP is of the block's kind.
+masks it where ``position == 0``). Both hidden states are read BEFORE a norm
+(vLLM ``kimi_k3/linear.py`` and ``mtp.py``, see ``kimi_k3.py`` here): the
+trunk's, because ``KimiLinearModel`` applies its final norm only in
+``compute_logits``, and a chained draft's, because the MTP layer returns the
+block output before ``shared_head.norm`` as the state it feeds back. The
+trunk's ``sanitize`` turns the block's checkpoint tensors
+(``block_sparse_moe`` experts, joined ``kv_b_proj``) into mlx-lm's, run on a
+trunk layer whose MLP is of the block's kind.
 """
 
 from typing import Any, Dict
@@ -30,6 +34,7 @@ from . import deepseek
 from .base import MTPHead
 
 MODEL_TYPES = ("kimi_linear",)
+DEFAULT_HIDDEN_TAP = "pre"
 
 num_layers = deepseek.num_layers
 prefix = deepseek.prefix
@@ -58,4 +63,7 @@ def TRUNK_LAYER_PREFIX(model: nn.Module) -> str:
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
-    return deepseek.build(args, config, backbone, weights)
+    head = deepseek.build(args, config, backbone, weights)
+    for j in range(head.num_layers):
+        head.layer(j).chain_hidden = "pre"
+    return head

@@ -15,7 +15,7 @@ and tests/test_kernel_emulated.py.
 
 Emulated: float32, bfloat16, bool, int32 and uint32 arrays and scalars; the
 thread-position attributes; Metal's simd_sum, simd_shuffle_xor,
-simd_broadcast and threadgroup_barrier; CUDA's threadIdx/blockIdx/blockDim/
+simd_broadcast, threadgroup_barrier and fast::exp (as the exact exp); CUDA's threadIdx/blockIdx/blockDim/
 gridDim, __shfl_xor_sync, __shfl_sync, __syncwarp and __syncthreads. Not
 emulated (refused with a clear error): threadgroup / __shared__ memory,
 atomic outputs, ``*_shape``/``*_strides``/``*_ndim`` arguments, headers with

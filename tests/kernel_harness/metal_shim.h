@@ -48,11 +48,18 @@ inline void threadgroup_barrier(
                    emu::resolve_nothing, 0);
 }
 
+// metal::fast::exp trades accuracy for speed on a GPU (a few ulp); here it is
+// the exact float exp, so the emulated kernel reads as the CUDA twin's expf.
+namespace fast {
+inline float exp(float x) { return std::exp(x); }
+}  // namespace fast
+
 namespace metal {
 using ::simd_broadcast;
 using ::simd_shuffle_xor;
 using ::simd_sum;
 using ::threadgroup_barrier;
+namespace fast = ::fast;
 }  // namespace metal
 
 namespace emu {
