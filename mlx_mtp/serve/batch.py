@@ -289,7 +289,7 @@ class BatchDecoder:
             emitted = s.verifier.verify(logits[b, : len(d) + 1], d, s.history)
             accepted = len(emitted) - 1
             m = _cut(emitted, s.stop_tokens, s.max_tokens - s.generated)
-            if d:
+            if caps[b]:  # undrafted positions drift back up: a low rate is retried
                 s.rates.update(len(d), accepted)
             count_round(s.stats, d, accepted, m)
             kept.append(m)
