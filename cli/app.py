@@ -26,6 +26,10 @@ COMMANDS = {
         "bench",
         "Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side.",
     ),
+    "serve": (
+        "serve",
+        "Serve a model over an OpenAI-compatible API, with MTP, many requests at once.",
+    ),
     "tune": (
         "tune",
         "Measure what drafting costs and gains for a model here, and store it.",

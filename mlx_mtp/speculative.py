@@ -136,6 +136,14 @@ def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
     return min(len(emitted), limit)
 
 
+def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> None:
+    """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
+    if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
+        stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
+    else:
+        stats.record_round([d.token.item() for d in drafts], accepted)
+
+
 class _PlainStep:
     """One plain decode step, its token sampled but not read.
 
@@ -256,11 +264,7 @@ def speculative_generate_step(
                 if any(q.size > PENDING_LIMIT for q in cache.pending):
                     catch_up(model, cache)  # layers that did not draft for a while
                     mx.async_eval([c.state for c in cache.head])
-            # a cut inside the drafts: only the drafts before the cut count
-            if m <= accepted:
-                stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
-            else:
-                stats.record_round([d.token.item() for d in drafts], accepted)
+            count_round(stats, drafts, accepted, m)
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9
             for i, t in enumerate(emitted[:m]):

@@ -17,7 +17,7 @@ from mlx_mtp.cli.app import run_app
 README = Path(__file__).parent.parent / "README.md"
 HEAVY = ("mlx_lm", "transformers", "torch")
 # train-head's own module (not this help's) imports the trainer
-LIGHT_COMMANDS = ("generate", "chat", "bench", "tune", "convert", "info")
+LIGHT_COMMANDS = ("generate", "chat", "bench", "tune", "serve", "convert", "info")
 
 
 def imported_by(*args):

@@ -106,8 +106,8 @@ class MTPHead(nn.Module):
         # cache=None runs the block without a cache from position 0 (training).
         c = cache[0] if cache is not None else None
         e = self.embed(tokens)
-        if self.zero_first_embedding and (c is None or c.offset == 0):
-            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+        if self.zero_first_embedding:
+            e = _zero_position_0(e, 0 if c is None else c.offset)
         x = self.fuse(e, hidden.astype(e.dtype))
         mask = create_attention_mask(x, c, return_array=True)
         x = self.block(x, mask, c)
@@ -135,6 +135,20 @@ class MTPHead(nn.Module):
         """Map a tensor name relative to the layer's prefix to this module's path."""
         top = rel.split(".", 1)[0]
         return rel if top in self.OWN else f"block.{rel}"
+
+
+def _zero_position_0(e: mx.array, offset) -> mx.array:
+    """``e`` with the embedding at sequence position 0 zeroed.
+
+    ``offset`` is the position of ``e``'s first row: an int, or one per
+    sequence (an array) when a batch holds sequences at different positions.
+    """
+    if isinstance(offset, mx.array):
+        first = (offset.reshape(-1, 1) + mx.arange(e.shape[1])) == 0
+        return mx.where(first[..., None], mx.zeros_like(e), e)
+    if offset == 0:
+        return mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+    return e
 
 
 class MultiLayerHead(MTPHead):

@@ -1,0 +1,102 @@
+"""``mlx-mtp serve``: an OpenAI-compatible HTTP server (``mlx_mtp.serve``)."""
+
+import sys
+
+import typer
+
+from mlx_mtp.serve import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_ENTRIES,
+    DEFAULT_PROMPT_CACHE_MB,
+    DEFAULT_SERVE_MAX_TOKENS,
+)
+from mlx_mtp.defaults import DEFAULT_DRAFT_MAX
+
+from . import options as o
+from .app import SPECULATIVE, app
+
+SERVER = "Server"
+
+
+@app.command()
+def serve(
+    model: o.ModelPath = None,
+    mtp: o.HeadPath = None,
+    hidden_tap: o.HiddenTap = None,
+    host: str = typer.Option(
+        DEFAULT_HOST,
+        "--host",
+        help="Address to listen on (127.0.0.1: this machine only).",
+        rich_help_panel=SERVER,
+    ),
+    port: int = typer.Option(
+        DEFAULT_PORT,
+        "--port",
+        min=0,
+        max=65535,
+        help="Port to listen on.",
+        rich_help_panel=SERVER,
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_SERVE_MAX_TOKENS,
+        "--max-tokens",
+        "-n",
+        min=1,
+        help="Tokens per answer when a request names no max_tokens.",
+        rich_help_panel=SERVER,
+    ),
+    max_batch: int = typer.Option(
+        DEFAULT_MAX_BATCH,
+        "--max-batch",
+        min=1,
+        help="Requests decoded together at most; more wait their turn.",
+        rich_help_panel=SERVER,
+    ),
+    prompt_cache_entries: int = typer.Option(
+        DEFAULT_PROMPT_CACHE_ENTRIES,
+        "--prompt-cache-entries",
+        min=0,
+        help="Caches of earlier requests kept for reuse (0: none).",
+        rich_help_panel=SERVER,
+    ),
+    prompt_cache_mb: int = typer.Option(
+        DEFAULT_PROMPT_CACHE_MB,
+        "--prompt-cache-mb",
+        min=0,
+        help="Memory those caches may take together, in MiB.",
+        rich_help_panel=SERVER,
+    ),
+    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    fixed_draft: bool = typer.Option(
+        False,
+        "--fixed-draft",
+        help="Draft --draft-max tokens every round, instead of as deep as pays "
+        "at the current number of streams.",
+        rich_help_panel=SPECULATIVE,
+    ),
+    no_mtp: o.NoMTP = False,
+):
+    """Serve a model over an OpenAI-compatible API, with MTP, many requests at once."""
+    from mlx_mtp.serve import ServeConfig, run
+
+    config = ServeConfig(
+        draft_max=draft_max,
+        mtp=not no_mtp,
+        max_tokens=max_tokens,
+        max_batch=max_batch,
+        prompt_cache_entries=prompt_cache_entries,
+        prompt_cache_bytes=prompt_cache_mb << 20,
+        adaptive_draft=not fixed_draft,
+    )
+    path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
+    run(
+        loaded,
+        tokenizer,
+        path.name,
+        host=host,
+        port=port,
+        config=config,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP API (Starlette, run by uvicorn).
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
+server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``
+and ``GET /health``. Request fields follow OpenAI's API; ``draft_max`` (drafts
+per round) is an extension, and ``usage`` carries the MTP counts under
+``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
+{"message", "type", "param", "code"}}``, and the server goes on serving.
+
+Requests are checked and tokenized here; the engine thread generates, and
+its events come back through an asyncio queue per request.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..generate import _encode
+from ..sampling import SamplingConfig
+from ..speculative import DEFAULT_DRAFT_MAX
+from . import ServeConfig
+from .engine import Engine, Event, Request
+
+# The most drafts a request may ask for per round.
+MAX_DRAFT_MAX = 16
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+          dict: "an object", list: "an array"}  # fmt: skip
+
+
+class APIError(Exception):
+    """A request the server refuses, with OpenAI's error fields."""
+
+    def __init__(self, message, param=None, code=None, status=400,
+                 type="invalid_request_error"):  # fmt: skip
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+        self.status, self.type = status, type
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param,
+                "code": self.code}  # fmt: skip
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+def _get(body: dict, name: str, kinds: tuple, default=None, low=None, high=None):
+    """Field ``name`` of ``body``: absent or null gives ``default``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise APIError(
+            f"'{name}' must be {_KINDS[kinds[-1]]}, got {json.dumps(value)}",
+            param=name,
+            code="invalid_type",
+        )
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise APIError(
+            f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value"
+        )
+    return value
+
+
+_NUMBER = (int, float)
+
+
+@dataclass
+class Params:
+    max_tokens: int
+    sampling: SamplingConfig
+    draft_max: int
+    stop: List[str]
+    stream: bool
+    include_usage: bool
+
+
+class Service:
+    """What the handlers share: the model's names, tokenizer, limits, engine."""
+
+    def __init__(self, model, tokenizer, name: str, config: ServeConfig):
+        self.model, self.tokenizer, self.name, self.config = (
+            model,
+            tokenizer,
+            name,
+            config,
+        )
+        self.engine = Engine(model, tokenizer, config)
+        cfgs = [model.config, model.config.get("text_config") or {}]
+        self.context = next(
+            (c[k] for c in cfgs for k in _CONTEXT_KEYS if isinstance(c.get(k), int)),
+            None,
+        )
+        self.vocab = next(
+            (c["vocab_size"] for c in cfgs if isinstance(c.get("vocab_size"), int)),
+            len(tokenizer),
+        )
+        self.created = int(time.time())
+        self.on_start = None
+
+    # -- checking a request --------------------------------------------------
+
+    def params(self, body: dict) -> Params:
+        model = _get(body, "model", (str,))
+        if model is not None and model != self.name:
+            raise APIError(
+                f"The model '{model}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
+        if _get(body, "n", (int,), 1) != 1:
+            raise APIError(
+                "only n = 1 is supported", param="n", code="unsupported_value"
+            )
+        for name in ("logprobs", "echo"):
+            if body.get(name) not in (None, False, 0):
+                raise APIError(
+                    f"'{name}' is not supported", param=name, code="unsupported_value"
+                )
+        max_tokens = _get(body, "max_completion_tokens", (int,), low=1)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", (int,), self.config.max_tokens, low=1)
+        penalty = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _get(body, name, _NUMBER, low=-2.0, high=2.0)
+            penalty[name] = float(value) if value else None
+        repetition = _get(body, "repetition_penalty", _NUMBER, low=0.0)
+        sampling = SamplingConfig(
+            temp=float(_get(body, "temperature", _NUMBER, 0.0, low=0.0, high=2.0)),
+            top_p=float(_get(body, "top_p", _NUMBER, 1.0, low=0.0, high=1.0)),
+            top_k=_get(body, "top_k", (int,), 0, low=0),
+            min_p=float(_get(body, "min_p", _NUMBER, 0.0, low=0.0, high=1.0)),
+            repetition_penalty=float(repetition) if repetition else None,
+            logit_bias=self._logit_bias(body),
+            seed=_get(body, "seed", (int,)),
+            **penalty,
+        )
+        default_draft = self.config.draft_max
+        if default_draft is None:
+            default_draft = DEFAULT_DRAFT_MAX
+        draft_max = _get(body, "draft_max", (int,), default_draft, 0, MAX_DRAFT_MAX)
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        elif stop is None:
+            stop = []
+        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise APIError(
+                "'stop' must be a string or an array of strings",
+                param="stop",
+                code="invalid_type",
+            )
+        options = _get(body, "stream_options", (dict,), {})
+        return Params(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            draft_max=draft_max,
+            stop=stop,
+            stream=_get(body, "stream", (bool,), False),
+            include_usage=_get(options, "include_usage", (bool,), False),
+        )
+
+    def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
+        bias = _get(body, "logit_bias", (dict,))
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab:
+                raise APIError(
+                    f"'logit_bias' keys must be token ids below {self.vocab}, "
+                    f"got {key!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            if isinstance(value, bool) or not isinstance(value, _NUMBER):
+                raise APIError(
+                    "'logit_bias' values must be numbers",
+                    param="logit_bias",
+                    code="invalid_type",
+                )
+            out[token] = float(max(-100.0, min(100.0, value)))
+        return out
+
+    def chat_tokens(self, body: dict) -> List[int]:
+        messages = body.get("messages")
+        if messages is None:
+            raise APIError(
+                "missing required field 'messages'",
+                param="messages",
+                code="missing_required_parameter",
+            )
+        if not isinstance(messages, list) or not messages:
+            raise APIError(
+                "'messages' must be a non-empty array",
+                param="messages",
+                code="invalid_type",
+            )
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(
+                "this model has no chat template: use /v1/completions",
+                param="messages",
+                code="unsupported_value",
+            )
+        turns = [_message(m, i) for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # the template refuses the conversation
+            raise APIError(
+                f"the chat template refused the messages: {e}", param="messages"
+            ) from None
+        return _encode(self.tokenizer, text)
+
+    def completion_tokens(self, body: dict) -> List[int]:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise APIError(
+                "missing required field 'prompt'",
+                param="prompt",
+                code="missing_required_parameter",
+            )
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return _encode(self.tokenizer, prompt)
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab
+            for t in prompt
+        ):
+            return list(prompt)
+        raise APIError(
+            f"'prompt' must be a string or an array of token ids below {self.vocab}",
+            param="prompt",
+            code="invalid_type",
+        )
+
+    def fit(self, tokens: List[int], max_tokens: int, param: str) -> int:
+        """``max_tokens``, cut where the context ends; a prompt past it is refused."""
+        if not tokens:
+            raise APIError("the prompt is empty", param=param, code="invalid_value")
+        if self.context is None:
+            return max_tokens
+        if len(tokens) > self.context:
+            raise APIError(
+                f"the prompt holds {len(tokens)} tokens, more than the model's "
+                f"context of {self.context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        # the last new token is predicted at position context - 1
+        return min(max_tokens, self.context + 1 - len(tokens))
+
+
+def _message(m: Any, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(f"'{where}' must be an object", param=where, code="invalid_type")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise APIError(
+            f"'{where}.role' must be a string",
+            param=f"{where}.role",
+            code="invalid_type",
+        )
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise APIError(
+                    f"'{where}.content' parts must be text parts",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise APIError(
+            f"'{where}.content' must be a string or an array of text parts",
+            param=f"{where}.content",
+            code="invalid_type",
+        )
+    return {"role": role, "content": content}
+
+
+# -- the responses ---------------------------------------------------------------
+
+
+def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool):
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {**meta, "object": "text_completion", "choices": [choice]}
+
+
+def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict) -> dict:
+    if kind == "chat":
+        message = {"role": "assistant", "content": text}
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {**meta, "object": obj, "choices": [choice], "usage": usage}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _internal(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "internal_error"}}  # fmt: skip
+
+
+async def _wait_disconnect(request: HTTPRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_body(request: HTTPRequest) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON ({e})", code="invalid_json")
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
+    config.validate()
+    service = Service(model, tokenizer, name, config)
+
+    def submit(tokens: List[int], p: Params, kind: str):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutting down)
+                pass
+
+        request = Request(
+            prompt=tokens,
+            max_tokens=service.fit(
+                tokens, p.max_tokens, "messages" if kind == "chat" else "prompt"
+            ),
+            sampling=p.sampling,
+            draft_max=p.draft_max,
+            emit=emit,
+            stop=p.stop,
+        )
+        service.engine.submit(request)
+        return request, events
+
+    async def complete(http: HTTPRequest, kind: str):
+        try:
+            body = await _read_body(http)
+            p = service.params(body)
+            if kind == "chat":
+                tokens = service.chat_tokens(body)
+            else:
+                tokens = service.completion_tokens(body)
+            try:
+                p.sampling.validate()
+            except ValueError as e:
+                raise APIError(str(e)) from None
+            request, events = submit(tokens, p, kind)
+        except APIError as e:
+            return e.response()
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": service.name}  # fmt: skip
+        if p.stream:
+            return StreamingResponse(
+                _stream(request, events, kind, meta, p.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _collect(http, request, events, kind, meta)
+
+    async def _stream(request, events, kind, meta, include_usage):
+        done = False
+        try:
+            yield _sse(_chunk(kind, meta, "", None, first=True))
+            while True:
+                event = await events.get()
+                if event.error is not None:
+                    yield _sse(_internal(event.error))
+                    break
+                if event.text or event.finish_reason:
+                    yield _sse(
+                        _chunk(kind, meta, event.text, event.finish_reason, False)
+                    )
+                if event.finish_reason is not None:
+                    if include_usage:
+                        obj = (
+                            "chat.completion.chunk"
+                            if kind == "chat"
+                            else "text_completion"
+                        )
+                        usage = {"object": obj, "choices": [], "usage": event.usage}
+                        yield _sse({**meta, **usage})
+                    break
+            done = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away: free its stream
+                service.engine.cancel(request)
+
+    async def _collect(http, request, events, kind, meta):
+        gone = asyncio.ensure_future(_wait_disconnect(http))
+        parts = []
+        try:
+            while True:
+                get = asyncio.ensure_future(events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    service.engine.cancel(request)
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                event = get.result()
+                if event.error is not None:
+                    return JSONResponse(_internal(event.error), status_code=500)
+                parts.append(event.text)
+                if event.finish_reason is not None:
+                    text = "".join(parts)
+                    body = _whole(kind, meta, text, event.finish_reason, event.usage)
+                    return JSONResponse(body)
+        finally:
+            gone.cancel()
+
+    async def chat(http: HTTPRequest):
+        return await complete(http, "chat")
+
+    async def completions(http: HTTPRequest):
+        return await complete(http, "text")
+
+    async def models(http: HTTPRequest):
+        entry = {"id": service.name, "object": "model", "created": service.created,
+                 "owned_by": "mlx-mtp"}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(http: HTTPRequest):
+        engine = service.engine
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": service.name,
+                **engine.counts(),
+                **engine.describe(),
+            }
+        )
+
+    async def http_error(http: HTTPRequest, e: HTTPException):
+        code = "not_found" if e.status_code == 404 else "method_not_allowed"
+        message = f"{http.method} {http.url.path}: {e.detail}"
+        return APIError(message, code=code, status=e.status_code).response()
+
+    async def server_error(http: HTTPRequest, e: Exception):
+        return JSONResponse(_internal(f"{type(e).__name__}: {e}"), status_code=500)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        if app.state.on_start is not None:
+            app.state.on_start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+    app.state.on_start = None
+    app.state.service = service
+    return app

@@ -1,0 +1,423 @@
+"""The serving engine: one thread that owns the model and runs every request.
+
+Each turn of its loop
+
+1) takes new requests, and drops cancelled ones (their state is freed);
+2) starts waiting requests while the batch has room: each gets the prompt
+   cache's best entry for its prompt;
+3) reads one chunk of the started prompts, together: every prompt still
+   being read takes the same number of tokens, so they share one forward
+   unpadded (a long prompt does not stall the streams already decoding);
+   a stream whose prompt is read joins the decoding batch;
+4) runs one speculative round of the whole batch (``batch.py``) and turns
+   each stream's tokens into text: end-of-sequence tokens, ``max_tokens`` and
+   stop strings finish a stream, which leaves the batch and leaves its cache
+   to the prompt cache.
+
+Models whose caches have no batch form here are served one token at a time
+per stream, each through the single-stream loop (no batching).
+
+Events reach the HTTP side through each request's ``emit`` callback, called
+on the engine thread.
+"""
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from ..chat import _truncatable
+from ..sampling import SamplingConfig, make_verifier
+from ..speculative import speculative_generate_step
+from ..stats import MTPStats
+from . import ServeConfig
+from .batch import BatchDecoder, Stream
+from .batch_cache import batchable
+from .prompt_cache import PromptCache, copy_cache
+
+
+# When idle, how long the first request waits for others sent with it.
+GATHER = 0.02
+
+
+@dataclass
+class Event:
+    """Text to send, and at the end the finish reason and usage (or an error)."""
+
+    text: str = ""
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Request:
+    """A generation as the engine sees it: tokens in, events out."""
+
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    draft_max: int
+    emit: Callable[[Event], None]
+    stop: List[str] = field(default_factory=list)
+    cancelled: bool = False
+
+
+class _Text:
+    """A stream's tokens as text: stop strings, and what is safe to send."""
+
+    def __init__(self, tokenizer, stop: List[str]):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.stop = [s for s in stop if s]
+        self.sent = 0  # characters sent
+        self.searched = 0  # characters searched for stop strings
+        self.tokens = 0
+        self.finish: Optional[str] = None
+        self.end: Optional[int] = None  # where the text ends (at a stop string)
+
+    def feed(self, tokens: List[int], max_tokens: int) -> str:
+        """Take a round's tokens; return the new text that may be sent."""
+        d = self.detokenizer
+        for t in tokens:
+            self.tokens += 1
+            if t in self.eos:
+                self.finish = "stop"
+            else:
+                d.add_token(t)
+                if self.tokens >= max_tokens:
+                    self.finish = "length"
+            if self.finish:
+                d.finalize()
+            if self.stop and self._find_stop(d.text):
+                self.finish = "stop"
+            if self.finish:
+                break
+        text = d.text
+        end = self.end if self.end is not None else len(text)
+        if self.finish is None:
+            end -= self._held_back(text)
+        out = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+    def _find_stop(self, text: str) -> bool:
+        start = max(0, self.searched - max(map(len, self.stop)) + 1)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        self.searched = len(text)
+        if hits:
+            self.end = min(hits)
+        return bool(hits)
+
+    def _held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that may begin a stop string."""
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return held
+
+
+class _Job:
+    """A started request: its stream, its text, and what is left to read."""
+
+    def __init__(self, request: Request, tokenizer):
+        self.request = request
+        self.text = _Text(tokenizer, request.stop)
+        self.stream: Optional[Stream] = None
+        self.read = 0  # prompt tokens the stream's caches hold
+        self.reused = 0
+        self.steps = None  # the single-stream loop, where there is no batch
+
+
+def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPStats):
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": reused},
+        "mtp": {
+            "draft_max": stats.draft_max,
+            "rounds": stats.rounds,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length,
+        },
+    }
+
+
+class Engine:
+    """Runs requests on ``model`` in a thread of its own (``start``/``stop``)."""
+
+    def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or ServeConfig()
+        cache = model.make_cache()
+        self.batched = batchable(cache.trunk) and batchable(cache.head)
+        self.decoder = BatchDecoder(model, adaptive=config.adaptive_draft)
+        self.reader = BatchDecoder(model)  # streams whose prompts are being read
+        self.prompt_cache = PromptCache(
+            config.prompt_cache_entries, config.prompt_cache_bytes
+        )
+        self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
+        self.waiting: List[Request] = []
+        self.reading: Dict[int, _Job] = {}  # prompts being read, by id of their stream
+        self.jobs: Dict[int, _Job] = {}  # decoding, by id of their stream
+        self.serial: List[_Job] = []  # decoding without a batch
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # -- the HTTP side ---------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        self.inbox.put(request)
+
+    def cancel(self, request: Request) -> None:
+        """Stop ``request`` (its client went away); its state is freed."""
+        request.cancelled = True
+        self.inbox.put(None)  # wake the loop
+
+    def counts(self) -> Dict[str, int]:
+        """Streams decoding, prompts being read, requests waiting."""
+        return {
+            "decoding": len(self.jobs) + len(self.serial),
+            "reading": len(self.reading),
+            "waiting": len(self.waiting) + self.inbox.qsize(),
+            "peak_batch": self.decoder.peak if self.batched else 1,
+        }
+
+    def describe(self) -> Dict[str, object]:
+        """How this engine runs (for ``/health``)."""
+        c = self.config
+        return {
+            "mtp": self.model.head is not None and c.mtp,
+            "batched": self.batched,
+            "max_batch": c.max_batch if self.batched else 1,
+            "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
+            # rounds per draft length so far (adaptive)
+            "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
+            "prompt_cache": {
+                "entries": len(self.prompt_cache),
+                "max_entries": c.prompt_cache_entries,
+                "bytes": self.prompt_cache.nbytes,
+                "max_bytes": c.prompt_cache_bytes,
+            },
+        }
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlx-mtp engine")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.inbox.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.reading or self.jobs or self.serial)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            # 1) new requests; cancelled ones go
+            self._take(block=not self._busy())
+            self._drop_cancelled()
+            try:
+                # 2) start requests while there is room
+                self._start_waiting()
+                # 3) one chunk of the prompts being read
+                if self.reading:
+                    self._read_prompts()
+                # 4) one round
+                if self.jobs:
+                    self._round()
+                for job in list(self.serial):
+                    self._serial_step(job)
+            except Exception as e:  # a bug must not take the server down
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _take(self, block: bool) -> None:
+        """Move new requests to ``waiting``; when idle, wait for one, then
+        ``GATHER`` seconds more for others sent with it (their prompts are
+        then read in one forward)."""
+        try:
+            item = self.inbox.get(block=block)
+            gather = block and item is not None
+            while True:
+                if item is not None:
+                    self.waiting.append(item)
+                if gather:
+                    item = self.inbox.get(timeout=GATHER)
+                else:
+                    item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = [r for r in self.waiting if not r.cancelled]
+        gone = [j for j in self.reading.values() if j.request.cancelled]
+        if gone:
+            self.reader.remove([j.stream for j in gone], extract=False)
+            for j in gone:
+                del self.reading[id(j.stream)]
+        gone = [j for j in self.jobs.values() if j.request.cancelled]
+        if gone:
+            self._leave(gone)
+        for job in [j for j in self.serial if j.request.cancelled]:
+            self.serial.remove(job)
+            job.steps.close()
+
+    def _room(self) -> int:
+        active = len(self.reading) + len(self.jobs) + len(self.serial)
+        limit = self.config.max_batch if self.batched else 1
+        return limit - active
+
+    def _start_waiting(self) -> None:
+        while self.waiting and self._room() > 0:
+            request = self.waiting.pop(0)
+            job = _Job(request, self.tokenizer)
+            cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
+            job.reused = job.read
+            verifier = make_verifier(request.sampling)
+            use_mtp = self.model.head is not None and self.config.mtp
+            draft_max = request.draft_max if use_mtp else 0
+            job.stream = Stream(
+                history=list(request.prompt),
+                cache=cache,
+                verifier=verifier,
+                max_tokens=request.max_tokens,
+                draft_max=draft_max,
+                stop_tokens=set(self.text_eos()),
+            )
+            job.stream.stats.prompt_tokens = len(request.prompt) - job.read
+            if not self.batched:
+                self._start_serial(job, cache)
+            elif job.read < len(request.prompt) - 1:
+                self.reader.add([job.stream])
+                self.reading[id(job.stream)] = job
+            else:  # all but the last token came from the prompt cache
+                self._join([job])
+
+    def text_eos(self):
+        return getattr(self.tokenizer, "eos_token_ids", ()) or ()
+
+    def _read_prompts(self) -> None:
+        """Every prompt being read takes its next chunk, all of one length."""
+        jobs = [self.reading[id(s)] for s in self.reader.streams]
+        left = [len(j.request.prompt) - 1 - j.read for j in jobs]
+        n = min(min(left), self.config.prefill_step)
+        tic = time.perf_counter()
+        self.reader.prefill([j.request.prompt[j.read : j.read + n] for j in jobs])
+        seconds = time.perf_counter() - tic
+        for job in jobs:
+            job.read += n
+            job.stream.stats.prompt_time += seconds
+        done = [j for j, m in zip(jobs, left) if m == n]
+        if done:
+            self.reader.remove([j.stream for j in done])
+            for j in done:
+                del self.reading[id(j.stream)]
+            self._join(done)
+
+    def _join(self, jobs: List[_Job]) -> None:
+        """Streams whose prompts are read join the decoding batch."""
+        for job in jobs:
+            s = job.stream
+            if self.prompt_cache.enabled and not _truncatable(s.cache):
+                # keep the recurrent state at the turn boundary
+                self.prompt_cache.insert(job.request.prompt[:-1], copy_cache(s.cache))
+            self.jobs[id(s)] = job
+        self.decoder.add([j.stream for j in jobs])
+
+    def _round(self) -> None:
+        out = self.decoder.step()
+        finished, last = [], []
+        for s, tokens in zip(self.decoder.streams, out):
+            job = self.jobs[id(s)]
+            text = job.text.feed(tokens, job.request.max_tokens)
+            if job.text.finish is not None or s.done:
+                finished.append(job)
+                last.append(text)
+            elif text:
+                job.request.emit(Event(text))
+        if finished:
+            self._leave(finished, last)
+
+    def _leave(self, jobs: List[_Job], texts: Optional[List[str]] = None) -> None:
+        """Take ``jobs`` out of the batch; finished ones send their last event."""
+        keep = self.prompt_cache.enabled
+        self.decoder.remove([j.stream for j in jobs], extract=keep)
+        for i, job in enumerate(jobs):
+            s = job.stream
+            del self.jobs[id(s)]
+            if keep:  # the trunk has read all of the history but its last token
+                self.prompt_cache.insert(s.history[:-1], s.cache)
+            if texts is not None:
+                self._finish(job, texts[i])
+
+    def _finish(self, job: _Job, text: str) -> None:
+        reason = job.text.finish or "length"
+        request = job.request
+        info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
+        request.emit(Event(text, finish_reason=reason, usage=info))
+
+    def _fail_all(self, message: str) -> None:
+        """After an internal error: every request gets it, the batch starts afresh."""
+        jobs = list(self.jobs.values()) + list(self.reading.values()) + self.serial
+        for job in jobs:
+            job.request.emit(Event(error=message))
+        for request in self.waiting:
+            request.emit(Event(error=message))
+        self.waiting, self.reading, self.jobs, self.serial = [], {}, {}, []
+        self.decoder = BatchDecoder(self.model, adaptive=self.config.adaptive_draft)
+        self.reader = BatchDecoder(self.model)
+
+    # -- without a batch ---------------------------------------------------------
+
+    def _start_serial(self, job: _Job, cache) -> None:
+        s, request = job.stream, job.request
+        job.steps = speculative_generate_step(
+            request.prompt[job.read :],
+            self.model,
+            max_tokens=request.max_tokens,
+            draft_max=s.draft_max,
+            verifier=s.verifier,
+            stop_tokens=s.stop_tokens,
+            prompt_cache=cache,
+            prefill_step_size=self.config.prefill_step,
+            stats=s.stats,
+            cached_tokens=request.prompt[: job.read],
+        )
+        self.serial.append(job)
+
+    def _serial_step(self, job: _Job) -> None:
+        s = job.stream
+        token = next(job.steps, None)
+        if token is not None:
+            s.history.append(token[0])
+            s.generated += 1
+        text = job.text.feed([token[0]] if token else [], job.request.max_tokens)
+        if token is not None and job.text.finish is None:
+            if text:
+                job.request.emit(Event(text))
+            return
+        # the round's remaining tokens: the trunk has read all but the last
+        while s.generated < s.stats.generation_tokens:
+            s.history.append(next(job.steps)[0])
+            s.generated += 1
+        job.steps.close()
+        self.serial.remove(job)
+        if self.prompt_cache.enabled:
+            self.prompt_cache.insert(s.history[:-1], s.cache)
+        self._finish(job, text)

@@ -1,0 +1,127 @@
+"""How many drafts a batched round verifies.
+
+Verifying ``K`` drafts for each of ``B`` streams reads ``B * (K + 1)`` tokens in
+one forward. While that forward is memory-bound, drafts are nearly free; once
+it is compute-bound (many streams, long drafts), every draft costs its share
+and a round with no drafts (a plain batched decode step) can be the fastest.
+So the round's ``K`` is the one with the most expected tokens per second:
+
+- expected tokens: per stream ``1 + r_1 + r_1 r_2 + ... + r_1..r_K`` from its
+  running per-position acceptance (``AcceptanceRates``), at most
+  the drafts it may take;
+- seconds: the median of the last rounds measured at this batch size and
+  ``K`` (a median: one slow round, another process's burst, does not sway
+  it); between measured lengths the time is interpolated linearly.
+
+Until the largest ``K`` and ``K = 0`` have ``MIN_SAMPLES`` rounds each, rounds
+alternate between them (a first round at a new shape is slow: one sample is
+no evidence); a batch size not seen yet starts from the nearest one's times.
+Every ``explore`` rounds one length, each in turn, is measured again
+(contexts grow, the machine's load changes). The largest ``K`` (the drafts
+asked for) stays unless another is expected ``MARGIN`` faster.
+"""
+
+import statistics
+from collections import deque
+from typing import Deque, Dict, List, Sequence
+
+from ..adaptive import expected_tokens
+
+DEFAULT_EXPLORE = 16
+DEFAULT_WINDOW = 8
+MIN_SAMPLES = 3
+MARGIN = 0.05
+DEFAULT_RATE = 0.1  # AcceptanceRates: the moving average's weight
+RECOVER = 0.02  # AcceptanceRates: drift of an undrafted position per round
+
+
+class AcceptanceRates:
+    """A stream's running P(draft j+1 kept | the drafts before it kept).
+
+    Each rate is a plain mean over its first ``1 / rate`` tests (an optimistic
+    start of 1 counting as one test), a moving average after. Positions left
+    undrafted in a round the stream could draft drift back toward 1, so a
+    pessimistic early rate does not keep the batch from drafting for good.
+    """
+
+    def __init__(
+        self, draft_max: int, rate: float = DEFAULT_RATE, recover: float = RECOVER
+    ):
+        self.rates: List[float] = [1.0] * draft_max
+        self.tests: List[int] = [1] * draft_max
+        self.rate, self.recover = rate, recover
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Learn from a round that proposed ``drafted`` drafts and kept ``accepted``."""
+        tested = min(drafted, accepted + 1)  # drafts after the first rejection were not
+        for j in range(tested):
+            self.tests[j] += 1
+            step = max(self.rate, 1.0 / self.tests[j])
+            self.rates[j] += step * ((j < accepted) - self.rates[j])
+        for j in range(drafted, len(self.rates)):
+            self.rates[j] += self.recover * (1.0 - self.rates[j])
+
+
+class BatchDraftLength:
+    """Picks each batched round's draft length from acceptance and measured time."""
+
+    def __init__(self, explore: int = DEFAULT_EXPLORE, window: int = DEFAULT_WINDOW):
+        self.explore, self.window = explore, window
+        # batch size -> K -> the last ``window`` round times
+        self.samples: Dict[int, Dict[int, Deque[float]]] = {}
+        self.rounds = 0
+        self.chosen: Dict[int, int] = {}  # K -> rounds that drafted K
+
+    def times(self, batch: int) -> Dict[int, Deque[float]]:
+        """Round times per K at ``batch`` streams; a batch size not seen yet
+        borrows the nearest one's."""
+        if not self.samples:
+            return {}
+        if batch not in self.samples:
+            batch = min(self.samples, key=lambda b: (abs(b - batch), b))
+        return self.samples[batch]
+
+    def choose(self, batch: int, rates: List[Sequence[float]], caps: List[int]) -> int:
+        """The draft length for a round of ``batch`` streams.
+
+        ``rates[b]`` is stream ``b``'s per-position acceptance, ``caps[b]`` the
+        most drafts it may take.
+        """
+        top = max(caps, default=0)
+        if top == 0:
+            return 0
+        samples = self.times(batch)
+        ends = [len(samples.get(k, ())) for k in (top, 0)]
+        if min(ends) < MIN_SAMPLES:  # the largest K first, then alternate
+            return top if ends[0] <= ends[1] else 0
+        self.rounds += 1
+        if self.rounds % self.explore == 0:
+            return (self.rounds // self.explore) % (top + 1)
+        times = {k: statistics.median(v) for k, v in samples.items()}
+
+        def speed(k: int) -> float:
+            tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+            return tokens / self._seconds(times, k)
+
+        best = max(range(top + 1), key=speed)
+        # the drafts asked for, unless clearly slower (noise must not move it)
+        return best if speed(best) > speed(top) * (1 + MARGIN) else top
+
+    def record(self, batch: int, k: int, seconds: float) -> None:
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        table = self.samples.setdefault(batch, {})
+        table.setdefault(k, deque(maxlen=self.window)).append(seconds)
+
+    @staticmethod
+    def _seconds(times: Dict[int, float], k: int) -> float:
+        """Measured, or interpolated between the nearest measured lengths."""
+        if k in times:
+            return times[k]
+        below = max((j for j in times if j < k), default=None)
+        above = min((j for j in times if j > k), default=None)
+        if below is None:
+            return times[above]
+        if above is None:
+            return times[below]
+        w = (k - below) / (above - below)
+        return times[below] + w * (times[above] - times[below])

@@ -1,0 +1,122 @@
+"""Prompt caches kept across requests, bounded by entries and bytes (LRU).
+
+An entry is an ``MTPCache`` with the tokens its trunk has read. A new prompt
+takes the entry that saves it the most tokens:
+
+- caches that can be cut anywhere (attention only): the one with the longest
+  common prefix, cut back with ``MTPCache.truncate``;
+- caches with recurrent state (gated delta net), which cannot be cut: only
+  an entry whose tokens are a prefix of the prompt. So the engine keeps such
+  a stream's state at the end of its prompt (a turn boundary: the next turn
+  of a chat extends it) besides the one at the end of its answer, as the
+  chat session does between turns.
+
+Entries are never written to: a hit is a copy whose arrays are new array
+objects (a write into an array shared by another copies it first).
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from ..cache import MTPCache
+from ..chat import _truncatable, common_prefix, truncate
+
+
+@dataclass
+class Entry:
+    tokens: List[int]
+    cache: MTPCache
+    nbytes: int
+
+
+def cache_nbytes(cache: MTPCache) -> int:
+    total = sum(getattr(c, "nbytes", 0) for c in cache.state_list())
+    return total + sum(q.hidden.nbytes for q in cache.pending if q.hidden is not None)
+
+
+def _copy_layer(c: Any) -> Any:
+    if type(c) is KVCache:
+        new = KVCache()
+        if c.keys is not None:
+            new.keys, new.values = mx.array(c.keys), mx.array(c.values)
+        new.offset = c.offset
+        return new
+    if isinstance(c, ArraysCache):  # its arrays are replaced, never written into
+        new = copy.copy(c)
+        new.cache = list(c.cache)
+        return new
+    return copy.deepcopy(c)
+
+
+def copy_cache(cache: MTPCache) -> MTPCache:
+    """A copy that can be written to without touching ``cache``."""
+    return MTPCache(
+        trunk=[_copy_layer(c) for c in cache.trunk],
+        head=[_copy_layer(c) for c in cache.head],
+        pending=cache.copy_pending(),
+        start=list(cache.start),
+    )
+
+
+class PromptCache:
+    """Up to ``max_entries`` caches holding at most ``max_bytes`` together."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.entries: List[Entry] = []  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def fetch(self, model, tokens: List[int]) -> Tuple[MTPCache, int]:
+        """A cache for ``tokens`` and how many of them it holds already.
+
+        At least the last token is left to read (generation starts there).
+        """
+        best, keep = None, 0
+        for e in self.entries:
+            n = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
+            if n < len(e.tokens) and not _truncatable(e.cache):
+                continue
+            if n > keep:
+                best, keep = e, n
+        if best is None:
+            return model.make_cache(), 0
+        self.entries.remove(best)
+        self.entries.append(best)
+        cache = copy_cache(best.cache)
+        if keep < len(best.tokens):
+            keep = truncate(model, cache, keep)
+        return cache, keep
+
+    def insert(self, tokens: List[int], cache: MTPCache) -> None:
+        """Keep ``cache``, which has read ``tokens``; older entries it covers go."""
+        if not self.enabled or not tokens:
+            return
+        cut = _truncatable(cache)
+        self.entries = [
+            e
+            for e in self.entries
+            if not (
+                len(e.tokens) <= len(tokens)
+                and (cut or len(e.tokens) == len(tokens))
+                and tokens[: len(e.tokens)] == e.tokens
+            )
+        ]
+        self.entries.append(Entry(list(tokens), cache, cache_nbytes(cache)))
+        while self.entries and (
+            len(self.entries) > self.max_entries or self.nbytes > self.max_bytes
+        ):
+            self.entries.pop(0)

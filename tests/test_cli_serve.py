@@ -1,0 +1,136 @@
+"""``mlx-mtp serve`` as a command: it listens where it is told and each flag
+reaches the server."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """``mlx-mtp serve`` in a subprocess, stopped on exit."""
+
+    def __init__(self, *args: str, host: str = "127.0.0.1"):
+        self.port = _free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--port", str(self.port)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            cmd + list(args), stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.log = self.process.stderr.readline()  # "serving ... on ...", once up
+        if self.process.poll() is not None or "serving" not in self.log:
+            self.log += self.process.stderr.read()
+            raise RuntimeError(f"the server did not start: {self.log}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def complete(self, **body) -> dict:
+        request = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps({"prompt": "Once upon a time", **body}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_folders):
+    return str(tiny_folders("deepseek_v3")[0])
+
+
+def test_defaults_and_flags_reach_the_server(folder):
+    args = ["--model", folder, "--max-tokens", "5", "--draft-max", "0"]
+    args += ["--max-batch", "1", "--prompt-cache-entries", "0"]
+    with Served(*args) as s:
+        assert s.log.strip().endswith(f"on http://127.0.0.1:{s.port}/v1")
+        first = s.complete()
+        assert first["usage"]["completion_tokens"] == 5  # --max-tokens
+        assert first["usage"]["mtp"]["drafted"] == 0  # --draft-max 0
+        again = s.complete()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # --max-batch 1: two requests at once are served one after the other
+        threads = [threading.Thread(target=s.complete, kwargs={"max_tokens": 30})]
+        threads.append(threading.Thread(target=s.complete, kwargs={"max_tokens": 30}))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        health = s.get("/health")
+        assert health["peak_batch"] == 1 and health["max_batch"] == 1
+        assert health["draft_policy"] == "adaptive"
+        assert health["prompt_cache"]["max_entries"] == 0
+
+
+def test_more_flags(folder):
+    args = ["--model", folder, "--draft-max", "2", "--fixed-draft"]
+    args += ["--prompt-cache-mb", "0", "--host", "127.0.0.2"]
+    with Served(*args, host="127.0.0.2") as s:  # --host
+        r = s.complete(max_tokens=12)
+        assert 0 < r["usage"]["mtp"]["drafted"] <= 2 * r["usage"]["mtp"]["rounds"]
+        assert s.get("/health")["draft_policy"] == "fixed"
+        again = s.complete(max_tokens=12)  # --prompt-cache-mb 0 keeps nothing
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert s.get("/health")["prompt_cache"]["entries"] == 0
+        with pytest.raises(urllib.error.URLError):  # not on 127.0.0.1
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=5)
+
+
+def test_no_mtp(folder):
+    with Served("--model", folder, "--no-mtp") as s:
+        r = s.complete(max_tokens=8, draft_max=3)
+        assert r["usage"]["mtp"]["drafted"] == 0
+        assert s.get("/health")["mtp"] is False
+
+
+def test_a_bad_model_folder_is_one_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_port_in_use_is_one_line(folder):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.time()
+        out = subprocess.run(
+            [sys.executable, "-m", "mlx_mtp", "serve", "--model", folder,
+             "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in out.stderr and time.time() - start < 120

@@ -1,0 +1,357 @@
+"""Several streams at once, with MTP: one trunk forward verifies every stream's
+drafts and each keeps its own number of tokens.
+
+Every stream's greedy tokens equal those of the same request alone, on a
+DeepSeek-style model and on a hybrid gated-delta-net model (Qwen3-Next),
+through the server with 8 clients at once and through the batch decoder with
+streams joining and leaving between rounds; afterwards each stream's caches
+equal those of the single-stream loop.
+"""
+
+import statistics
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+import tiny_2026
+import tiny_hybrid
+import tiny_recurrent
+from live_server import LiveServer
+from test_multilayer import build_multilayer
+
+import mlx_mtp
+from mlx_mtp.generate import stream_generate
+from mlx_mtp.sampling import ExactMatchVerifier
+from mlx_mtp.serve import ServeConfig
+from mlx_mtp.serve.batch import BatchDecoder, Stream
+from mlx_mtp.serve.policy import BatchDraftLength, expected_tokens
+from mlx_mtp.speculative import catch_up, prefill, speculative_generate_step
+
+PREFILL = 16
+CLIENTS = 8
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    built = {}
+
+    def get(kind):
+        if kind not in built:
+            if kind == "multi":
+                built[kind] = build_multilayer(root / kind)[0]
+            elif kind in tiny_hybrid.MODEL_TYPES:
+                built[kind] = tiny_hybrid.build_folder(root / kind, kind)[0]
+            elif kind in tiny_recurrent.MODEL_TYPES:
+                built[kind] = tiny_recurrent.build_folder(root / kind, kind)[0]
+            elif kind in tiny_2026.MULTI_LAYER_TYPES + tiny_2026.MODEL_TYPES:
+                built[kind] = tiny_2026.build_folder(root / kind, kind)[0]
+            else:
+                built[kind] = tiny.build_folder(root / kind, kind)[0]
+        return built[kind]
+
+    return get
+
+
+# -- through the server ---------------------------------------------------------
+
+
+def _prompts():
+    # different lengths, so the streams sit at different positions
+    return [f"Q{i}: " + "abcdefgh"[: i + 1] * (i + 1) for i in range(CLIENTS)]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("draft", ["fixed", "adaptive"])
+def test_eight_clients_at_once_get_their_answers_alone(folders, family, draft):
+    model, tokenizer = mlx_mtp.load(folders(family))
+    config = ServeConfig(
+        max_batch=CLIENTS, prompt_cache_entries=0, adaptive_draft=draft == "adaptive"
+    )
+    server = LiveServer(model, tokenizer, family, config)
+    try:
+        client = server.client()
+
+        def ask(i, prompt):
+            r = client.completions.create(
+                model=family,
+                prompt=prompt,
+                max_tokens=24 + 4 * i,  # they finish at different rounds
+                extra_body={"draft_max": [3, 3, 1, 4, 3, 0, 2, 3][i]},
+            )
+            return r.choices[0].text, r.usage
+
+        alone = [ask(i, p) for i, p in enumerate(_prompts())]
+        together = [None] * CLIENTS
+        threads = [
+            threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, ask(i, p)))
+            for i, p in enumerate(_prompts())
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        assert server.get("/health")[1]["peak_batch"] == CLIENTS
+        for (_, u), i in zip(together, range(CLIENTS)):
+            assert u.completion_tokens == 24 + 4 * i
+            assert u.mtp["rounds"] + u.mtp["accepted"] == u.completion_tokens
+        if draft == "fixed":  # ragged acceptance happened
+            accepted = {u.mtp["accepted"] for _, u in together}
+            assert len(accepted) > 2 and sum(u.mtp["drafted"] for _, u in together)
+    finally:
+        server.close()
+
+
+def test_recurrent_prompt_cache_resumes_at_a_turn_boundary(folders):
+    """Gated-delta-net states cannot be cut: the next turn starts from the
+    state kept at the end of the last prompt or answer."""
+    family = "qwen3_next"
+    model, tokenizer = mlx_mtp.load(folders(family))
+    server = LiveServer(model, tokenizer, family, ServeConfig(adaptive_draft=False))
+    fresh = LiveServer(
+        model,
+        tokenizer,
+        "fresh",
+        ServeConfig(prompt_cache_entries=0, adaptive_draft=False),
+    )
+    try:
+        client, plain = server.client(), fresh.client()
+        turn = [{"role": "user", "content": "Hello there."}]
+        a = client.chat.completions.create(model=family, messages=turn, max_tokens=10)
+        assert a.usage.prompt_tokens_details.cached_tokens == 0
+        turn += [
+            {"role": "assistant", "content": a.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
+        b = client.chat.completions.create(model=family, messages=turn, max_tokens=10)
+        cached = b.usage.prompt_tokens_details.cached_tokens
+        assert cached >= a.usage.prompt_tokens - 1
+        c = plain.chat.completions.create(model="fresh", messages=turn, max_tokens=10)
+        assert c.usage.prompt_tokens_details.cached_tokens == 0
+        assert b.choices[0].message.content == c.choices[0].message.content
+    finally:
+        server.close()
+        fresh.close()
+
+
+def test_caches_without_a_batch_form_are_served_one_token_at_a_time(folders):
+    """LongCat-Flash caches in an ``OffsetCacheList``: no batch form here, so
+    streams take turns through the single-stream loop; answers are the same."""
+    family = "longcat_flash"
+    model, tokenizer = mlx_mtp.load(folders(family))
+    server = LiveServer(model, tokenizer, family, ServeConfig())
+    try:
+        client = server.client()
+        assert server.get("/health")[1]["batched"] is False
+
+        def ask(prompt, n=12, **kwargs):
+            r = client.completions.create(
+                model=family, prompt=prompt, max_tokens=n, **kwargs
+            )
+            return r.choices[0].text, r.usage
+
+        prompts = _prompts()[:3]
+        alone = [ask(p) for p in prompts]
+        together = [None] * 3
+        threads = [
+            threading.Thread(
+                target=lambda i=i: together.__setitem__(i, ask(prompts[i]))
+            )
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        # a stop string ends the answer inside a round; the cache it leaves
+        # holds what the trunk read, and the next request reuses it exactly
+        text = alone[0][0]
+        cut, usage = ask(prompts[0], stop=text[5:7])
+        assert cut == text[:5] and usage.completion_tokens < 12
+        first = tokenizer.encode(prompts[0])
+        answer = [r.token for r in stream_generate(model, tokenizer, first, 12)]
+        longer = first + answer[:8]
+        again, usage = ask(longer)
+        assert usage.prompt_tokens_details.cached_tokens >= len(first)
+        expected = list(stream_generate(model, tokenizer, longer, 12))
+        assert again == "".join(r.text for r in expected)
+    finally:
+        server.close()
+
+
+# -- the batch decoder itself -------------------------------------------------------
+
+
+def _stream(model, prompt, max_tokens, draft_max):
+    cache = model.make_cache()
+    prefill(model, cache, prompt, PREFILL, True)
+    return Stream(
+        history=list(prompt),
+        cache=cache,
+        verifier=ExactMatchVerifier(),
+        max_tokens=max_tokens,
+        draft_max=draft_max,
+    )
+
+
+def _layer_arrays(c):
+    if getattr(c, "keys", None) is not None:
+        return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return [x for x in getattr(c, "cache", []) if x is not None]
+
+
+# attention, several MTP layers, and each recurrent cache (GDN, Mamba2, KDA,
+# lightning attention)
+BATCHED = ["deepseek_v3", "mimo", "multi", "step3p5", "qwen3_next", "qwen3_5"]
+BATCHED += ["nemotron_h", "kimi_linear", "bailing_hybrid"]
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_streams_join_and_leave_between_rounds(folders, family):
+    model = mlx_mtp.load_model(folders(family))
+    prompts = [
+        tiny.random_prompt(n, seed=i)
+        for i, n in enumerate([5, 17, 1, 30, 9, 2, 12, 40])
+    ]
+    limits = [40, 25, 40, 33, 40, 20, 40, 36]
+    drafts = [3, 3, 2, 3, 1, 3, 2, 5]
+    decoder = BatchDecoder(model, adaptive=False)
+    first = [_stream(model, p, n, k) for p, n, k in zip(prompts, limits, drafts)][:5]
+    late = [_stream(model, p, n, k) for p, n, k in zip(prompts, limits, drafts)][5:]
+    decoder.add(first)
+    streams, out, rounds = first + late, {}, 0
+    while decoder.streams or late:
+        if rounds == 4:  # three more join the running batch
+            decoder.add(late)
+            late = []
+        for s, tokens in zip(list(decoder.streams), decoder.step()):
+            out.setdefault(id(s), []).extend(tokens)
+        done = [s for s in decoder.streams if s.done]
+        if done:
+            decoder.remove(done)  # each gets its caches back
+        rounds += 1
+    for i, s in enumerate(streams):
+        alone = model.make_cache()
+        expected = [
+            t
+            for t, _ in speculative_generate_step(
+                prompts[i],
+                model,
+                max_tokens=limits[i],
+                draft_max=drafts[i],
+                prefill_step_size=PREFILL,
+                prompt_cache=alone,
+            )
+        ]
+        assert out[id(s)] == expected, f"stream {i}"
+        assert s.stats.drafted > 0
+        # the caches it leaves with are the single-stream loop's (the head
+        # layers once both have read what they have pending)
+        catch_up(model, alone)
+        catch_up(model, s.cache)
+        for a, b in zip(alone.state_list(), s.cache.state_list()):
+            assert a.offset == b.offset if hasattr(a, "offset") else True
+            for x, y in zip(_layer_arrays(a), _layer_arrays(b)):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+        for qa, qb in zip(alone.pending, s.cache.pending):
+            assert (qa.size, qa.tokens) == (qb.size, qb.tokens)
+        assert alone.start == s.cache.start
+
+
+def test_a_one_token_prompt_drafts_from_position_zero(folders):
+    """The head reads position 0 inside a batch (per-stream position-0 zeroing)."""
+    model = mlx_mtp.load_model(folders("deepseek_v3"))
+    decoder = BatchDecoder(model, adaptive=False)
+    streams = [_stream(model, [7], 12, 3), _stream(model, tiny.random_prompt(9), 12, 3)]
+    decoder.add(streams)
+    got = {0: [], 1: []}
+    while decoder.streams:
+        for s, tokens in zip(list(decoder.streams), decoder.step()):
+            got[streams.index(s)].extend(tokens)
+        decoder.remove([s for s in decoder.streams if s.done])
+    alone = model.make_cache()
+    expected = list(
+        speculative_generate_step([7], model, max_tokens=12, prompt_cache=alone)
+    )
+    assert got[0] == [t for t, _ in expected]
+    head = streams[0].cache.head[0]
+    np.testing.assert_allclose(
+        np.array(head.keys[..., : head.offset, :]),
+        np.array(alone.head[0].keys[..., : alone.head[0].offset, :]),
+        atol=1e-5,
+    )
+
+
+# -- the draft length of a batched round ------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1
+    assert expected_tokens([0.5, 0.5], 2) == 1 + 0.5 + 0.25
+    assert expected_tokens([1.0, 1.0, 1.0], 2) == 3
+
+
+def _measured(policy, batch, times, rounds=3):
+    for _ in range(rounds):
+        for k, t in times.items():
+            policy.record(batch, k, t)
+
+
+def test_policy_measures_both_ends_then_picks_the_fastest():
+    policy = BatchDraftLength(explore=1000)
+    rates, caps = [[0.9] * 4] * 8, [4] * 8
+    # the largest K, then alternating with K = 0 until each has 3 rounds
+    picks = []
+    for _ in range(6):
+        k = policy.choose(8, rates, caps)
+        picks.append(k)
+        policy.record(8, k, 1.0 if k else 0.2)
+    assert picks == [4, 0, 4, 0, 4, 0]
+    # compute-bound: a round with 4 drafts costs 5x a plain one (1 drafts 1.8x);
+    # at 0.9 acceptance 4 drafts give 4.1 tokens per stream, 1 gives 1.9
+    assert policy.choose(8, rates, caps) == 0
+    # a slow round does not sway the median
+    policy.record(8, 0, 5.0)
+    assert policy.choose(8, rates, caps) == 0
+    # a batch size not seen yet starts from the nearest one's times
+    assert policy.choose(6, rates, caps) == 0
+    # memory-bound: drafts nearly free, so draft all the way
+    fast = BatchDraftLength(explore=1000)
+    _measured(fast, 1, {4: 0.11, 0: 0.10})
+    assert fast.choose(1, [[0.9] * 4], [4]) == 4
+    # low acceptance: drafting does not pay even when it is cheap-ish
+    assert fast.choose(1, [[0.01] * 4], [4]) == 0
+    # an expected gain under 5% does not move it from the drafts asked for
+    one = BatchDraftLength(explore=1000)
+    _measured(one, 1, {1: 0.11, 0: 0.10})
+    assert one.choose(1, [[0.08]], [1]) == 1  # K = 0 would be 1.8% faster
+    assert one.choose(1, [[0.01]], [1]) == 0  # 8.9% faster
+
+
+def test_policy_interpolates_and_explores():
+    policy = BatchDraftLength(explore=2)
+    _measured(policy, 2, {0: 1.0, 4: 2.0})
+    times = {k: statistics.median(v) for k, v in policy.times(2).items()}
+    assert policy._seconds(times, 2) == pytest.approx(1.5)
+    picks = [policy.choose(2, [[1.0] * 4] * 2, [4, 4]) for _ in range(10)]
+    # the best, and every other round each length in turn
+    assert picks[0::2] == [4] * 5 and picks[1::2] == [1, 2, 3, 4, 0]
+    assert policy.choose(2, [[1.0] * 4] * 2, [0, 0]) == 0
+
+
+def test_rope_offsets_per_stream_match_single_streams():
+    """mlx's rope takes one offset per sequence: the basis of RaggedKVCache."""
+    x = mx.random.normal((3, 4, 5, 8))
+    offsets = [0, 7, 2]
+    batched = mx.fast.rope(
+        x, 8, traditional=False, base=1e4, scale=1.0, offset=mx.array(offsets)
+    )
+    for b, o in enumerate(offsets):
+        one = mx.fast.rope(
+            x[b : b + 1], 8, traditional=False, base=1e4, scale=1.0, offset=o
+        )
+        assert mx.array_equal(one, batched[b : b + 1])
