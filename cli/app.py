@@ -32,7 +32,7 @@ COMMANDS = {
     ),
     "tune": (
         "tune",
-        "Measure what drafting costs and gains for a model here, and store it.",
+        "Measure what drafting costs and gains for a model on this machine, and store it.",
     ),
     "convert": (
         "convert",

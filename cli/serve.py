@@ -12,7 +12,6 @@ from mlx_mtp.serve import (
     DEFAULT_PROMPT_CACHE_MB,
     DEFAULT_SERVE_MAX_TOKENS,
 )
-from mlx_mtp.defaults import DEFAULT_DRAFT_MAX
 
 from . import options as o
 from .app import SPECULATIVE, app
@@ -68,7 +67,7 @@ def serve(
         help="Memory those caches may take together, in MiB.",
         rich_help_panel=SERVER,
     ),
-    draft_max: o.DraftMax = DEFAULT_DRAFT_MAX,
+    draft_max: o.DraftMax = None,
     fixed_draft: bool = typer.Option(
         False,
         "--fixed-draft",

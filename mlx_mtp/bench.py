@@ -355,7 +355,7 @@ def run_bench(
         timing, _, _ = run_once(
             model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive
         )
-        tokens, t_prompt, first, t_gen = timing
+        tokens, t_prompt, first, t_gen = timing[:4]
         per_token = t_gen / max(len(tokens) - first, 1)
         for prompt in encoded:
             seconds += repeats * (

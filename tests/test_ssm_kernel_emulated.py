@@ -256,4 +256,6 @@ def test_emulated_kernel_keeps_greedy_output(
     assert capfd.readouterr().err == ""  # the self-checks passed
     assert all(sk._verdicts.values()) and stats.accepted > 0
     # a check per verify shape, and the 2 Mamba2 layers of every verify pass
-    assert len(calls) == len(sk._verdicts) + 2 * stats.rounds
+    # (a round without drafts is a plain step: no per-token states, no kernel)
+    verifies = sum(1 for r in stats.trace if r.drafted)
+    assert len(calls) == len(sk._verdicts) + 2 * verifies

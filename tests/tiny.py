@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 

@@ -78,6 +78,9 @@ class MTPHead(nn.Module):
         else:
             self.draft_vocab = mx.array(tokens, dtype=mx.int32)
         self._shared.rows = None
+        if tokens is not None and self.output() is not None:
+            # cut the output rows now, not in the first draft
+            self._shared.rows = _output_rows(self.output(), self.draft_vocab)
 
     def _subset_logits(self, h: mx.array) -> mx.array:
         """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""

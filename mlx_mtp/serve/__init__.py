@@ -27,9 +27,10 @@ class ServeConfig:
     """How the server runs; per-request fields override ``draft_max`` and
     ``max_tokens``.
 
-    ``draft_max`` None is the API's ``DEFAULT_DRAFT_MAX``. ``adaptive_draft``:
-    each batched round drafts as deep as pays at the
-    current batch size (measured); otherwise every stream drafts its
+    ``draft_max`` None is the head's recommended count, else
+    ``DEFAULT_DRAFT_MAX``. ``adaptive_draft``: each batched round drafts as
+    deep as pays at the current batch size (measured), a stream served alone
+    as ``CostAwareDraft`` chooses; otherwise every stream drafts its
     ``draft_max`` every round.
     """
 

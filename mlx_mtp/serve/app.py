@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from ..generate import _encode
 from ..sampling import SamplingConfig
-from ..speculative import DEFAULT_DRAFT_MAX
+from ..adaptive import default_draft_max
 from . import ServeConfig
 from .engine import Engine, Event, Request
 
@@ -148,7 +148,7 @@ class Service:
         )
         default_draft = self.config.draft_max
         if default_draft is None:
-            default_draft = DEFAULT_DRAFT_MAX
+            default_draft = default_draft_max(self.model)
         draft_max = _get(body, "draft_max", (int,), default_draft, 0, MAX_DRAFT_MAX)
         stop = body.get("stop")
         if isinstance(stop, str):

@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from ..adaptive import make_policy
 from ..chat import _truncatable
 from ..sampling import SamplingConfig, make_verifier
 from ..speculative import speculative_generate_step
@@ -393,6 +394,9 @@ class Engine:
             max_tokens=request.max_tokens,
             draft_max=s.draft_max,
             verifier=s.verifier,
+            draft_policy=make_policy(
+                self.model, s.draft_max, self.config.adaptive_draft
+            ),
             stop_tokens=s.stop_tokens,
             prompt_cache=cache,
             prefill_step_size=self.config.prefill_step,
