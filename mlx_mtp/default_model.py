@@ -8,7 +8,8 @@ cache directory and the head is added beside it; later runs reuse the folder.
 The build happens in a temporary folder renamed into place, and its last
 file is a marker listing every file with its size. A folder whose marker is
 missing or disagrees with the files (a file deleted or truncated, a build
-killed before the rename) is rebuilt; temporary folders of killed builds are
+killed before the rename; the MTP config, which ``tune`` adds to, need only
+stay a JSON object) is rebuilt; temporary folders of killed builds are
 removed by the next run (those of a build still running elsewhere are not).
 """
 
@@ -33,6 +34,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct-mtp"
 HEAD_DIR = Path(__file__).parent / "default_head"
 HEAD_FILES = ("mtp.safetensors", "mtp_config.json")
 MARKER = ".mlx-mtp-build.json"
+# the one built file that later runs rewrite: ``mlx-mtp tune`` stores the
+# costs it measured in the head's MTP config
+REWRITTEN = "mtp_config.json"
 
 
 def cache_root() -> Path:
@@ -94,7 +98,14 @@ def damage(folder: Path) -> Optional[str]:
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != size:
+        if name == REWRITTEN:  # ``tune`` adds its costs: a JSON object will do
+            try:
+                ok = isinstance(json.loads(path.read_text()), dict)
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                return f"{name} is not a JSON object"
+        elif path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, not {size}"
     return None
 

