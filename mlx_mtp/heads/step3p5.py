@@ -33,6 +33,8 @@ import mlx.nn as nn
 from .base import MTPHead, MultiLayerHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .common import windowed
+# MTP layers stored as layers N.. past the trunk, as DeepSeek-V3 stores them
+from .deepseek import is_mtp_key, num_layers, prefix  # noqa: F401  (loader hooks)
 from .qwen3_next import ZeroCentredRMSNorm
 
 MODEL_TYPES = ("step3p5",)
@@ -102,24 +104,6 @@ class Step3p5MTP(MTPHead):
             (k[len("block.") :] if k.startswith(own) else k, v) for k, v in weights
         ]
         return super().load_weights(weights, strict)
-
-
-def num_layers(config: Dict[str, Any]) -> int:
-    return int(config.get("num_nextn_predict_layers", 0) or 0)
-
-
-def prefix(config: Dict[str, Any], j: int = 0) -> str:
-    return f"model.layers.{config['num_hidden_layers'] + j}."
-
-
-def is_mtp_key(key: str, config: Dict[str, Any]) -> bool:
-    parts = key.split(".")
-    return (
-        len(parts) > 3
-        and parts[:2] == ["model", "layers"]
-        and parts[2].isdigit()
-        and int(parts[2]) >= config["num_hidden_layers"]
-    )
 
 
 def sanitize_block(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
