@@ -14,7 +14,7 @@ from mlx_mtp.serve import (
 )
 
 from . import options as o
-from .app import SPECULATIVE, app
+from .app import SPECULATIVE, app, fail
 
 SERVER = "Server"
 
@@ -80,6 +80,10 @@ def serve(
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once."""
     from mlx_mtp.serve import ServeConfig, run
 
+    if o.processes().size() > 1:
+        raise fail(
+            "serve runs in one process: under mlx.launch use generate, chat or bench"
+        )
     config = ServeConfig(
         draft_max=draft_max,
         mtp=not no_mtp,
