@@ -97,6 +97,23 @@ def test_policy_follows_acceptance_and_probes_rarely():
     assert policy() == 3
 
 
+def test_probes_cost_at_most_about_one_percent():
+    # drafts that do not pay at the prior and are never kept, over a short
+    # answer: the probes' extra cost stays within 1% of its rounds (a gap of 8
+    # rounds cost a random Qwen3-Next, whose head takes half a plain step, 2.6%)
+    dear = Costs([1.0, 1.34, 1.69, 1.97], [0.52, 0.92, 1.34])
+    for costs, prior in ((dear, 0.4), (MEMORY_BOUND, 0.1)):
+        policy = CostAwareDraft(3, costs, prior=[prior])
+        assert policy() == 0
+        extra = 0.0
+        for _ in range(100):
+            k = policy()
+            if k:
+                extra += costs.round(k) - 1.0
+                policy.update(k, 0)
+        assert 0 < extra / 100 <= 0.01 + 1e-9
+
+
 def test_prior_costs_by_machine():
     assert best_draft_count([0.9], prior_costs(compute_bound=True), 4) == 0
     assert best_draft_count([0.6], prior_costs(compute_bound=False), 4) > 0
