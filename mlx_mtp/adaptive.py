@@ -257,6 +257,19 @@ def make_policy(model, draft_max: int, adaptive: bool = True):
     return CostAwareDraft(draft_max, costs, prior, prior_weight=weight)
 
 
+def acceptance_prior(model) -> Optional[List[float]]:
+    """Per-depth acceptance measured for this head: by ``tune`` on this
+    machine, else by ``train-head``; None when neither has."""
+    if model.head is None:
+        return None
+    from .tune import tuned_entry
+
+    entry = tuned_entry(model)
+    if entry is not None:
+        return [float(a) for a in entry["acceptance_by_depth"]]
+    return _trained(model)
+
+
 def _trained(model) -> Optional[List[float]]:
     """The per-depth acceptance ``train-head`` measured, if it is there."""
     prior = model.head_config.get("acceptance_by_depth")

@@ -355,3 +355,19 @@ def test_rope_offsets_per_stream_match_single_streams():
             x[b : b + 1], 8, traditional=False, base=1e4, scale=1.0, offset=o
         )
         assert mx.array_equal(one, batched[b : b + 1])
+
+
+def test_stream_rates_start_at_the_heads_measured_acceptance():
+    """A new stream starts from what train-head or tune measured, not from an
+    optimistic 1 (which made every request's first rounds draft in full), and
+    undrafted positions drift back to that start."""
+    from mlx_mtp.serve.policy import AcceptanceRates
+
+    rates = AcceptanceRates(3, [0.3, 0.2])
+    assert rates.rates == [0.3, 0.2, 0.2]
+    rates.update(1, 1)  # the first draft kept
+    assert rates.rates[0] == pytest.approx(0.65)
+    for _ in range(500):
+        rates.update(0, 0)  # rounds that drafted nothing
+    assert rates.rates == pytest.approx([0.3, 0.2, 0.2], abs=1e-3)
+    assert AcceptanceRates(2).rates == [1.0, 1.0]  # nothing measured: optimistic

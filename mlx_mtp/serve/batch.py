@@ -52,10 +52,11 @@ class Stream:
     stats: MTPStats = field(default_factory=MTPStats)
     generated: int = 0
     done: bool = False
+    prior: Optional[List[float]] = None  # the head's measured acceptance per depth
     rates: AcceptanceRates = field(init=False)  # running acceptance per position
 
     def __post_init__(self):
-        self.rates = AcceptanceRates(self.draft_max)
+        self.rates = AcceptanceRates(self.draft_max, self.prior)
         self.stats.draft_max = self.draft_max
 
 

@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from ..adaptive import make_policy
+from ..adaptive import acceptance_prior, make_policy
 from ..chat import _truncatable
 from ..sampling import SamplingConfig, make_verifier
 from ..speculative import speculative_generate_step
@@ -164,6 +164,7 @@ class Engine:
         self.batched = batchable(cache.trunk) and batchable(cache.head)
         self.decoder = BatchDecoder(model, adaptive=config.adaptive_draft)
         self.reader = BatchDecoder(model)  # streams whose prompts are being read
+        self.prior = acceptance_prior(model)  # where each stream's rates start
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
@@ -300,6 +301,7 @@ class Engine:
                 max_tokens=request.max_tokens,
                 draft_max=draft_max,
                 stop_tokens=set(self.text_eos()),
+                prior=self.prior,
             )
             job.stream.stats.prompt_tokens = len(request.prompt) - job.read
             if not self.batched:

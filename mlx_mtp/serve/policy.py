@@ -23,7 +23,7 @@ asked for) stays unless another is expected ``MARGIN`` faster.
 
 import statistics
 from collections import deque
-from typing import Deque, Dict, List, Sequence
+from typing import Deque, Dict, List, Optional, Sequence
 
 from ..adaptive import expected_tokens
 
@@ -38,16 +38,27 @@ RECOVER = 0.02  # AcceptanceRates: drift of an undrafted position per round
 class AcceptanceRates:
     """A stream's running P(draft j+1 kept | the drafts before it kept).
 
-    Each rate is a plain mean over its first ``1 / rate`` tests (an optimistic
-    start of 1 counting as one test), a moving average after. Positions left
-    undrafted in a round the stream could draft drift back toward 1, so a
-    pessimistic early rate does not keep the batch from drafting for good.
+    Each rate starts at the head's measured acceptance for its depth (``prior``,
+    from ``tune`` or ``train-head``), or at an optimistic 1 where none was
+    measured; the start counts as one test, the rate is a plain mean over its
+    first ``1 / rate`` tests and a moving average after. Positions left
+    undrafted in a round the stream could draft drift back toward the start,
+    so a pessimistic early rate does not keep the batch from drafting for good.
     """
 
     def __init__(
-        self, draft_max: int, rate: float = DEFAULT_RATE, recover: float = RECOVER
+        self,
+        draft_max: int,
+        prior: Optional[Sequence[float]] = None,
+        rate: float = DEFAULT_RATE,
+        recover: float = RECOVER,
     ):
-        self.rates: List[float] = [1.0] * draft_max
+        prior = list(prior or []) or [1.0]
+        self.start = [
+            min(max(float(prior[min(j, len(prior) - 1)]), 0.0), 1.0)
+            for j in range(draft_max)
+        ]
+        self.rates: List[float] = list(self.start)
         self.tests: List[int] = [1] * draft_max
         self.rate, self.recover = rate, recover
 
@@ -59,7 +70,7 @@ class AcceptanceRates:
             step = max(self.rate, 1.0 / self.tests[j])
             self.rates[j] += step * ((j < accepted) - self.rates[j])
         for j in range(drafted, len(self.rates)):
-            self.rates[j] += self.recover * (1.0 - self.rates[j])
+            self.rates[j] += self.recover * (self.start[j] - self.rates[j])
 
 
 class BatchDraftLength:
