@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -49,12 +50,15 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model)]
+    cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model.resolve())]
     cmd += ["--port", str(port), "--max-batch", str(max(args.streams))]
     cmd += ["--prompt-cache-entries", "0", "--draft-max", str(args.draft_max)]
     if args.fixed_draft:
         cmd.append("--fixed-draft")
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    # not from a checkout, whose mlx_mtp/ would shadow the installed package
+    server = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
+    )
     for _ in range(1200):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)

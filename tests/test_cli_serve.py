@@ -6,12 +6,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+
+# the checkout's mlx_mtp/ would shadow the installed package
+NOT_THE_CHECKOUT = tempfile.gettempdir()
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -29,7 +33,11 @@ class Served:
         cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--port", str(self.port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            cmd + list(args), stderr=subprocess.PIPE, text=True, env=env
+            cmd + list(args),
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=NOT_THE_CHECKOUT,
         )
         self.log = self.process.stderr.readline()  # "serving ... on ...", once up
         if self.process.poll() is not None or "serving" not in self.log:
@@ -112,6 +120,7 @@ def test_a_bad_model_folder_is_one_line(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=NOT_THE_CHECKOUT,
     )
     assert out.returncode == 1
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
@@ -130,6 +139,7 @@ def test_a_port_in_use_is_one_line(folder):
             capture_output=True,
             text=True,
             timeout=120,
+            cwd=NOT_THE_CHECKOUT,
         )  # fmt: skip
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: ")
