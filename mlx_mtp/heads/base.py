@@ -40,8 +40,7 @@ class MTPHead(nn.Module):
     def bind(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]):
         """Share the trunk's embedding and output head (used where the head has none)."""
         self._shared = SimpleNamespace(embed=embed, lm_head=lm_head, rows=None)
-        if "draft_vocab" in self:  # cut the output rows now, not in the first draft
-            self._shared.rows = _output_rows(self.output(), self.draft_vocab)
+        self._cut_rows()
 
     # -- family hooks ------------------------------------------------------
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
@@ -77,15 +76,19 @@ class MTPHead(nn.Module):
                 del self["draft_vocab"]
         else:
             self.draft_vocab = mx.array(tokens, dtype=mx.int32)
+        self._cut_rows()
+
+    def _cut_rows(self) -> None:
+        """Cut the output projection to the draft vocabulary's rows now (once
+        the head is bound), so the first draft costs no more than a later one."""
         self._shared.rows = None
-        if tokens is not None and self.output() is not None:
-            # cut the output rows now, not in the first draft
+        if "draft_vocab" in self and self.output() is not None:
             self._shared.rows = _output_rows(self.output(), self.draft_vocab)
 
     def _subset_logits(self, h: mx.array) -> mx.array:
         """Full-size logits, -inf outside ``draft_vocab``, from a subset matmul."""
-        if getattr(self._shared, "rows", None) is None:
-            self._shared.rows = _output_rows(self.output(), self.draft_vocab)
+        if getattr(self._shared, "rows", None) is None:  # weights set after binding
+            self._cut_rows()
         if self._shared.rows:
             matmul, vocab = self._shared.rows
             sub = matmul(h)
