@@ -139,7 +139,7 @@ def normalize_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
     transformers 5 writes rope settings as ``rope_parameters``; mlx-lm 0.32's
     llama reads only a top-level ``rope_theta`` and silently uses 10000
-    otherwise (DESIGN.md section 8).
+    otherwise (docs/design.md section 8).
     """
     config = dict(config)
     rope = config.get("rope_parameters")

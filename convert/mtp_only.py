@@ -1,4 +1,4 @@
-"""Add an MTP head to an MLX model the user already has (DESIGN.md section 8).
+"""Add an MTP head to an MLX model the user already has (docs/design.md section 8).
 
 Most MLX checkpoints carry no MTP tensors. The original checkpoint's head is
 written as ``mtp.safetensors`` beside the existing ``model*.safetensors``, with

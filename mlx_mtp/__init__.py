@@ -7,9 +7,19 @@ neither MLX nor mlx-lm, which keeps ``mlx-mtp --help`` fast.
 import importlib
 import sys
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# A source checkout keeps cli/, convert/ and metal/ beside this folder; they
+# install as mlx_mtp.cli, mlx_mtp.convert and mlx_mtp.metal. When the checkout's
+# own mlx_mtp/ is the one imported (a script or `python -m` run from its root,
+# which puts the root first on sys.path), it finds them there, instead of
+# failing on a missing mlx_mtp.cli or mixing with an installed copy.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "cli" / "app.py").is_file():
+    __path__.append(str(_CHECKOUT))
 
 _EXPORTS = {
     "ChatSession": "chat",

@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
-import tiny_2026  # noqa: E402
+import tiny_own_layout  # noqa: E402
 
 # heads in the DeepSeek and MiMo layouts (tests/tiny.py)
 DRAFT_FAMILIES = [
@@ -18,9 +18,9 @@ DRAFT_FAMILIES = [
     "deepseek_v32",
     "glm_moe_dsa",
 ]
-# heads in their own layouts (tests/tiny_2026.py); then those of several layers
-OWN_LAYOUT_FAMILIES = list(tiny_2026.MODEL_TYPES)
-MULTI_LAYER_FAMILIES = list(tiny_2026.MULTI_LAYER_TYPES)
+# heads in their own layouts (tests/tiny_own_layout.py); then those of several layers
+OWN_LAYOUT_FAMILIES = list(tiny_own_layout.MODEL_TYPES)
+MULTI_LAYER_FAMILIES = list(tiny_own_layout.MULTI_LAYER_TYPES)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def tiny_folders(tmp_path_factory):
     def get(model_type: str, seed: int = 0):
         if (model_type, seed) not in cache:
             own = OWN_LAYOUT_FAMILIES + MULTI_LAYER_FAMILIES
-            builder = tiny_2026 if model_type in own else tiny
+            builder = tiny_own_layout if model_type in own else tiny
             cache[model_type, seed] = builder.build_folder(
                 root / f"{model_type}-{seed}", model_type, seed
             )

@@ -150,11 +150,11 @@ def test_older_qwen3next_layout_is_refused(built, tmp_path):
 
 def test_step35_gguf_gives_the_hf_trunk_and_every_mtp_layer(tmp_path):
     """Step-3.5's three MTP layers come back from ``blk.{N+j}`` (llama.cpp's step35)."""
-    import tiny_2026
+    import tiny_own_layout
 
-    config, trunk_w, mtp_w = tiny_2026.build_weights("step3p5")
+    config, trunk_w, mtp_w = tiny_own_layout.build_weights("step3p5")
     weights = {**trunk_w, **mtp_w}
-    path = tiny_2026.write_step35_gguf(tmp_path / "s.gguf", config, weights)
+    path = tiny_own_layout.write_step35_gguf(tmp_path / "s.gguf", config, weights)
     ref = tiny.save_folder(tmp_path / "ref", config, f16(weights))
     got = mlx_mtp.load_model(convert(path, tmp_path / "out", dtype="float32"))
     expect = mlx_mtp.load_model(ref)
@@ -168,12 +168,12 @@ def test_step35_gguf_gives_the_hf_trunk_and_every_mtp_layer(tmp_path):
 
 
 def test_step35_mtp_only_onto_a_gguf_trunk(tmp_path):
-    import tiny_2026
+    import tiny_own_layout
 
-    config, trunk_w, mtp_w = tiny_2026.build_weights("step3p5")
+    config, trunk_w, mtp_w = tiny_own_layout.build_weights("step3p5")
     weights = {**trunk_w, **mtp_w}
-    full = tiny_2026.write_step35_gguf(tmp_path / "s.gguf", config, weights)
-    bare = tiny_2026.write_step35_gguf(tmp_path / "b.gguf", config, trunk_w, mtp=False)
+    full = tiny_own_layout.write_step35_gguf(tmp_path / "s.gguf", config, weights)
+    bare = tiny_own_layout.write_step35_gguf(tmp_path / "b.gguf", config, trunk_w, mtp=False)
     trunk = convert(bare, tmp_path / "trunk", dtype="float32")
     assert mlx_mtp.load_model(trunk).head is None
     add_mtp(full, trunk)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops, gated_delta_update
 
-from mlx_mtp.gated_delta import (
+from mlx_mtp.recurrent.gated_delta import (
     _backend,
     _build_kernel,
     _source,

@@ -1,4 +1,4 @@
-"""The MTP head's math, pinned against numpy written from DESIGN.md section 3.
+"""The MTP head's math, pinned against numpy written from docs/design.md section 3.
 
 numpy computes the fuse (norms, concat order, projection), the position-0
 embedding zeroing, the closing norm and the output head; the decoder block in

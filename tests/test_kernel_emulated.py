@@ -24,7 +24,7 @@ import mlx.core as mx
 import pytest
 from kernel_harness import EmulatedKernel, KernelRunError, compiler_problem
 
-from mlx_mtp import gated_delta as gd
+from mlx_mtp.recurrent import gated_delta as gd
 
 pytestmark = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"

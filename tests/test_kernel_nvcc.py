@@ -15,7 +15,7 @@ import pytest
 from kernel_harness import mlx_source
 from test_kernel_emulated import DTYPES, SHAPES, VARIANTS, make_inputs
 
-from mlx_mtp import gated_delta as gd
+from mlx_mtp.recurrent import gated_delta as gd
 
 # What mlx/backend/cuda/device/utils.cuh and the default header bring in.
 PRELUDE = """#include <cuda_bf16.h>

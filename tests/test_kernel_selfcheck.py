@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from test_speculative import mtp_greedy, reference_greedy
 
 import mlx_mtp
-from mlx_mtp import gated_delta as gd
+from mlx_mtp.recurrent import gated_delta as gd
 
 PROMPT = list(range(40, 70))
 MAX_TOKENS = 48  # the slot-shifted kernel first changes token 32

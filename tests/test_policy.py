@@ -344,7 +344,7 @@ def hybrid(tmp_path_factory):
 
 
 def test_plain_rounds_keep_no_states_and_stop_exactly(hybrid, monkeypatch):
-    from mlx_mtp.keep_states import KeepStatesCache
+    from mlx_mtp.recurrent.keep_states import KeepStatesCache
 
     model, reference = hybrid
     calls = []

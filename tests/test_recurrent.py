@@ -30,7 +30,7 @@ from test_speculative import (
 
 import mlx_mtp
 from mlx_mtp.cache import rollback, start_verify
-from mlx_mtp.keep_states import KeepStatesCache
+from mlx_mtp.recurrent.keep_states import KeepStatesCache
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 

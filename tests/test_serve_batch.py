@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
-import tiny_2026
+import tiny_own_layout
 import tiny_hybrid
 import tiny_recurrent
 from live_server import LiveServer
@@ -46,8 +46,8 @@ def folders(tmp_path_factory):
                 built[kind] = tiny_hybrid.build_folder(root / kind, kind)[0]
             elif kind in tiny_recurrent.MODEL_TYPES:
                 built[kind] = tiny_recurrent.build_folder(root / kind, kind)[0]
-            elif kind in tiny_2026.MULTI_LAYER_TYPES + tiny_2026.MODEL_TYPES:
-                built[kind] = tiny_2026.build_folder(root / kind, kind)[0]
+            elif kind in tiny_own_layout.MULTI_LAYER_TYPES + tiny_own_layout.MODEL_TYPES:
+                built[kind] = tiny_own_layout.build_folder(root / kind, kind)[0]
             else:
                 built[kind] = tiny.build_folder(root / kind, kind)[0]
         return built[kind]

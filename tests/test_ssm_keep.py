@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.ssm import ssm_update
 
-from mlx_mtp.kernels import source
-from mlx_mtp.ssm_keep import _backend, ssm_update_keep
+from mlx_mtp.recurrent.kernels import source
+from mlx_mtp.recurrent.ssm_keep import _backend, ssm_update_keep
 
 # float32 sums of Ds products in another order (mlx-lm's chunked path is
 # matmuls): a few ulps of values near 1.

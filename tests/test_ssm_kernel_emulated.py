@@ -29,7 +29,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from test_speculative import mtp_greedy, reference_greedy
 
 import mlx_mtp
-from mlx_mtp import ssm_keep as sk
+from mlx_mtp.recurrent import ssm_keep as sk
 
 pytestmark = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"

@@ -21,7 +21,7 @@ from typing import Any, Dict
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..lightning_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.lightning_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from . import deepseek
 from .base import MTPHead
 

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MTPError
-from ..kda_cache import patch_bailing_trunk as patch_trunk  # noqa: F401  (loader)
+from ..recurrent.kda_cache import patch_bailing_trunk as patch_trunk  # noqa: F401  (loader)
 from . import deepseek
 from .bailing_hybrid import BailingMTP
 from .base import MTPHead

@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MTPError
-from ..kda_cache import patch_k3_trunk as patch_trunk  # noqa: F401  (loader hook)
+from ..recurrent.kda_cache import patch_k3_trunk as patch_trunk  # noqa: F401  (loader hook)
 from .base import MTPHead, MultiLayerHead
 from .deepseek import DeepSeekMTP
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MTPError
-from ..kda_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.kda_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from . import deepseek
 from .base import MTPHead
 

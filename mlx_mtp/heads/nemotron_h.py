@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
 from ..errors import MTPError
-from ..mamba_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.mamba_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead
 
 MODEL_TYPES = ("nemotron_h",)

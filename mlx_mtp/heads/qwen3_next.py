@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 
-from ..gdn_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.gdn_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead, MultiLayerHead
 from .common import Depth
 

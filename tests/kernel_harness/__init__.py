@@ -10,7 +10,7 @@ arguments of MLX's builder, then call it as MLX's kernel object is called::
 so a new kernel plugs in with the two functions its dispatch already needs:
 one returning the builder's arguments (name, input and output names, body,
 header), one returning a call's (inputs, template, grid, threadgroup, output
-shapes and dtypes); see ``mlx_mtp.gated_delta.kernel_spec`` / ``kernel_call``
+shapes and dtypes); see ``mlx_mtp.recurrent.gated_delta.kernel_spec`` / ``kernel_call``
 and tests/test_kernel_emulated.py.
 
 Emulated: float32, bfloat16, bool, int32 and uint32 arrays and scalars; the

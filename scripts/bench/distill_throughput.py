@@ -5,7 +5,7 @@ Greedy answers to the same generated training prompts through mlx-lm's
 interleaved, repeated; prints answer tokens per second (prefill included) and
 the median per batch size.
 
-    python scripts/distill_throughput.py MODEL --batch 1 32 64 --prompts 64 \
+    python scripts/bench/distill_throughput.py MODEL --batch 1 32 64 --prompts 64 \
         --tokens 48 --repeats 2
 """
 

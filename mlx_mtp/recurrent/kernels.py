@@ -48,7 +48,7 @@ def source(name: str) -> str:
     try:
         return importlib.resources.files("mlx_mtp.metal").joinpath(name).read_text()
     except (ImportError, OSError):
-        return (Path(__file__).parent.parent / "metal" / name).read_text()
+        return (Path(__file__).parents[2] / "metal" / name).read_text()
 
 
 def gpu_backend() -> Optional[str]:

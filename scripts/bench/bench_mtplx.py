@@ -17,7 +17,7 @@ Each repetition runs one process per side, alternately (warm-up, then every
 prompt at every depth, greedy); printed are median tokens per second (and per
 CPU second) per depth and side, and whether every side emitted mlx-lm's tokens.
 
-    python scripts/bench_mtplx.py MODEL --mtplx-python /somewhere/mtplx/bin/python
+    python scripts/bench/bench_mtplx.py MODEL --mtplx-python /somewhere/mtplx/bin/python
         [--depths 1,2,3] [--tokens 64] [--reps 3]
 """
 

@@ -2,9 +2,9 @@
 
 Run it under mlx.launch, and alone for the one-process round time:
 
-    mlx.launch --backend ring -n 2 -- python scripts/distributed_rounds.py MODEL \\
+    mlx.launch --backend ring -n 2 -- python scripts/bench/distributed_rounds.py MODEL \\
         [--sharding pipeline] [--draft-max 3] [-n 64] [--repeats 3]
-    python scripts/distributed_rounds.py MODEL
+    python scripts/bench/distributed_rounds.py MODEL
 
 Rank 0 prints, per draft-max k (repetitions interleaved, medians): rounds,
 the collectives a round issues by kind (counted by wrapping mx.distributed's

@@ -7,7 +7,7 @@ recurrent state. Neither can be trimmed, so between ``start_verify()`` and
 the conv inputs it read (window slots) or the state after every verified token
 (state slots). ``rollback(n)`` then sets each slot to its value after the last
 kept token: the window ending there, the state kept there. Nothing is
-recomputed, and nothing is kept outside a verify pass (DESIGN.md section 6);
+recomputed, and nothing is kept outside a verify pass (docs/design.md section 6);
 so dropping tokens outside one is refused, never silently skipped.
 
 Outside a verify pass the cache is mlx-lm's ``ArraysCache`` and the layers run

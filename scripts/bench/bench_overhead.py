@@ -8,7 +8,7 @@ interleaved (the order rotating) and each configuration's time is divided by
 mlx-lm's in the same repetition; medians and quartiles of those ratios are
 printed. Goal: within 3% of plain.
 
-    python scripts/bench_overhead.py [--model PATH | --family mimo --hidden 512]
+    python scripts/bench/bench_overhead.py [--model PATH | --family mimo --hidden 512]
         [--tokens 64] [--reps 21]
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import tiny  # noqa: E402
 
 import mlx_mtp  # noqa: E402

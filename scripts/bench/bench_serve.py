@@ -12,10 +12,10 @@ also shows tokens per CPU-second of the process that generates (the server
 process, or this one for mlx-lm; Linux only), which such load hardly moves.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python scripts/bench_serve.py [--model PATH] [--max-tokens 64] [--repeats 3]
+        python scripts/bench/bench_serve.py [--model PATH] [--max-tokens 64] [--repeats 3]
 
 Without ``--model``, the default model. For the memory-bound regime on a CPU,
-preload OpenBLAS and use float32 weights (e.g. ``scripts/build_bench_model.py``).
+preload OpenBLAS and use float32 weights (e.g. ``scripts/bench/build_bench_model.py``).
 """
 
 import argparse

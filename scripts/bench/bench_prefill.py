@@ -9,7 +9,7 @@ this process's CPU time (steady on a shared CPU). The prompt is
 text repeated from the shipped bench prompts (encoded with the model's
 tokenizer), so the head reads real tokens.
 
-    python scripts/bench_prefill.py [--model PATH] [--lengths 4096 16384] [--reps 3]
+    python scripts/bench/bench_prefill.py [--model PATH] [--lengths 4096 16384] [--reps 3]
 """
 
 import argparse

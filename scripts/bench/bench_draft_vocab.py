@@ -7,7 +7,7 @@ picks them) the head's teacher-forced depth-1 acceptance on the answers and
 the CPU time of 1..K drafts, interleaved and in plain steps. ``--cost-only``
 skips the answers (for random models, whose acceptance means nothing here).
 
-    python scripts/bench_draft_vocab.py MODEL [--sizes 4096 8192 16384 32768]
+    python scripts/bench/bench_draft_vocab.py MODEL [--sizes 4096 8192 16384 32768]
         [--tokens 64] [--repeats 7] [--cost-only]
 """
 

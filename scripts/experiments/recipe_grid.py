@@ -7,7 +7,7 @@ recomputed twice). Prints per-depth teacher-forced agreement on the run's
 validation prompts, the expected tokens per verify pass at draft-max 3
 (1 + a1 + a1 a2 + a1 a2 a3) and the training time, as a markdown table.
 
-    python scripts/recipe_grid.py BASE DATA_RUN GRID --self-distill 3000 \
+    python scripts/experiments/recipe_grid.py BASE DATA_RUN GRID --self-distill 3000 \
         --common "--steps 300 --batch-size 4 --eval-every 50" \
         --variant baseline "" --variant depth1 "--depth 1" ...
 """

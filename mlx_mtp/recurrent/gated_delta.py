@@ -3,7 +3,7 @@
 A verify pass runs ``k + 1`` tokens through each gated-delta-net layer, then
 keeps only the first ``a + 1``. Writing the state after every token into
 ``intermediates[:, t]`` lets the cache roll back by picking a slot, with no
-recomputation (DESIGN.md section 6).
+recomputation (docs/design.md section 6).
 
 Three implementations of one op, all matching mlx-lm's ``gated_delta_ops``:
 a pure-MLX reference (CPU and the fallback everywhere), a Metal kernel that is

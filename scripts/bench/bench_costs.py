@@ -18,9 +18,9 @@ time and this process's CPU time (the work done: on a CPU shared with other
 jobs it does not stretch with their load; run with ``OPENBLAS_NUM_THREADS=1``
 so that no BLAS thread spins while it waits). The script uses only what every
 version of the loop has, so the same script times older checkouts:
-``PYTHONPATH=OLD_CHECKOUT python scripts/bench_costs.py MODEL``.
+``PYTHONPATH=OLD_CHECKOUT python scripts/bench/bench_costs.py MODEL``.
 
-    python scripts/bench_costs.py MODEL [--draft-max 3] [--repeats 15]
+    python scripts/bench/bench_costs.py MODEL [--draft-max 3] [--repeats 15]
         [--tokens 64] [--json]
 """
 

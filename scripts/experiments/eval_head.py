@@ -1,6 +1,6 @@
 """Held-out acceptance of an MTP head: greedy, per prompt kind and per depth.
 
-    python scripts/eval_head.py MODEL [--mtp HEAD] [--tokens 64] [--per-kind 4] \
+    python scripts/experiments/eval_head.py MODEL [--mtp HEAD] [--tokens 64] [--per-kind 4] \
         [--draft-max 1 2 3] [--costs]
 
 Prompts are ``mlx_mtp.training.prompts.EVAL_PROMPTS`` (written by hand, never

@@ -50,7 +50,7 @@ def _delta_rule(layer, cache, q, k, v, a, b, mask, lower_bound=None) -> mx.array
     return out
 
 
-class KeepStates:
+class KeepStatesKimiDelta:
     """Mixin over mlx-lm's ``KimiDeltaAttention``: keeps states in a verify pass."""
 
     def __call__(self, x: mx.array, mask=None, cache: Any = None) -> mx.array:
@@ -72,7 +72,7 @@ class KeepStates:
         return self.o_proj(out.reshape(B, T, -1))
 
 
-class KeepStatesK3:
+class KeepStatesKimiK3Delta:
     """Mixin over mlx-lm's ``KimiK3DeltaAttention`` (joined q, k, v projection
     and convolution, bounded gates): keeps states in a verify pass."""
 
@@ -100,7 +100,7 @@ class KeepStatesK3:
         return self.o_proj(out.reshape(B, T, -1))
 
 
-class KeepStatesBailing:
+class KeepStatesBailingKDA:
     """Mixin over mlx-lm's ``BailingKDA`` (Ling-3): keeps states in a verify pass."""
 
     def __call__(self, x: mx.array, mask=None, cache: Any = None) -> mx.array:
@@ -128,16 +128,16 @@ class KeepStatesBailing:
 def patch_trunk(model: nn.Module) -> None:
     """Give a Kimi-Linear model's KDA layers rollback: keep path and ``KDACache``."""
     kda = [layer.self_attn for layer in model.layers if layer.is_linear]
-    install(model, kda, KeepStates, KDACache)
+    install(model, kda, KeepStatesKimiDelta, KDACache)
 
 
 def patch_k3_trunk(model: nn.Module) -> None:
     """The same for a Kimi-K3 model."""
     kda = [layer.self_attn for layer in model.layers if layer.is_linear]
-    install(model, kda, KeepStatesK3, KDACache)
+    install(model, kda, KeepStatesKimiK3Delta, KDACache)
 
 
 def patch_bailing_trunk(model: nn.Module) -> None:
     """The same for a Ling-3 (mlx-lm ``bailing_moe_v3``) model."""
     kda = [layer.attention for layer in model.layers if layer.is_linear]
-    install(model, kda, KeepStatesBailing, KDACache)
+    install(model, kda, KeepStatesBailingKDA, KDACache)

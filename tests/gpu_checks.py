@@ -1,9 +1,11 @@
 """Check the keep-intermediates kernels (gated delta, Mamba2) on this machine's GPU.
 
-    python scripts/gpu_kernel_check.py [--max-tokens N]
+    pytest tests/test_gpu_kernels.py          # skipped without a GPU backend
+    python tests/gpu_checks.py [--max-tokens N]  # the same, standalone
+
 
 Needs MLX with a GPU backend (Metal on a Mac, MLX's CUDA build on Linux) and
-the installed mlx-mtp; no network, no test files. For each kernel it runs
+the installed mlx-mtp; no network, no other test file. For each kernel it runs
 
 1. the real kernel (built as the dispatch builds it, called directly, not
    through the self-check) against the pure-MLX reference over the shape grid
@@ -28,8 +30,8 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_mtp import gated_delta as gd
-from mlx_mtp import ssm_keep as sk
+from mlx_mtp.recurrent import gated_delta as gd
+from mlx_mtp.recurrent import ssm_keep as sk
 
 ATOL = 1e-5  # as tests/test_kernel_emulated.py: float32 sums in another order
 NEAR_TIE = 1e-4  # a greedy divergence passes only on a top-2 logit gap below this

@@ -8,8 +8,8 @@ cost-aware draft count. Two variants of the model: as the tests build it
 language model's. Counts need no clock; tok/s on this CPU is noise-prone.
 ``--model PATH`` runs a real MLX folder with an MTP head on a few chat prompts.
 
-    python scripts/acceptance_by_temperature.py [--family deepseek_v3] [--tokens 64]
-    python scripts/acceptance_by_temperature.py --model PATH
+    python scripts/experiments/acceptance_by_temperature.py [--family deepseek_v3] [--tokens 64]
+    python scripts/experiments/acceptance_by_temperature.py --model PATH
 """
 
 import argparse
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import tiny  # noqa: E402
 

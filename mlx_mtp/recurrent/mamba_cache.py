@@ -24,7 +24,7 @@ class MambaCache(KeepStatesCache):
         super().__init__(size, left_padding)
 
 
-class KeepStates:
+class KeepStatesMamba2:
     """Mixin over mlx-lm's ``NemotronHMamba2Mixer``: keeps states in a verify pass.
 
     The verify path is the mixer's ``__call__`` (``_conv``, ``_ssm``) for a
@@ -67,4 +67,4 @@ class KeepStates:
 def patch_trunk(model: nn.Module) -> None:
     """Give a Nemotron-H model's Mamba2 layers the keep path and ``MambaCache``."""
     mixers = [layer.mixer for layer in model.layers if layer.block_type == "M"]
-    install(model, mixers, KeepStates, MambaCache)
+    install(model, mixers, KeepStatesMamba2, MambaCache)

@@ -65,7 +65,7 @@ def recurrent_gla_keep(
     return mx.concatenate(ys, axis=2), h, mx.stack(states, axis=1)
 
 
-class KeepStates:
+class KeepStatesLightning:
     """Mixin over mlx-lm's bailing_hybrid ``LinearAttention``: keeps states."""
 
     def __call__(self, x, mask=None, cache: Any = None, offset: int = 0):
@@ -100,4 +100,4 @@ class KeepStates:
 def patch_trunk(model: nn.Module) -> None:
     """Give a bailing_hybrid model's linear layers rollback: ``LightningCache``."""
     linear = [layer.attention for layer in model.layers if not layer.is_global]
-    install(model, linear, KeepStates, LightningCache)
+    install(model, linear, KeepStatesLightning, LightningCache)

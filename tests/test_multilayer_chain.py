@@ -13,7 +13,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_2026
+import tiny_own_layout
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from test_multilayer import fresh_layer_states
@@ -28,7 +28,7 @@ from test_speculative import (
 import mlx_mtp
 from mlx_mtp.heads import MultiLayerHead
 
-FAMILIES = list(tiny_2026.MULTI_LAYER_TYPES)
+FAMILIES = list(tiny_own_layout.MULTI_LAYER_TYPES)
 LAYERS = 3
 
 
@@ -40,7 +40,7 @@ def models(tmp_path_factory):
 
     def get(family):
         if family not in loaded:
-            full, trunk = tiny_2026.build_folder(root / family, family)
+            full, trunk = tiny_own_layout.build_folder(root / family, family)
             loaded[family] = (
                 mlx_mtp.load_model(full),
                 mlx_lm_load_model(trunk)[0],

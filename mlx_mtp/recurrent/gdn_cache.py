@@ -4,7 +4,7 @@ A GDN layer's cache is ``[conv window, recurrent state]``. During a verify pass
 the layer runs mlx-lm's code with ``gated_delta_keep`` (the state after every
 token) in place of ``gated_delta_update`` and keeps, through the generic
 ``KeepStatesCache``, the conv inputs it read and those states; ``rollback(n)``
-picks the ones after the last kept token (DESIGN.md section 6). Outside a
+picks the ones after the last kept token (docs/design.md section 6). Outside a
 verify pass the layers run mlx-lm's own code.
 
 ``patch_trunk(model)`` installs both on an mlx-lm Qwen3-Next / Qwen3.5 model:
@@ -29,7 +29,7 @@ class GDNCache(KeepStatesCache):
         super().__init__(size, left_padding)
 
 
-class KeepStates:
+class KeepStatesGatedDelta:
     """Mixin over mlx-lm's GatedDeltaNet classes: keeps states during a verify pass.
 
     The verify path is mlx-lm's ``__call__`` for a batch without ``lengths``,
@@ -82,4 +82,4 @@ class KeepStates:
 def patch_trunk(model: nn.Module) -> None:
     """Give ``model``'s GDN layers rollback: keep-states layers and ``GDNCache``."""
     linear = [m.linear_attn for m in model.layers if getattr(m, "is_linear", False)]
-    install(model, linear, KeepStates, GDNCache)
+    install(model, linear, KeepStatesGatedDelta, GDNCache)

@@ -6,7 +6,7 @@ weights make the head often agree with the trunk, ``--disagreeable`` gives a
 head whose drafts are (almost) never kept. float32 weights, for the
 memory-bound regime of docs/performance.md.
 
-    python scripts/build_bench_model.py OUT [--family mimo] [--hidden 1024]
+    python scripts/bench/build_bench_model.py OUT [--family mimo] [--hidden 1024]
         [--layers 8] [--vocab N] [--experts N] [--disagreeable]
 
 Families: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (dense or MoE as their
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import tiny  # noqa: E402
 import tiny_hybrid  # noqa: E402
 

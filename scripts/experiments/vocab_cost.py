@@ -5,7 +5,7 @@ tokens) that lie in the K most frequent training targets, which caps the
 first-draft acceptance, and the time of one chained head call relative to a
 plain one-token step of the trunk (as ``train-head``'s costs are measured).
 
-    python scripts/vocab_cost.py MODEL RUN --sizes 1024 2048 4096 8192 0
+    python scripts/experiments/vocab_cost.py MODEL RUN --sizes 1024 2048 4096 8192 0
 """
 
 import argparse
