@@ -56,7 +56,11 @@ def remove_stale(parent: Path, name: str) -> List[Path]:
         if not m or not p.is_dir() or p.is_symlink() or _alive(int(m.group(2))):
             continue
         target, kept = Path(parent) / name, p / name
-        if m.group(1) == "old" and kept.exists() and not target.exists():
+        if m.group(1) == "old" and not name:  # a folder filled in place
+            for entry in list(p.iterdir()):  # killed while swapping entries
+                if not (target / entry.name).exists():
+                    os.replace(entry, target / entry.name)
+        elif m.group(1) == "old" and kept.exists() and not target.exists():
             os.replace(kept, target)  # killed between moving it aside and back
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
@@ -71,6 +75,14 @@ def holds_model(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
+def in_place(out: Path) -> bool:
+    """Whether ``out`` is written in place rather than renamed into place: an
+    empty folder (it may be the folder the user is in) or a mount point (a
+    mounted drive or a container volume cannot be renamed, and a folder built
+    beside it sits on another file system)."""
+    return out.is_dir() and (os.path.ismount(out) or not any(out.iterdir()))
+
+
 def check_target(out: Path, force: bool) -> Path:
     """Refuse, before any work, an ``out`` that cannot or must not be written.
 
@@ -82,16 +94,25 @@ def check_target(out: Path, force: bool) -> Path:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     remove_stale(out.parent, out.name)
+    if out.is_dir():
+        remove_stale(out, "")  # those of a run that filled it in place
     if out.exists():
         if not force:
-            raise MTPError(f"{out} exists (use --force to replace it)")
+            what = "a model" if out.is_dir() and holds_model(out) else "files"
+            hint = (
+                "use --force to replace it"
+                if what == "a model"
+                else "choose another output folder"
+            )
+            raise MTPError(f"{out} exists and holds {what} ({hint})")
         if not out.is_dir():
             raise MTPError(f"{out} exists and is not a folder")
         if not holds_model(out):
             first = sorted(p.name for p in out.iterdir())[0]
             raise MTPError(
                 f"{out} holds files that are not a model ({first}): --force "
-                "replaces only a model folder or an empty one"
+                "replaces only a model folder or an empty one; choose another "
+                "output folder"
             )
         inside = os.path.commonpath([out, os.getcwd()]) == str(out)
         if inside and any(out.iterdir()):  # an empty one is filled in place
@@ -101,11 +122,13 @@ def check_target(out: Path, force: bool) -> Path:
             )
     elif not parent.is_dir():
         raise MTPError(f"{parent} is not a folder")
-    try:  # the most reliable test of write access: write
-        probe = tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=parent)
+    # the most reliable test of write access: write where the work will go
+    where = out if out.exists() and in_place(out) else parent
+    try:
+        probe = tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=where)
         os.rmdir(probe)
     except OSError as e:
-        raise MTPError(f"cannot write into {parent}: {_reason(e)}") from None
+        raise MTPError(f"cannot write into {where}: {_reason(e)}") from None
     return out
 
 
@@ -142,38 +165,71 @@ def write_error(e: BaseException, where: Path) -> MTPError:
 
 @contextmanager
 def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
-    """Yield ``OUT.tmp-...``; rename it to ``out`` on success, remove it on any failure.
+    """Yield a temporary folder; it becomes ``out`` on success and is removed on
+    any failure.
 
-    An existing ``out`` (see ``check_target``) is renamed aside first and
-    removed once the new folder is in place; an empty one keeps its place (it
-    may be the folder the user is in) and receives the new files.
+    Normally ``OUT.tmp-...`` is built beside ``out`` and renamed to it; an
+    existing ``out`` (see ``check_target``) is renamed aside first and removed
+    once the new folder is in place. An ``out`` written in place (``in_place``)
+    keeps its place: the temporary folder is built inside it, on its file
+    system, and its files are moved in at the end.
     """
     out = check_target(out, force)
+    if out.exists() and in_place(out):
+        with _filled_in_place(out) as tmp:
+            yield tmp
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
     try:
         yield tmp
-        if out.is_dir() and not any(out.iterdir()):
-            for entry in tmp.iterdir():
-                os.replace(entry, out / entry.name)
-            os.rmdir(tmp)
-        elif out.exists():
-            old = Path(
-                tempfile.mkdtemp(prefix=temp_prefix(out.name, "old"), dir=out.parent)
-            )
-            os.replace(out, old / out.name)
-            try:
-                os.replace(tmp, out)
-            except BaseException:  # put the old folder back (or leave it for a
-                os.replace(old / out.name, out)  # later run's remove_stale)
-                os.rmdir(old)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _finish(tmp, out)
     except BaseException:  # Ctrl-C included: never leave a half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name, "old"), dir=out.parent))
+    os.replace(out, old / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:  # put the old folder back (or leave it for a
+        os.replace(old / out.name, out)  # later run's remove_stale)
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _filled_in_place(out: Path) -> Iterator[Path]:
+    """Build inside ``out``, then swap its entries for the new ones."""
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(""), dir=out))
+    old, moved = None, []
+    try:
+        yield tmp
+        old = Path(tempfile.mkdtemp(prefix=temp_prefix("", "old"), dir=out))
+        for entry in list(out.iterdir()):
+            if entry not in (tmp, old):
+                os.replace(entry, old / entry.name)
+        for entry in list(tmp.iterdir()):
+            os.replace(entry, out / entry.name)
+            moved.append(out / entry.name)
+        os.rmdir(tmp)
+    except BaseException:  # Ctrl-C included: the old entries go back
+        for entry in moved:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if old is not None:
+            for entry in list(old.iterdir()):
+                os.replace(entry, out / entry.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
