@@ -90,6 +90,7 @@ def test_ctrl_c_ends_the_line_and_prints_the_stats_so_far(full):
     assert err.strip().splitlines()[-1] == "interrupted"
 
 
+@pytest.mark.slow
 def test_notice_where_mtp_cannot_gain(full, tmp_path):
     # asked in a fresh process: the tests pin this process's regime (conftest)
     code = "from mlx_mtp.bench import cannot_gain_notice; print(cannot_gain_notice())"

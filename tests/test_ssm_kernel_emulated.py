@@ -31,9 +31,12 @@ from test_speculative import mtp_greedy, reference_greedy
 import mlx_mtp
 from mlx_mtp.recurrent import ssm_keep as sk
 
-pytestmark = pytest.mark.skipif(
-    compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        compiler_problem() is not None, reason=f"kernel emulator: {compiler_problem()}"
+    ),
+]
 
 ATOL = 2e-5
 BACKENDS = ["metal", "cuda"]
