@@ -109,9 +109,20 @@ def kinds_table(result):
     return t
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def took_line(seconds: float, planned: Optional[float]) -> str:
+    line = f"took {_duration(seconds)}"
+    if planned and seconds > 1.25 * planned:
+        line += f", planned about {_duration(planned)}: the machine slowed down"
+    return line
+
+
 def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: float):
     """What the benchmark will run and about how long it will take."""
-    minutes = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    minutes = _duration(seconds)
     return (
         f"bench: {configs} configurations x {prompts} prompts x {repeats} repeats x "
         f"{tokens} tokens, about {minutes} at the warm-up's speed "
@@ -200,7 +211,10 @@ def bench(
         draft_max = default_draft_max(loaded)
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
+    plan = {}
+
     def planned(seconds: float):
+        plan["seconds"] = seconds
         line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
         print(line, file=sys.stderr, flush=True)
 
@@ -248,6 +262,15 @@ def bench(
         console.print(costs_line(result.costs), markup=False, soft_wrap=True)
     if len({p.kind for p in result.prompts}) > 1:
         console.print(kinds_table(result))
+    if result.noise:
+        console.print(
+            "warning: the machine was too busy for these figures to hold ("
+            + "; ".join(result.noise)
+            + "): run again when it is idle, or with more --repeats",
+            style="yellow",
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(
         "tok/s: median over runs; vs mlx-lm: median of per-run ratios in this run; "
         "bound: mean len / (verify(k+1) + drafts(k)) from this run's costs; "
@@ -256,3 +279,5 @@ def bench(
         style="dim",
         markup=False,
     )
+    took = took_line(result.seconds, plan.get("seconds"))
+    console.print(took, style="dim", markup=False)

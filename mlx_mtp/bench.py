@@ -109,6 +109,9 @@ class BenchResult:
     # k = 0..N; step_seconds: the plain step; and the same in CPU time
     costs: Dict[str, Any] = field(default_factory=dict)
     cpu_costs: Dict[str, Any] = field(default_factory=dict)
+    # why the machine's load may have distorted the figures (see ``noise``)
+    noise: List[str] = field(default_factory=list)
+    seconds: float = 0.0  # the benchmark's wall time, warm-up included
 
     def to_dict(self) -> dict:
         """Everything but the runs' tokens and detailed stats (their speeds stay)."""
@@ -346,6 +349,7 @@ def run_bench(
     from .adaptive import default_draft_max
     from .tune import CostTimer
 
+    started = time.perf_counter()
     if draft_max is None:
         draft_max = default_draft_max(model)
     configs = configurations(draft_max, model.head is not None)
@@ -361,12 +365,14 @@ def run_bench(
             seconds += repeats * (
                 t_prompt * len(prompt) / len(encoded[0]) + per_token * max_tokens
             )
-    if estimate is not None:
-        estimate(seconds)
     timer = None
     if model.head is not None and draft_max > 0:
         plain = run_once(model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min)
+        tic = time.perf_counter()
         timer = CostTimer(model, encoded[0] + plain[0][0], draft_max)
+        seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
+    if estimate is not None:
+        estimate(seconds)
     runs: List[Measurement] = []
     for rep in range(repeats):
         if timer is not None:
@@ -412,7 +418,78 @@ def run_bench(
                 c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(
                     c.draft_max
                 )
+    result.noise = noise(result, timer.times if timer is not None else {})
+    result.seconds = time.perf_counter() - started
     return result
+
+
+# Repeats of one configuration on one prompt whose speeds (relative to mlx-lm's
+# in the same slot) spread wider than this, as (max - min) / median, do not
+# measure the configuration any more: the machine's load does.
+NOISE_SPREAD = 0.15
+# mlx-mtp without drafts does mlx-lm's work: further from 1x than this, the two
+# did not run under the same conditions.
+NOISE_NO_MTP = 0.10
+
+
+def _spread(values: List[float]) -> float:
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid > 0 else 0.0
+
+
+def noise(result: BenchResult, cost_times: Dict[tuple, List[tuple]]) -> List[str]:
+    """What says the machine was too busy for the figures to hold, row by row.
+
+    Each configuration is repeated on each prompt; the spread of its speed ratio
+    over the repeats of one prompt (the median over prompts) is the noise it
+    was measured with. The no-drafts row should run at mlx-lm's speed, and a
+    verify over one token should cost one plain step: when they do not, the
+    costs and bounds do not hold either. Empty when nothing says so (or with
+    one repeat, where nothing can).
+    """
+    found = []
+    if result.repeats > 1:
+        noisy = []
+        for c in result.configs[1:]:
+            by_prompt: Dict[int, List[float]] = {}
+            base = {
+                (r.prompt, r.repeat): r.generation_tps
+                for r in result.runs
+                if r.config == BASELINE
+            }
+            for r in result.runs:
+                if r.config == c.config and base.get((r.prompt, r.repeat), 0) > 0:
+                    ratio = r.generation_tps / base[r.prompt, r.repeat]
+                    by_prompt.setdefault(r.prompt, []).append(ratio)
+            spreads = [_spread(v) for v in by_prompt.values() if len(v) > 1]
+            if spreads and statistics.median(spreads) > NOISE_SPREAD:
+                noisy.append(f"{c.config} ({100 * statistics.median(spreads):.0f}%)")
+        if noisy:
+            found.append(
+                "repeats disagree by more than "
+                f"{100 * NOISE_SPREAD:.0f}%: " + ", ".join(noisy)
+            )
+    plain = next((c for c in result.configs if c.draft_max == 0), None)
+    if plain is not None and abs(plain.ratio - 1) > NOISE_NO_MTP:
+        found.append(f"{plain.config} ran at {plain.ratio:.2f}x of mlx-lm's same work")
+    verify = result.costs.get("verify") if result.costs else None
+    if verify and not 0.8 <= verify[0] <= 1.25:
+        found.append(
+            f"a verify over 1 token measured {verify[0]:.2f} plain steps "
+            "(about 1 when the load is steady): the costs and bounds are off"
+        )
+    elif cost_times:
+        wide = [
+            f"{name} {i}"
+            for (name, i), times in cost_times.items()
+            if len(times) > 1 and _spread([t[0] for t in times]) > 2 * NOISE_SPREAD
+        ]
+        if wide:
+            found.append(
+                "the costs' repeats disagree by more than "
+                f"{200 * NOISE_SPREAD:.0f}% ({', '.join(wide)}): the bounds are rough"
+            )
+    return found
 
 
 def _template(tokenizer, prompt: str) -> str:
