@@ -182,11 +182,20 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
     try:
+        open_up(tmp)
         yield tmp
         _finish(tmp, out)
     except BaseException:  # Ctrl-C included: never leave a half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def open_up(folder: Path) -> None:
+    """Give ``folder`` the permissions of one made with the user's umask
+    (``mkdtemp`` makes its folders 0700: a model others cannot read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
 
 
 def _finish(tmp: Path, out: Path) -> None:

