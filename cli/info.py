@@ -51,20 +51,24 @@ def info(
     ),
 ):
     """Show a model's architecture, layers, MTP layers, precision per part and size."""
-    from mlx_mtp.convert.describe import describe, families
-
     if path is None:
+        from mlx_mtp.families import families
+
         rows = families()
         if as_json:
             print(json.dumps(rows))
             return
+        types = max(len(r["model_type"]) for r in rows)
+        names = max(len(r["models"]) for r in rows)
         for row in rows:
             depth = ", layer j drafts depth j + 1" if row["layer_per_depth"] else ""
             print(
-                f"{row['model_type']:<15} {row['models']:<22} MTP layers: "
+                f"{row['model_type']:<{types}}  {row['models']:<{names}}  MTP layers: "
                 f"{row['mtp_layers']}{depth}"
             )
         return
+    from mlx_mtp.convert.describe import describe
+
     described = describe(path)
     if as_json:
         print(json.dumps(described.to_dict()))

@@ -184,24 +184,6 @@ def describe(path) -> ModelInfo:
     return describe_gguf(path)
 
 
-def families() -> List[Dict[str, Any]]:
-    """Every family with an MTP head: model_type, models, MTP layers, per depth or not."""
-    from mlx_mtp.heads import RELEASED, supported_model_types
-
-    rows = []
-    for model_type in supported_model_types():
-        name, layers, how = RELEASED.get(model_type, (model_type, 1, ""))
-        rows.append(
-            {
-                "model_type": model_type,
-                "models": name,
-                "mtp_layers": layers,
-                "layer_per_depth": how == "depth",
-            }
-        )
-    return rows
-
-
 def format_precision(counts: Dict[str, int]) -> str:
     if not counts:
         return "none"

@@ -10,6 +10,7 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 
 import glob
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -63,10 +64,25 @@ class MTPModel:
         )
 
 
+# the names a Hub repo goes by (org/name), as ``mlx-mtp convert`` accepts them
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
 def read_config(path: Path) -> Dict[str, Any]:
     if not path.exists():
+        if _REPO_ID.match(str(path)):
+            raise MTPError(
+                f"{path}: no such folder here; a Hugging Face repo is converted "
+                f"first: mlx-mtp convert {path} OUT, then --model OUT"
+            )
         raise MTPError(f"{path}: no such file or directory")
     if not path.is_dir():
+        if path.suffix.lower() == ".gguf":
+            raise MTPError(
+                f"{path} is a GGUF file: convert it first "
+                f"(mlx-mtp convert {path} OUT), then --model OUT"
+            )
         raise MTPError(f"{path}: not a model folder")
     config_file = path / "config.json"
     if not config_file.exists():
@@ -204,6 +220,8 @@ def load_model(
     trunk = Trunk(model, tap)
     if mtp is not None:
         mtp = Path(mtp)
+        if not mtp.exists():
+            raise MTPError(f"--mtp {mtp}: no such file or folder")
         files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
         if not files:
             raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
@@ -310,6 +328,12 @@ def load(
     from mlx_lm.utils import load_tokenizer
 
     model = load_model(path, mtp=mtp, hidden_tap=hidden_tap, shard=shard)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise MTPError(
+            f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): copy the "
+            "original model's tokenizer files here, or convert it again "
+            "(mlx-mtp convert writes them)"
+        )
     try:
         tokenizer = load_tokenizer(
             Path(path),

@@ -9,7 +9,7 @@ from mlx_mtp.heads import RELEASED, supported_model_types
 def test_info_lists_every_family(capsys):
     assert run_app(["info", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["model_type"] for r in rows] == supported_model_types()
+    assert sorted(r["model_type"] for r in rows) == sorted(supported_model_types())
     assert set(RELEASED) == set(supported_model_types())  # no family left unnamed
     by_type = {r["model_type"]: r for r in rows}
     assert (
@@ -19,3 +19,18 @@ def test_info_lists_every_family(capsys):
     assert run_app(["info"]) == 0
     text = capsys.readouterr().out
     assert "mimo_v2_flash" in text and "MiMo-V2-Flash" in text
+
+
+def test_the_family_list_is_aligned_and_loads_no_model_code():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mlx_mtp.cli.app import run_app; run_app(['info']);"
+        "print(sorted(m for m in ('mlx', 'mlx_lm', 'mlx.core') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    *lines, loaded = r.stdout.strip().splitlines()
+    assert loaded == "[]", "listing the families imported MLX"
+    columns = {line.index("MTP layers:") for line in lines}
+    assert len(lines) == len(RELEASED) and len(columns) == 1, lines
