@@ -56,27 +56,48 @@ def line_editing() -> None:
         pass
 
 
+class _Waiting:
+    """A spinner on a terminal until the first token arrives (reading the prompt
+    can take a while); nothing where the output is not a terminal."""
+
+    def __init__(self, console, message: str):
+        terminal = console.is_terminal
+        self.status = console.status(message, spinner_style="dim") if terminal else None
+        if self.status is not None:
+            self.status.start()
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
 def _answer(console, session, text: str, show_drafts: bool):
     """Stream one answer; Ctrl-C stops it and the session drops the turn."""
     stream = session.send(text)
     response = None
+    waiting = _Waiting(console, "thinking")
     try:
         for response in stream:
+            waiting.stop()
             style = DRAFT_STYLE if show_drafts and response.from_draft else None
             console.print(
                 response.text, end="", style=style, markup=False, soft_wrap=True
             )
     except KeyboardInterrupt:
+        waiting.stop()
         stream.close()
         console.print(
             "\n[interrupted: this turn is dropped]", style="yellow", markup=False
         )
         return
     except MTPError as e:  # e.g. the conversation outgrew the context
+        waiting.stop()
         console.print(
             f"error: {e} (/reset starts afresh)", markup=False, soft_wrap=True
         )
         return
+    waiting.stop()
     console.print()
     if response is not None:
         width = max(console.width, 80) if console.is_terminal else 80
@@ -93,10 +114,11 @@ def _command(console, session, line: str) -> bool:
         console.print("conversation reset", style="dim")
     elif name == "/stats":
         console.print(session.total.summary(), markup=False, soft_wrap=True)
+        answered = session.answered  # a dropped turn counts nowhere
         console.print(
             f"cached tokens: {len(session.cached_tokens)}, "
-            f"reused in the last prompt: {session.last.reused_tokens}"
-            f"/{session.last.prompt_tokens}",
+            f"reused in the last answered prompt: {answered.reused_tokens}"
+            f"/{answered.prompt_tokens}",
             markup=False,
         )
     elif name == "/help":
@@ -175,7 +197,11 @@ def chat(
         draft_sampling,
         adaptive_draft,
     )
-    model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
+    loading = _Waiting(Console(stderr=True), "loading the model")
+    try:
+        model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
+    finally:
+        loading.stop()
     if getattr(tokenizer, "chat_template", None) is None:
         raise fail(f"{model}: the tokenizer has no chat template")
     notice = o.speed_notice(loaded, no_mtp, draft_max)

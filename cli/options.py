@@ -271,6 +271,11 @@ def sampling_kwargs(
     adaptive_draft: bool,
 ) -> dict:
     """The ``stream_generate`` keyword arguments for the options above."""
+    if seed is not None and temp == 0:
+        print(
+            "notice: --seed has no effect at --temp 0 (greedy decoding draws nothing)",
+            file=sys.stderr,
+        )
     return dict(
         temp=temp,
         top_p=top_p,

@@ -91,7 +91,8 @@ class ChatSession:
         self.max_tokens = max_tokens
         self.generate_kwargs = generate_kwargs
         self.total = MTPStats()
-        self.last = TurnInfo()
+        self.last = TurnInfo()  # the last turn, answered or dropped
+        self.answered = TurnInfo()  # the last answered turn (what ``total`` counts)
         self.reset()
 
     def reset(self) -> None:
@@ -164,6 +165,7 @@ class ChatSession:
         self.cached_tokens = prompt + tokens[:-1]
         self.messages.append({"role": "assistant", "content": text})
         self.total.add(stats)
+        self.answered = self.last
         self._open = None
 
     def _save(self, n_messages: int) -> _Saved:

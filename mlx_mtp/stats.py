@@ -120,12 +120,16 @@ class MTPStats:
                 f"{1e3 * self.sync_time / self.syncs:.3f} ms each, "
                 f"{100 * self.sync_share:.1f}% of generation time"
             )
-        return (
+        drafting = (
             f"draft acceptance = {self.acceptance_rate:.2f} "
             f"({self.accepted} accepted / {self.drafted} generated), "
             f"mean acceptance length = {self.mean_accepted_length:.2f}, "
             f"acceptance rate per position = ({per_pos})\n"
-            f"{prompt} | "
+            if self.draft_max  # none without MTP: there is nothing to count
+            else ""
+        )
+        return (
+            drafting + f"{prompt} | "
             f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "
             f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB"
             + sync

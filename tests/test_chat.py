@@ -327,3 +327,17 @@ def test_cache_lists_without_a_head_are_reused(tiny_folders, family, monkeypatch
     got = answer(session, "again")
     assert got == fresh_answer(model, tok, session.messages[:-1])
     assert len(spy.calls) == 4
+
+
+def test_stats_after_a_dropped_turn_count_the_answered_one(loaded, monkeypatch):
+    model, tok = loaded("glm4_moe_lite")
+    session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
+    answer(session, "first")
+    answer(session, "second")
+    answered = session.answered
+    assert answered.reused_tokens > 0
+    Interrupt(monkeypatch, after={0: 3})  # the next call: the third turn
+    with pytest.raises(KeyboardInterrupt):
+        list(session.send("a much longer third message that shares less"))
+    assert session.last.interrupted
+    assert session.answered is answered  # the dropped turn's reuse counts nowhere

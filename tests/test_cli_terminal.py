@@ -101,6 +101,8 @@ def test_chat_recalls_and_edits_earlier_lines(full):
     assert term.finish() == 0
     text = term.text()
     assert "^[[A" not in text  # the terminal did not echo the raw arrow key
+    # something moves while the model loads and before each answer's first token
+    assert "loading the model" in text and text.count("thinking") >= 3
     footers = [line for line in text.splitlines() if "/pass" in line]
     assert len(footers) == 3 and all(len(line) <= 80 for line in footers), footers
     # the same conversation typed out in full leaves the same cache behind
@@ -109,7 +111,7 @@ def test_chat_recalls_and_edits_earlier_lines(full):
         ["chat", "-m", str(full), "-n", "4", "--fixed-draft"],
         input="hello\nhello\nhelp me!\n/stats\n",
     )
-    cached = re.compile(r"cached tokens: \d+, reused in the last prompt: \d+/\d+")
+    cached = re.compile(r"cached tokens: \d+, reused in the last answered prompt: \d+/\d+")
     assert cached.findall(text) == cached.findall(typed.output) != []
 
 
