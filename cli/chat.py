@@ -162,7 +162,7 @@ def chat(
     from mlx_mtp.chat import ChatSession
 
     o.processes()
-    sampling = o.sampling_kwargs(
+    sampling = o.sampling_config(
         temp,
         top_p,
         top_k,
@@ -173,7 +173,6 @@ def chat(
         logit_bias,
         seed,
         draft_sampling,
-        adaptive_draft,
     )
     model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -189,7 +188,8 @@ def chat(
         draft_max=draft_max,
         draft_p_min=draft_p_min,
         mtp=not no_mtp,
-        **sampling,
+        sampling=sampling,
+        adaptive_draft=adaptive_draft,
     )
     console = Console(highlight=False)
     line_editing()

@@ -151,7 +151,7 @@ def generate(
     from mlx_mtp.generate import stream_generate
 
     group = o.processes()
-    sampling = o.sampling_kwargs(
+    sampling = o.sampling_config(
         temp,
         top_p,
         top_k,
@@ -162,7 +162,6 @@ def generate(
         logit_bias,
         seed,
         draft_sampling,
-        adaptive_draft,
     )
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
@@ -183,7 +182,8 @@ def generate(
             mtp=not no_mtp,
             prefill_progress=bar,
             truncate_prompt=truncate_prompt,
-            **sampling,
+            sampling=sampling,
+            adaptive_draft=adaptive_draft,
         ):
             tokens.append(response.token)
             pieces.append(response.text)

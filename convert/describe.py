@@ -12,12 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for, layers_present
-from mlx_mtp.loader import (
-    HEAD_FILE_GLOB,
-    _trained_head_family,
-    read_config,
-    read_head_config,
-)
+from mlx_mtp.config import read_head_config
+from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
 
 
 @dataclass
@@ -97,7 +93,7 @@ def describe_folder(path: Path) -> ModelInfo:
         raise MTPError(f"{path}: no *.safetensors weights")
     # a head trained by train-head names its family beside it: the model's
     # own model_type (llama, ...) may have none
-    trained = _trained_head_family(read_head_config(path), path)
+    trained = trained_head_family(read_head_config(path), path)
     family = trained or family_for(config)
     head_files = set(path.glob(HEAD_FILE_GLOB))
     entries: Dict[str, Dict[str, Any]] = {}

@@ -12,9 +12,9 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for
-from mlx_mtp.loader import _first_line, read_config, read_safetensors
+from mlx_mtp.loader import read_config, read_safetensors
 
 from .model import (
     build_heads,
@@ -131,7 +131,7 @@ def add_mtp(
     try:
         model, _ = mlx_lm_load_model(into, lazy=True)
     except Exception as e:
-        raise MTPError(f"{into}: cannot load the model ({_first_line(e)})") from None
+        raise MTPError(f"{into}: cannot load the model ({first_line(e)})") from None
     if precision.dtype is None:  # match the trunk's float dtype
         precision.dtype = _float_dtype(model)
     heads, leftover = build_heads(model, normalize_config(config), mtp)
