@@ -128,9 +128,9 @@ def describe_folder(path: Path) -> ModelInfo:
 def describe_gguf(path: Path) -> ModelInfo:
     from .gguf_hybrid import ARCHS as HYBRID
     from .gguf_nemotron import ARCHS as NEMOTRON
-    from .gguf_source import ARCHS, Metadata, _open
+    from .gguf_source import ARCHS, Metadata, open_gguf
 
-    reader = _open(path)
+    reader = open_gguf(path)
     meta = Metadata(reader)
     blocks = int(meta.arch_key("block_count", 0) or 0)
     n_mtp = int(meta.arch_key("nextn_predict_layers", 0) or 0)

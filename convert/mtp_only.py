@@ -24,7 +24,7 @@ from .model import (
     trunk_group_size,
 )
 from .output import atomic_write_files
-from .pipeline import HEAD_FILE, _save_config, is_gguf
+from .pipeline import HEAD_FILE, is_gguf, write_config
 from .precision import Precision, apply_head, quantization_config
 
 PathLike = Union[str, Path]
@@ -153,7 +153,7 @@ def add_mtp(
             target: lambda p: mx.save_safetensors(
                 str(p), tensors, metadata={"format": "mlx"}
             ),
-            into / "config.json": lambda p: _save_config(config, p),
+            into / "config.json": lambda p: write_config(config, p),
         }
     )
     return target

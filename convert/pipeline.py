@@ -43,7 +43,7 @@ HEAD_FILE = "mtp.safetensors"
 PathLike = Union[str, Path]
 
 
-def _save_config(config: Dict[str, Any], path: Path) -> None:
+def write_config(config: Dict[str, Any], path: Path) -> None:
     from mlx_lm.utils import save_config
 
     save_config(dict(config), path)
@@ -96,7 +96,7 @@ def _convert(source: Source, out: Path, precision: Precision, force, bar, progre
                     str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
                 )
         with writing(out):
-            _save_config(config, tmp / "config.json")
+            write_config(config, tmp / "config.json")
             source.write_tokenizer(tmp)
         _check_tokenizer(tmp, config)
     return Path(out)

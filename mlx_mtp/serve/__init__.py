@@ -11,6 +11,8 @@ line can show these defaults cheaply.
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import MTPError
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BATCH = 8
@@ -72,8 +74,6 @@ def run(
     import socket
 
     import uvicorn
-
-    from ..errors import MTPError
 
     app = create_app(model, tokenizer, name, config)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
