@@ -10,10 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlx_mtp.errors import MTPError
-from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.config import read_head_config
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import RELEASED, family_for, layers_present, supported_model_types
 from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
+
+from .gguf_hybrid import ARCHS as HYBRID
+from .gguf_nemotron import ARCHS as NEMOTRON
+from .gguf_source import ARCHS, Metadata, open_gguf
+from .pipeline import is_gguf
 
 
 @dataclass
@@ -126,10 +131,6 @@ def describe_folder(path: Path) -> ModelInfo:
 
 
 def describe_gguf(path: Path) -> ModelInfo:
-    from .gguf_hybrid import ARCHS as HYBRID
-    from .gguf_nemotron import ARCHS as NEMOTRON
-    from .gguf_source import ARCHS, Metadata, open_gguf
-
     reader = open_gguf(path)
     meta = Metadata(reader)
     blocks = int(meta.arch_key("block_count", 0) or 0)
@@ -173,8 +174,6 @@ def describe(path) -> ModelInfo:
         raise MTPError(f"{path}: no such file or folder")
     if path.is_dir():
         return describe_folder(path)
-    from .pipeline import is_gguf
-
     if not is_gguf(path):
         raise MTPError(f"{path}: not a GGUF file or a model folder")
     return describe_gguf(path)
@@ -182,8 +181,6 @@ def describe(path) -> ModelInfo:
 
 def families() -> List[Dict[str, Any]]:
     """Every family with an MTP head: model_type, models, MTP layers, per depth or not."""
-    from mlx_mtp.heads import RELEASED, supported_model_types
-
     rows = []
     for model_type in supported_model_types():
         name, layers, how = RELEASED.get(model_type, (model_type, 1, ""))

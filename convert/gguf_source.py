@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
+from mlx_mtp.trunk import find_backbone
 
 from . import gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile
@@ -223,8 +224,6 @@ def _name_variants(name: str):
 def _candidate_names(config: Dict[str, Any]) -> List[str]:
     """mlx-lm parameter names of the trunk and of the MTP layers the config declares."""
     from mlx.utils import tree_flatten
-
-    from mlx_mtp.trunk import find_backbone
 
     n_mtp = int(config.get("num_nextn_predict_layers", 0))
     wide = dict(config, num_hidden_layers=config["num_hidden_layers"] + n_mtp)

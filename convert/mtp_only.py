@@ -16,11 +16,14 @@ from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for
 from mlx_mtp.loader import read_config, read_safetensors
 
+from .gguf_source import read_gguf
+from .hub import fetch_mtp_shards, is_repo_id
 from .model import (
     build_heads,
     head_quantization,
     head_tensors,
     normalize_config,
+    split_mtp,
     trunk_group_size,
 )
 from .output import atomic_write_files
@@ -54,16 +57,11 @@ def read_head_source(src: PathLike):
     """(config, MTP tensors) from a HF folder, a GGUF file or a Hub repo id."""
     path = Path(src)
     if path.is_file() and is_gguf(path):
-        from .gguf_source import read_gguf
-        from .model import split_mtp
-
         source = read_gguf(path)
         return source.config, split_mtp(
             normalize_config(source.config), source.weights
         )[1]
     if not path.exists():
-        from .hub import fetch_mtp_shards, is_repo_id
-
         if not is_repo_id(str(src)):
             raise MTPError(f"{src}: no such file or folder")
 

@@ -13,12 +13,14 @@ its events come back through an asyncio queue per request.
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -30,7 +32,7 @@ from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
-from . import ServeConfig
+from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from .engine import Engine, Event, Request
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
@@ -348,7 +350,11 @@ async def _read_body(request: HTTPRequest) -> dict:
     return body
 
 
-def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
+def create_app(
+    model, tokenizer, name: str, config: Optional[ServeConfig] = None
+) -> Starlette:
+    """The Starlette app serving ``model`` under the model id ``name``."""
+    config = config or ServeConfig()
     config.validate()
     service = Service(model, tokenizer, name, config)
 
@@ -505,3 +511,29 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
     app.state.on_start = None
     app.state.service = service
     return app
+
+
+def run(
+    model,
+    tokenizer,
+    name: str,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    config: ServeConfig = None,
+    log=None,
+) -> None:
+    """Serve until interrupted. ``log`` hears one line once the port is open."""
+    app = create_app(model, tokenizer, name, config)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
+    except OSError as e:
+        sock.close()
+        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    port = sock.getsockname()[1]
+    if log is not None:
+        app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
