@@ -160,6 +160,7 @@ def chat(
     from rich.console import Console
 
     from mlx_mtp.chat import ChatSession
+    from mlx_mtp.prompts import has_chat_template
 
     o.processes()
     sampling = o.sampling_config(
@@ -175,7 +176,7 @@ def chat(
         draft_sampling,
     )
     model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not has_chat_template(tokenizer):
         raise fail(f"{model}: the tokenizer has no chat template")
     notice = o.speed_notice(loaded, no_mtp, draft_max)
     if notice is not None:
