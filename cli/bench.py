@@ -194,20 +194,15 @@ def bench(
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
 
-    from mlx_mtp.bench import (
-        cannot_gain_notice,
-        configurations,
-        load_prompts,
-        run_bench,
-    )
+    from mlx_mtp.bench import configurations, run_bench
+    from mlx_mtp.config import cannot_gain_notice, default_draft_max
+    from mlx_mtp.prompts import load_prompts
 
     o.processes()
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
     if draft_max is None:
-        from mlx_mtp.adaptive import default_draft_max
-
         draft_max = default_draft_max(loaded)
     n_configs = len(configurations(draft_max, loaded.head is not None))
 

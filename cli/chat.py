@@ -182,9 +182,10 @@ def chat(
     from rich.console import Console
 
     from mlx_mtp.chat import ChatSession
+    from mlx_mtp.prompts import has_chat_template
 
     o.processes()
-    sampling = o.sampling_kwargs(
+    sampling = o.sampling_config(
         temp,
         top_p,
         top_k,
@@ -195,14 +196,13 @@ def chat(
         logit_bias,
         seed,
         draft_sampling,
-        adaptive_draft,
     )
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
     finally:
         loading.stop()
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not has_chat_template(tokenizer):
         raise fail(f"{model}: the tokenizer has no chat template")
     notice = o.speed_notice(loaded, no_mtp, draft_max)
     if notice is not None:
@@ -215,7 +215,8 @@ def chat(
         draft_max=draft_max,
         draft_p_min=draft_p_min,
         mtp=not no_mtp,
-        **sampling,
+        sampling=sampling,
+        adaptive_draft=adaptive_draft,
     )
     console = Console(highlight=False)
     line_editing()

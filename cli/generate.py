@@ -37,17 +37,6 @@ def read_prompt(prompt: str) -> str:
     return text
 
 
-def apply_template(tokenizer, prompt: str, system: Optional[str], use_template: bool):
-    """The chat template applied to one user message, when the tokenizer has one."""
-    if not use_template or getattr(tokenizer, "chat_template", None) is None:
-        return prompt
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-
-
 class PrefillBar:
     """A progress bar on stderr while a long prompt is read (on a terminal only).
 
@@ -149,9 +138,10 @@ def generate(
 ):
     """Generate text with MTP speculative decoding."""
     from mlx_mtp.generate import stream_generate
+    from mlx_mtp.prompts import user_prompt
 
     group = o.processes()
-    sampling = o.sampling_kwargs(
+    sampling = o.sampling_config(
         temp,
         top_p,
         top_k,
@@ -162,14 +152,14 @@ def generate(
         logit_bias,
         seed,
         draft_sampling,
-        adaptive_draft,
     )
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
         raise fail("under mlx.launch the prompt cannot come from stdin: pass it")
     text = read_prompt(prompt)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
-    text = apply_template(tokenizer, text, system, not no_chat_template)
+    if not no_chat_template:
+        text = user_prompt(tokenizer, text, system)
     tokens, pieces, response, finish = [], [], None, None
     bar = PrefillBar(o.speed_notice(loaded, no_mtp, draft_max))
     try:
@@ -183,7 +173,8 @@ def generate(
             mtp=not no_mtp,
             prefill_progress=bar,
             truncate_prompt=truncate_prompt,
-            **sampling,
+            sampling=sampling,
+            adaptive_draft=adaptive_draft,
         ):
             tokens.append(response.token)
             pieces.append(response.text)

@@ -1,8 +1,9 @@
 """Sampling and drafting options shared by the commands that generate.
 
-A command declares them as parameters (``temp: Temp = 0.0``) and hands them
-to the API with ``sampling_kwargs(...)``, so every command spells, documents
-and forwards them the same way.
+A command declares them as parameters (``temp: Temp = 0.0``) and hands the
+sampling ones to the API as one ``SamplingConfig`` built by
+``sampling_config(...)``, so every command spells, documents and forwards them
+the same way.
 """
 
 import signal
@@ -233,7 +234,7 @@ def load_model(
 
 def speed_notice(loaded, no_mtp: bool, draft_max: Optional[int]) -> Optional[str]:
     """The notice line when drafting will run where MTP cannot gain speed."""
-    from mlx_mtp.bench import cannot_gain_notice
+    from mlx_mtp.config import cannot_gain_notice
 
     if loaded.head is None or no_mtp or draft_max == 0:
         return None
@@ -257,7 +258,7 @@ def parse_logit_bias(items: Optional[List[str]]) -> Optional[Dict[int, float]]:
     return bias
 
 
-def sampling_kwargs(
+def sampling_config(
     temp: float,
     top_p: float,
     top_k: int,
@@ -268,15 +269,18 @@ def sampling_kwargs(
     logit_bias: Optional[List[str]],
     seed: Optional[int],
     draft_sampling: DraftSampling,
-    adaptive_draft: bool,
-) -> dict:
-    """The ``stream_generate`` keyword arguments for the options above."""
+):
+    """The ``SamplingConfig`` of the options above (``stream_generate``'s
+    ``sampling=``)."""
+    from mlx_mtp.sampling import SamplingConfig  # loads MLX: not for --help
+
     if seed is not None and temp == 0:
         print(
             "notice: --seed has no effect at --temp 0 (greedy decoding draws nothing)",
             file=sys.stderr,
         )
-    return dict(
+
+    return SamplingConfig(
         temp=temp,
         top_p=top_p,
         top_k=top_k,
@@ -287,5 +291,4 @@ def sampling_kwargs(
         logit_bias=parse_logit_bias(logit_bias),
         seed=seed,
         draft_sampling=DraftSampling(draft_sampling).value,
-        adaptive_draft=adaptive_draft,
     )

@@ -78,7 +78,8 @@ def serve(
     no_mtp: o.NoMTP = False,
 ):
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once."""
-    from mlx_mtp.serve import ServeConfig, run
+    from mlx_mtp.serve import ServeConfig
+    from mlx_mtp.serve.app import run
 
     if o.processes().size() > 1:
         raise fail(

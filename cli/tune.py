@@ -80,8 +80,7 @@ def tune(
     Later runs of generate, chat and bench start their choice of drafts per
     round from it (on this machine only).
     """
-    from mlx_mtp.adaptive import default_draft_max
-    from mlx_mtp.tune import store
+    from mlx_mtp.config import default_draft_max, store_tuned
     from mlx_mtp.tune import CLOCKS
     from mlx_mtp.tune import tune as run_tune
 
@@ -101,7 +100,7 @@ def tune(
             progress=lambda msg: status.update(f"tuning: {msg}"),
             clock=clock,
         )
-    where = None if no_store else store(loaded, entry)
+    where = None if no_store else store_tuned(loaded, entry)
     if as_json:
         print(json.dumps(entry))
         return

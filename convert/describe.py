@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from mlx_mtp.config import read_head_config
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for, layers_present
-from mlx_mtp.loader import (
-    HEAD_FILE_GLOB,
-    _trained_head_family,
-    read_config,
-    read_head_config,
-)
+from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
+
+from .gguf_hybrid import ARCHS as HYBRID
+from .gguf_nemotron import ARCHS as NEMOTRON
+from .gguf_source import ARCHS, Metadata, open_gguf
+from .pipeline import is_gguf
 
 
 @dataclass
@@ -97,7 +98,7 @@ def describe_folder(path: Path) -> ModelInfo:
         raise MTPError(f"{path}: no *.safetensors weights")
     # a head trained by train-head names its family beside it: the model's
     # own model_type (llama, ...) may have none
-    trained = _trained_head_family(read_head_config(path), path)
+    trained = trained_head_family(read_head_config(path), path)
     family = trained or family_for(config)
     head_files = set(path.glob(HEAD_FILE_GLOB))
     entries: Dict[str, Dict[str, Any]] = {}
@@ -130,11 +131,7 @@ def describe_folder(path: Path) -> ModelInfo:
 
 
 def describe_gguf(path: Path) -> ModelInfo:
-    from .gguf_hybrid import ARCHS as HYBRID
-    from .gguf_nemotron import ARCHS as NEMOTRON
-    from .gguf_source import ARCHS, Metadata, _open
-
-    reader = _open(path)
+    reader = open_gguf(path)
     meta = Metadata(reader)
     blocks = int(meta.arch_key("block_count", 0) or 0)
     n_mtp = int(meta.arch_key("nextn_predict_layers", 0) or 0)
@@ -177,8 +174,6 @@ def describe(path) -> ModelInfo:
         raise MTPError(f"{path}: no such file or folder")
     if path.is_dir():
         return describe_folder(path)
-    from .pipeline import is_gguf
-
     if not is_gguf(path):
         raise MTPError(f"{path}: not a GGUF file or a model folder")
     return describe_gguf(path)

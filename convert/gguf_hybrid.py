@@ -164,7 +164,7 @@ def name_map(
     return out
 
 
-def _dense(tensors: Dict[str, mx.array], name: str) -> mx.array:
+def dense_tensor(tensors: Dict[str, mx.array], name: str) -> mx.array:
     """The float value of ``name`` (dequantized when the file packed it)."""
     w = tensors[name]
     base = name[: -len("weight")]
@@ -192,7 +192,7 @@ def fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arra
     r = nv // nk
 
     def value() -> mx.array:
-        return _dense(tensors, name).astype(mx.float32)
+        return dense_tensor(tensors, name).astype(mx.float32)
 
     module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
     if "norm" in module and "linear_attn.norm" not in name:  # stored 1 + w

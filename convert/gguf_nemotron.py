@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 
-from .gguf_hybrid import _dense
+from .gguf_hybrid import dense_tensor
 
 ARCHS = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 MTP_PATTERN = "*E"  # what the folded block holds: attention, then MoE
@@ -175,9 +175,10 @@ def _mtp_names(config: Dict[str, Any], trunk: Dict[str, str]) -> Dict[str, str]:
 def fix(config: Dict[str, Any], name: str, tensors: Dict[str, mx.array]):
     """Undo llama.cpp's value transforms on one tensor (``tensors``: it, its scales)."""
     if name.endswith(".mixer.A_log"):
-        return {name: mx.log(-_dense(tensors, name).astype(mx.float32)).reshape(-1)}
+        a = dense_tensor(tensors, name).astype(mx.float32)
+        return {name: mx.log(-a).reshape(-1)}
     if name.endswith((".mixer.D", ".mixer.norm.weight")):
-        return {name: _dense(tensors, name).reshape(-1)}
+        return {name: dense_tensor(tensors, name).reshape(-1)}
     if name.endswith(".mixer.conv1d.weight"):  # [C, K] -> mlx-lm's [C, K, 1]
-        return {name: _dense(tensors, name)[..., None]}
+        return {name: dense_tensor(tensors, name)[..., None]}
     return tensors

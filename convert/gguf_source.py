@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
+from mlx_mtp.trunk import find_backbone
 
 from . import gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile
@@ -86,7 +87,7 @@ class Metadata:
         return self.get(f"{self.arch}.{key}", default)
 
 
-def _open(path: Path) -> GGUFFile:
+def open_gguf(path: Path) -> GGUFFile:
     return GGUFFile(path)
 
 
@@ -223,8 +224,6 @@ def _name_variants(name: str):
 def _candidate_names(config: Dict[str, Any]) -> List[str]:
     """mlx-lm parameter names of the trunk and of the MTP layers the config declares."""
     from mlx.utils import tree_flatten
-
-    from mlx_mtp.trunk import find_backbone
 
     n_mtp = int(config.get("num_nextn_predict_layers", 0))
     wide = dict(config, num_hidden_layers=config["num_hidden_layers"] + n_mtp)
@@ -379,7 +378,7 @@ def _read_tensors(reader, arch, config, names, bar=None):
 
 def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     """Read a GGUF file (and optionally a separate MTP GGUF of the same model)."""
-    reader = _open(path)
+    reader = open_gguf(path)
     meta = Metadata(reader)
     names_in_file = [t.name for t in reader.tensors]
     if any(n == "rope_freqs.weight" for n in names_in_file):
@@ -391,7 +390,7 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
         raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
     mtp_reader = None
     if mtp_gguf is not None:
-        mtp_reader = _open(mtp_gguf)
+        mtp_reader = open_gguf(mtp_gguf)
         mtp_meta = Metadata(mtp_reader)
         n = int(mtp_meta.arch_key("nextn_predict_layers") or 1)
         if "text_config" in config:  # Qwen3.5's key

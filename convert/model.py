@@ -13,9 +13,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, load_head_weights, norms
-from mlx_mtp.loader import _first_line, _sanitize_block
+from mlx_mtp.loader import sanitize_block
 from mlx_mtp.trunk import embedding, find_backbone, output_head
 
 from .precision import is_quantized
@@ -63,7 +63,7 @@ def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Modu
         model.load_weights(list(weights.items()), strict=True)
     except (ValueError, KeyError, TypeError) as e:
         raise MTPError(
-            f"the weights do not fit {config['model_type']} ({_first_line(e)})"
+            f"the weights do not fit {config['model_type']} ({first_line(e)})"
         ) from None
     model.eval()
     return model
@@ -84,7 +84,7 @@ def build_heads(
     backbone = find_backbone(model)
     # a family whose block tensors the trunk's sanitize cannot take brings its own
     sanitize = getattr(family, "sanitize_block", None) or (
-        lambda w: _sanitize_block(model, family, w)
+        lambda w: sanitize_block(model, family, w)
     )
     if not any(k.startswith(family.prefix(config, 0)) for k in mtp):
         return [], dict(mtp)
@@ -96,7 +96,7 @@ def build_heads(
             load_head_weights(head.layer(j), prefix, mtp, sanitize, None)
         except ValueError as e:
             raise MTPError(
-                f"MTP layer {prefix} does not fit the model ({_first_line(e)})"
+                f"MTP layer {prefix} does not fit the model ({first_line(e)})"
             ) from None
         layers.append((prefix, head.layer(j)))
     head.bind(embedding(backbone), output_head(model))

@@ -12,19 +12,22 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for
-from mlx_mtp.loader import _first_line, read_config, read_safetensors
+from mlx_mtp.loader import read_config, read_safetensors
 
+from .gguf_source import read_gguf
+from .hub import fetch_mtp_shards, is_repo_id
 from .model import (
     build_heads,
     head_quantization,
     head_tensors,
     normalize_config,
+    split_mtp,
     trunk_group_size,
 )
 from .output import atomic_write_files
-from .pipeline import HEAD_FILE, _save_config, is_gguf
+from .pipeline import HEAD_FILE, is_gguf, write_config
 from .precision import Precision, apply_head, quantization_config
 
 PathLike = Union[str, Path]
@@ -54,16 +57,11 @@ def read_head_source(src: PathLike):
     """(config, MTP tensors) from a HF folder, a GGUF file or a Hub repo id."""
     path = Path(src)
     if path.is_file() and is_gguf(path):
-        from .gguf_source import read_gguf
-        from .model import split_mtp
-
         source = read_gguf(path)
         return source.config, split_mtp(
             normalize_config(source.config), source.weights
         )[1]
     if not path.exists():
-        from .hub import fetch_mtp_shards, is_repo_id
-
         if not is_repo_id(str(src)):
             raise MTPError(f"{src}: no such file or folder")
 
@@ -131,7 +129,7 @@ def add_mtp(
     try:
         model, _ = mlx_lm_load_model(into, lazy=True)
     except Exception as e:
-        raise MTPError(f"{into}: cannot load the model ({_first_line(e)})") from None
+        raise MTPError(f"{into}: cannot load the model ({first_line(e)})") from None
     if precision.dtype is None:  # match the trunk's float dtype
         precision.dtype = _float_dtype(model)
     heads, leftover = build_heads(model, normalize_config(config), mtp)
@@ -153,7 +151,7 @@ def add_mtp(
             target: lambda p: mx.save_safetensors(
                 str(p), tensors, metadata={"format": "mlx"}
             ),
-            into / "config.json": lambda p: _save_config(config, p),
+            into / "config.json": lambda p: write_config(config, p),
         }
     )
     return target

@@ -13,6 +13,8 @@ import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 
+from .gguf_source import read_gguf
+from .hub import resolve
 from .model import (
     build_heads,
     build_trunk,
@@ -37,13 +39,13 @@ from .precision import (
     quantization_config,
     quantized_modules,
 )
-from .source import Source
+from .source import Source, read_hf_folder
 
 HEAD_FILE = "mtp.safetensors"
 PathLike = Union[str, Path]
 
 
-def _save_config(config: Dict[str, Any], path: Path) -> None:
+def write_config(config: Dict[str, Any], path: Path) -> None:
     from mlx_lm.utils import save_config
 
     save_config(dict(config), path)
@@ -96,7 +98,7 @@ def _convert(source: Source, out: Path, precision: Precision, force, bar, progre
                     str(tmp / HEAD_FILE), head_w, metadata={"format": "mlx"}
                 )
         with writing(out):
-            _save_config(config, tmp / "config.json")
+            write_config(config, tmp / "config.json")
             source.write_tokenizer(tmp)
         _check_tokenizer(tmp, config)
     return Path(out)
@@ -141,17 +143,12 @@ def is_gguf(path: Path) -> bool:
 
 def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None, bar=None) -> Source:
     """A Source for a HF folder, a GGUF file, or a Hugging Face Hub repo id."""
-    from .hub import resolve
-    from .source import read_hf_folder
-
     path = Path(src)
     if not path.exists():
         path = resolve(str(src))
     if path.is_file():
         if not is_gguf(path):
             raise MTPError(f"{path}: not a GGUF file or a model folder")
-        from .gguf_source import read_gguf
-
         return read_gguf(path, Path(mtp_gguf) if mtp_gguf else None, bar)
     if mtp_gguf is not None:
         raise MTPError("--mtp-gguf goes with a GGUF source")

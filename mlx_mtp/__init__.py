@@ -30,6 +30,7 @@ _EXPORTS = {
     "MTPError": "errors",
     "MTPModel": "loader",
     "MTPStats": "stats",
+    "SamplingConfig": "sampling",
     "default_model_path": "default_model",
     "generate": "generate",
     "load": "loader",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what __getattr__ returns
     from .errors import MTPError  # noqa: F401
     from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401
     from .loader import MTPModel, load, load_model  # noqa: F401
+    from .sampling import SamplingConfig  # noqa: F401
     from .speculative import speculative_generate_step  # noqa: F401
     from .stats import DraftRound, MTPStats  # noqa: F401
 

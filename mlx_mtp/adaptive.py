@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import config
+
 # Before a round has been seen: drafts are kept about half the time.
 DEFAULT_PRIOR_ACCEPTANCE = 0.5
 # A measured prior (``tune``, ``train-head``) counts as ``PRIOR_WEIGHT`` tests,
@@ -224,35 +226,23 @@ def _clip(p: float) -> float:
     return min(max(float(p), 0.0), 1.0)
 
 
-def default_draft_max(model) -> int:
-    """The most drafts per round when none is asked for: the head's
-    ``recommended_draft_max`` (``train-head`` writes it), else the default."""
-    from .defaults import DEFAULT_DRAFT_MAX
-
-    value = model.head_config.get("recommended_draft_max")
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return DEFAULT_DRAFT_MAX
-
-
 def make_policy(model, draft_max: int, adaptive: bool = True):
     """The policy ``stream_generate`` drafts with: ``CostAwareDraft`` from the
     costs ``tune`` stored for this machine (or ``prior_costs``) and the tuned
     or trained acceptance, or ``FixedDraft(draft_max)``."""
     if not adaptive or draft_max == 0 or model.head is None:
         return FixedDraft(draft_max)
-    from .tune import compute_bound, tuned_entry
-
     sharding = getattr(model, "sharding", None)
-    entry = tuned_entry(model)
+    entry = config.tuned_entry(model)
     if sharding is not None and sharding.size > 1:
         # every process must draft the same count: nothing machine-specific
-        costs, prior = prior_costs(), _trained(model)
+        costs, prior = prior_costs(), config.trained_acceptance(model)
     elif entry is not None:
         costs = Costs.from_dict(entry["costs"])
         prior = entry["acceptance_by_depth"]
     else:
-        costs, prior = prior_costs(compute_bound()), _trained(model)
+        costs = prior_costs(config.compute_bound())
+        prior = config.trained_acceptance(model)
     weight = PRIOR_WEIGHT if prior else GUESS_WEIGHT
     return CostAwareDraft(draft_max, costs, prior, prior_weight=weight)
 
@@ -262,20 +252,7 @@ def acceptance_prior(model) -> Optional[List[float]]:
     machine, else by ``train-head``; None when neither has."""
     if model.head is None:
         return None
-    from .tune import tuned_entry
-
-    entry = tuned_entry(model)
+    entry = config.tuned_entry(model)
     if entry is not None:
         return [float(a) for a in entry["acceptance_by_depth"]]
-    return _trained(model)
-
-
-def _trained(model) -> Optional[List[float]]:
-    """The per-depth acceptance ``train-head`` measured, if it is there."""
-    prior = model.head_config.get("acceptance_by_depth")
-    ok = (
-        isinstance(prior, list)
-        and prior
-        and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in prior)
-    )
-    return [float(a) for a in prior] if ok else None
+    return config.trained_acceptance(model)

@@ -17,40 +17,30 @@ after the first step over the time after it, a step being one main-model
 forward that produced tokens (one token for mlx-lm, a round for mlx-mtp).
 """
 
-import json
 import os
-import re
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from .adaptive import Costs
+from .config import backend, blas, default_draft_max, weights_dtype
+from .defaults import DEFAULT_BENCH_TOKENS, DEFAULT_DRAFT_P_MIN, DEFAULT_REPEATS
 from .errors import MTPError
-from .generate import _encode, stream_generate
+from .generate import stream_generate
 from .loader import MTPModel
-from .defaults import (
-    DEFAULT_BENCH_TOKENS,
-    DEFAULT_DRAFT_P_MIN,
-    DEFAULT_REPEATS,
-)
+from .prompts import BenchPrompt, encoded_prompts
 from .stats import MTPStats
+from .tune import CostTimer
 
 BASELINE = "mlx-lm"
 NO_MTP = "no-mtp"
 AUTO = "mtp auto"
 WARMUP_TOKENS = 8
-
-
-@dataclass
-class BenchPrompt:
-    kind: str
-    prompt: str
 
 
 @dataclass
@@ -132,130 +122,14 @@ class BenchResult:
         return out
 
 
-def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
-    """The shipped prompts, or those in ``path``.
-
-    A ``.json`` file holds a list of ``{"kind": ..., "prompt": ...}`` objects
-    or of strings; any other file holds one prompt per non-empty line.
-    """
-    if path is None:
-        text = resources.files("mlx_mtp").joinpath("bench_prompts.json").read_text()
-        return _parse_prompts(json.loads(text), "bench_prompts.json")
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise MTPError(
-            f"{path}: cannot read prompts ({e.__class__.__name__})"
-        ) from None
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MTPError(f"{path}: not valid JSON ({e})") from None
-        return _parse_prompts(data, path)
-    prompts = [BenchPrompt("file", line) for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise MTPError(f"{path}: no prompts")
-    return prompts
-
-
-def _parse_prompts(data, where) -> List[BenchPrompt]:
-    if not isinstance(data, list) or not data:
-        raise MTPError(f"{where}: expected a non-empty list of prompts")
-    out = []
-    for item in data:
-        if isinstance(item, str):
-            out.append(BenchPrompt("file", item))
-        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            out.append(BenchPrompt(str(item.get("kind", "file")), item["prompt"]))
-        else:
-            raise MTPError(
-                f'{where}: each prompt must be a string or {{"prompt": ...}}'
-            )
-    return out
-
-
-def _blas() -> str:
-    """Which BLAS MLX's CPU backend runs: what matters for CPU numbers.
-
-    A BLAS in ``LD_PRELOAD`` takes the symbols over from the reference BLAS the
-    Linux wheel bundles. numpy's own OpenBLAS uses prefixed symbols and does
-    not count.
-    """
-    if sys.platform == "darwin":
-        return "Accelerate"
-    try:
-        with open("/proc/self/maps") as f:
-            mapped = {line.split()[-1] for line in f if "blas" in line.lower()}
-    except OSError:
-        mapped = set()
-    libs = sorted(lib for lib in mapped if "numpy" not in lib and "scipy" not in lib)
-    kind = "OpenBLAS" if any("openblas" in lib.lower() for lib in libs) else "BLAS"
-    preload = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
-    preload = [p for p in preload if "blas" in p.lower()]
-    if preload:
-        return f"{kind} preloaded ({preload[0]})"
-    others = [lib for lib in libs if "mlx" not in lib]
-    if others:
-        return f"{kind} ({others[0]})"
-    bundled = [os.path.basename(lib) for lib in libs]
-    return f"reference BLAS bundled with mlx ({', '.join(bundled) or 'none mapped'})"
-
-
-def _weights_dtype(model: MTPModel) -> str:
-    from mlx.utils import tree_flatten
-
-    quant = model.config.get("quantization")
-    sizes: Dict[str, int] = {}
-    for _, a in tree_flatten(model.trunk.model.parameters()):
-        sizes[str(a.dtype)] = sizes.get(str(a.dtype), 0) + a.nbytes
-    main = max(sizes, key=sizes.get).replace("mlx.core.", "") if sizes else "?"
-    if quant:
-        bits, group = quant.get("bits"), quant.get("group_size")
-        return f"{bits}-bit quantized (group {group}), {main}"
-    return main
-
-
-def backend() -> str:
-    """Where MLX runs: ``metal``, ``cuda`` or ``cpu``."""
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
-def cannot_gain_notice() -> Optional[str]:
-    """One line when MTP cannot gain speed on this machine, else None.
-
-    MLX's Linux wheel runs matmuls on the reference BLAS it bundles: a forward
-    over k+1 tokens costs about k+1 one-token forwards, so a verify pass saves
-    nothing and the drafts only add (docs/performance.md). Cost-aware drafting
-    then drafts nothing; ``--fixed-draft`` drafts anyway.
-    """
-    from .tune import compute_bound
-
-    if not compute_bound():
-        return None
-    return (
-        "MLX runs on the CPU with its bundled reference BLAS: checking k drafts "
-        "costs about k+1 plain steps, so MTP cannot gain speed here and rounds "
-        "draft nothing unless --fixed-draft (preloading OpenBLAS can change "
-        "that: see docs/performance.md in mlx-mtp)"
-    )
-
-
 def regime(model: MTPModel) -> Dict[str, Any]:
     """Backend, weights dtype and BLAS: the context the numbers need."""
-    import mlx_lm
-
     backend_name = backend()
     return {
         "backend": backend_name,
         "device": str(mx.default_device()),
-        "weights": _weights_dtype(model),
-        "blas": _blas() if backend_name == "cpu" else "n/a (GPU)",
+        "weights": weights_dtype(model),
+        "blas": blas() if backend_name == "cpu" else "n/a (GPU)",
         "cpus": os.cpu_count(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -293,8 +167,6 @@ def run_once(
 ):
     """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
     ``adaptive``: the draft count chosen each round, at most ``draft_max``."""
-    from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
-
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
@@ -346,14 +218,11 @@ def run_bench(
     ``estimate`` hears, once after the warm-up, how many seconds the timed
     runs will take at the warm-up's speed.
     """
-    from .adaptive import default_draft_max
-    from .tune import CostTimer
-
     started = time.perf_counter()
     if draft_max is None:
         draft_max = default_draft_max(model)
     configs = configurations(draft_max, model.head is not None)
-    encoded = [_encode(tokenizer, _template(tokenizer, p.prompt)) for p in prompts]
+    encoded = encoded_prompts(tokenizer, prompts)
     seconds = 0.0
     for _, k, adaptive in configs:  # warm up: compile, allocate
         timing, _, _ = run_once(
@@ -490,15 +359,6 @@ def noise(result: BenchResult, cost_times: Dict[tuple, List[tuple]]) -> List[str
                 f"{200 * NOISE_SPREAD:.0f}% ({', '.join(wide)}): the bounds are rough"
             )
     return found
-
-
-def _template(tokenizer, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        return prompt
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
 
 
 def _paired(mine: List[Measurement], base) -> tuple:

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 from .cache import MTPCache, mark, restore
-from .generate import DEFAULT_MAX_TOKENS, GenerationResponse, _encode, stream_generate
+from .defaults import DEFAULT_MAX_TOKENS
+from .generate import GenerationResponse, stream_generate
 from .loader import MTPModel
+from .prompts import chat_text, encode
 from .stats import MTPStats
 
 
-def _truncatable(cache: MTPCache) -> bool:
+def truncatable(cache: MTPCache) -> bool:
     """Plain attention caches can be cut anywhere; recurrent states cannot."""
     return all(
         not hasattr(c, "rollback") and c.is_trimmable() for c in cache.state_list()
@@ -106,10 +108,7 @@ class ChatSession:
 
     def prompt_tokens(self, messages: List[Dict[str, str]]) -> List[int]:
         """The templated conversation, encoded as ``generate`` encodes a prompt."""
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return _encode(self.tokenizer, text)
+        return encode(self.tokenizer, chat_text(self.tokenizer, messages))
 
     def send(self, text: str) -> Iterator[GenerationResponse]:
         """Stream the answer to the user message ``text``.
@@ -152,7 +151,7 @@ class ChatSession:
         keep = min(keep, len(prompt) - 1)  # the last token must be fed to be read
         rebuilt = False
         if keep < len(self.cached_tokens):
-            if _truncatable(self.cache):
+            if truncatable(self.cache):
                 keep = truncate(self.model, self.cache, keep)
             else:
                 self.cache, keep, rebuilt = self.model.make_cache(), 0, True

@@ -26,8 +26,8 @@ from typing import Any, List, Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
-from .errors import MTPError
-from .loader import MTPModel, _first_line
+from .errors import MTPError, first_line
+from .loader import MTPModel
 from .loader import load as load_local
 
 SHARDINGS = ("auto", "pipeline", "tensor")
@@ -203,7 +203,7 @@ def load(
     except MTPError as e:
         error = str(e)
     except Exception as e:  # anything else must still reach the handshake
-        error = f"{type(e).__name__}: {_first_line(e)}"
+        error = f"{type(e).__name__}: {first_line(e)}"
     _agree(group, error)
     model.sharding = Sharding(group, sharder.mode, sharder.notice)
     return model, tokenizer

@@ -1,22 +1,24 @@
 """The Python API, in mlx-lm's three layers: step generator, stream, string."""
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adaptive import default_draft_max, make_policy
+from .adaptive import make_policy
 from .cache import MTPCache
-from .distributed import sync_verifier
-from .errors import MTPError
-from .loader import MTPModel
-from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
+from .config import default_draft_max
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
     MAX_DRAFT_MAX,
 )
+from .distributed import sync_verifier
+from .errors import MTPError
+from .loader import MTPModel
+from .prompts import context_length, encode, fit_context
+from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
 from .speculative import speculative_generate_step
 from .stats import MTPStats
 
@@ -42,58 +44,6 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
 
 
-def _encode(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        return tokenizer.encode(prompt, add_special_tokens=add_special)
-    if isinstance(prompt, mx.array):
-        return prompt.tolist()
-    return [int(t) for t in prompt]
-
-
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
-
-
-def context_length(model: MTPModel) -> Optional[int]:
-    """The most tokens the model reads (its config's position limit), if known."""
-    for config in (model.config, model.config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            if isinstance(config.get(key), int) and config[key] > 0:
-                return config[key]
-    return None
-
-
-def fit_context(
-    tokens: List[int],
-    cached: int,
-    max_tokens: int,
-    context: Optional[int],
-    truncate: bool,
-    bos: Optional[int] = None,
-) -> tuple:
-    """``(tokens, max_tokens)`` that fit in ``context`` with ``cached`` tokens before.
-
-    A prompt longer than the context is an error unless ``truncate``: then
-    its oldest tokens go (a leading ``bos`` stays) so that the prompt and
-    ``max_tokens`` fit, keeping at least half the context for the prompt.
-    Generation stops where the context ends.
-    """
-    if context is None:
-        return tokens, max_tokens
-    if cached + len(tokens) > context:
-        if not truncate or cached:
-            raise MTPError(
-                f"the prompt holds {cached + len(tokens)} tokens, more than the "
-                f"model's context of {context} tokens"
-            )
-        keep = max(context - max_tokens, context // 2)
-        head = tokens[:1] if bos is not None and tokens[0] == bos else []
-        tokens = head + tokens[len(tokens) - keep + len(head) :]
-    # the last new token is predicted at position context - 1
-    return tokens, min(max_tokens, context + 1 - cached - len(tokens))
-
-
 def stream_generate(
     model: MTPModel,
     tokenizer: Any,
@@ -103,6 +53,7 @@ def stream_generate(
     draft_max: Optional[int] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     mtp: bool = True,
+    sampling: Optional[SamplingConfig] = None,
     sampler: Optional[Sampler] = None,
     logits_processors: Optional[Sequence[LogitsProcessor]] = None,
     verifier: Optional[Any] = None,
@@ -112,17 +63,8 @@ def stream_generate(
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     truncate_prompt: bool = False,
     trace: bool = False,
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: Optional[float] = None,
-    presence_penalty: Optional[float] = None,
-    frequency_penalty: Optional[float] = None,
-    logit_bias: Optional[Dict[int, float]] = None,
-    seed: Optional[int] = None,
-    draft_sampling: str = "greedy",
     adaptive_draft: bool = True,
+    **sampling_kwargs,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
 
@@ -131,8 +73,10 @@ def stream_generate(
     With a ``prompt_cache`` from an earlier call, ``prompt`` holds only the new
     tokens and ``cached_tokens`` those already in the cache.
 
-    Sampling takes mlx-lm's settings (``temp`` .. ``logit_bias``, penalties
-    over the last 20 tokens) and is lossless: the output has the main model's
+    Sampling takes a ``SamplingConfig`` (``sampling=``), or its fields as
+    keyword arguments as mlx-lm's take them (``temp=``, ``top_p=``, ..,
+    ``logit_bias=``, ``seed=``, ``draft_sampling=``; penalties over the last
+    20 tokens), and is lossless: the output has the main model's
     distribution. ``seed`` fixes the run; with greedy drafts the tokens are the
     same with and without MTP. ``draft_sampling="sample"`` samples drafts
     through the same chain (accepted with min(1, p/q)). A custom
@@ -150,7 +94,10 @@ def stream_generate(
     """
     if draft_max is not None and not 0 <= draft_max <= MAX_DRAFT_MAX:
         raise MTPError(f"draft_max must be 0 to {MAX_DRAFT_MAX}, not {draft_max}")
-    tokens = _encode(tokenizer, prompt)
+    if sampling is not None and sampling_kwargs:
+        names = ", ".join(sorted(sampling_kwargs))
+        raise TypeError(f"pass either sampling= or its fields ({names}), not both")
+    tokens = encode(tokenizer, prompt)
     if not tokens or (isinstance(prompt, str) and not prompt.strip()):
         raise MTPError("the prompt is empty")
     tokens, max_tokens = fit_context(
@@ -162,19 +109,9 @@ def stream_generate(
         getattr(tokenizer, "bos_token_id", None),
     )
     if verifier is None:
-        config = SamplingConfig(
-            temp=temp,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            seed=seed,
-            draft_sampling=draft_sampling,
-        )
-        verifier = make_verifier(config, sampler, logits_processors)
+        if sampling is None:
+            sampling = SamplingConfig(**sampling_kwargs)
+        verifier = make_verifier(sampling, sampler, logits_processors)
     if draft_max is None:
         draft_max = default_draft_max(model)
     if not mtp:

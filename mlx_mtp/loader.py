@@ -9,6 +9,7 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 """
 
 import glob
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -19,17 +20,19 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import MTPCache, Pending, can_rollback
-from .errors import MTPError
-from .heads import MTPHead, family_for, load_head_weights, norms, not_yet
+from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
+from .errors import MTPError, first_line
+from .heads import (
+    FAMILY_MODULES,
+    MTPHead,
+    family_for,
+    load_head_weights,
+    norms,
+    not_yet,
+)
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
-# The MTP config, beside the head (the model folder, or the folder of a head
-# given apart). ``train-head`` writes the head's ``family`` (so the head
-# attaches to a trunk whose model_type has no MTP family of its own),
-# ``recommended_draft_max`` and ``acceptance_by_depth``; ``mlx-mtp tune`` adds
-# what it measured on a machine under ``tuned``.
-HEAD_CONFIG_FILE = "mtp_config.json"
 # Called as ``shard(model, head, config)`` on the loaded model before its
 # weights are read (``mlx_mtp.distributed`` splits it over processes there).
 ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
@@ -110,7 +113,7 @@ def check_safetensors(path: Path) -> None:
             default=0,
         )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise MTPError(f"{path}: not a valid safetensors file ({_first_line(e)})") from None
+        raise MTPError(f"{path}: not a valid safetensors file ({first_line(e)})") from None
     if 8 + n + end > size:
         raise MTPError(
             f"{path}: truncated ({size} bytes, the header promises {8 + n + end})"
@@ -124,13 +127,8 @@ def read_safetensors(files) -> Dict[str, mx.array]:
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises bare RuntimeError/ValueError
-            raise MTPError(f"{f}: cannot read safetensors ({_first_line(e)})") from None
+            raise MTPError(f"{f}: cannot read safetensors ({first_line(e)})") from None
     return weights
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
@@ -169,7 +167,7 @@ def _check_model_type(config: Dict[str, Any]) -> None:
         ) from None
 
 
-def _sanitize_block(model: nn.Module, family, weights):
+def sanitize_block(model: nn.Module, family, weights):
     """Put raw block tensors through the trunk's own sanitize as if they were layer 0."""
     layer = getattr(family, "TRUNK_LAYER_PREFIX", "model.layers.0.")
     if callable(layer):  # the trunk sanitizes some layers only as their kind needs
@@ -214,7 +212,7 @@ def load_model(
     except MTPError:
         raise
     except Exception as e:
-        raise MTPError(f"{path}: cannot load the model ({_first_line(e)})") from None
+        raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
 
     tap = hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post")
     trunk = Trunk(model, tap)
@@ -230,7 +228,7 @@ def load_model(
         head_weights = {**split, **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB)))}
     head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
     head_config = read_head_config(head_dir)
-    family = _trained_head_family(head_config, head_dir) or family
+    family = trained_head_family(head_config, head_dir) or family
 
     head, notice = None, None
     if family is None and not_yet(config):
@@ -257,32 +255,12 @@ def load_model(
         trunk, head, config, notice, path=path, head_dir=head_dir, head_config=head_config
     )
     if head is not None and head_config.get("tuned"):
-        from .tune import apply_draft_vocab
-
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
     return loaded
 
 
-def read_head_config(folder: Path) -> Dict[str, Any]:
-    """The MTP config in ``folder`` (``{}`` when there is none)."""
-    file = folder / HEAD_CONFIG_FILE
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        config = None
-    if not isinstance(config, dict):
-        raise MTPError(f"{file}: not a valid MTP head config")
-    return config
-
-
-def _trained_head_family(config: Dict[str, Any], folder: Path):
+def trained_head_family(config: Dict[str, Any], folder: Path):
     """The family the MTP config names, if it names one."""
-    import importlib
-
-    from .heads import FAMILY_MODULES
-
     name = config.get("family")
     if name is None:
         return None
@@ -303,11 +281,11 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
                 head.layer(j),
                 family.prefix(config, j),
                 weights,
-                sanitize or (lambda w: _sanitize_block(model, family, w)),
+                sanitize or (lambda w: sanitize_block(model, family, w)),
                 config.get("quantization"),
             )
     except ValueError as e:
-        raise MTPError(f"MTP head does not match the model ({_first_line(e)})") from None
+        raise MTPError(f"MTP head does not match the model ({first_line(e)})") from None
     head.bind(trunk.embed_tokens, output_head(model))
     # a norm in the other convention drafts garbage: convert fixes it, we refuse
     prefixes = [family.prefix(config, j) for j in range(head.num_layers)]
@@ -341,5 +319,5 @@ def load(
             eos_token_ids=model.config.get("eos_token_id"),
         )
     except Exception as e:
-        raise MTPError(f"{path}: cannot load the tokenizer ({_first_line(e)})") from None
+        raise MTPError(f"{path}: cannot load the tokenizer ({first_line(e)})") from None
     return model, tokenizer

@@ -23,147 +23,28 @@ version) and the model's files, so that an entry made elsewhere is ignored.
 ``CostAwareDraft`` then starts from it.
 """
 
-import functools
-import hashlib
-import json
-import os
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .adaptive import Costs, FixedDraft, speedups
 from .cache import MTPCache, mark, restore, start_verify
-from .defaults import DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
+from .config import cached_identity, machine
+from .defaults import DEFAULT_PREFILL_STEP, DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
 from .errors import MTPError
-from .loader import HEAD_CONFIG_FILE, MTPModel
+from .loader import MTPModel
+from .prompts import encoded_prompts, load_prompts
 from .sampling import make_verifier
-from .speculative import DEFAULT_PREFILL_STEP, draft, prefill
+from .speculative import draft, prefill, speculative_generate_step
 from .stats import MTPStats
 
 PLAIN_STEPS = 8  # plain steps per timing of the plain step
 # Candidate draft vocabularies for a head that has none: the most frequent
 # tokens, at sizes below half the vocabulary.
 DRAFT_VOCAB_SIZES = (4096, 8192, 16384, 32768)
-MAX_TUNED_ENTRIES = 8  # per MTP config: one per machine that shares the folder
-
-
-# -- what identifies the machine and the model --------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def machine() -> Dict[str, Any]:
-    """The machine, backend, BLAS and MLX version timings were taken with."""
-    from .bench import _blas
-    from .bench import backend as _backend
-
-    info = mx.device_info()
-    backend = _backend()
-    return {
-        "device": str(info.get("device_name", "")),
-        "arch": str(info.get("architecture", "")),
-        "memory": int(info.get("memory_size", 0) or 0),
-        "cpus": os.cpu_count(),
-        "platform": sys.platform,
-        "backend": backend,
-        "blas": _blas() if backend == "cpu" else "",
-        "mlx": mx.__version__,
-    }
-
-
-def compute_bound() -> bool:
-    """A CPU with MLX's bundled reference BLAS: a forward over T tokens costs T."""
-    m = machine()
-    return m["backend"] == "cpu" and m["blas"].startswith("reference BLAS")
-
-
-def model_identity(model: MTPModel) -> Dict[str, Any]:
-    """The model's config and weight files (names and sizes), and its dtype."""
-    from .bench import _weights_dtype
-
-    if model.path is None:
-        return {"weights": _weights_dtype(model)}
-    files = {}
-    for folder in {model.path, model.head_dir or model.path}:
-        for f in sorted(folder.glob("*.safetensors")):
-            files[f.name] = f.stat().st_size
-    config = (model.path / "config.json").read_bytes()
-    return {
-        "config": hashlib.sha256(config).hexdigest()[:16],
-        "files": files,
-        "weights": _weights_dtype(model),
-    }
-
-
-def tuned_entry(model: MTPModel) -> Optional[Dict[str, Any]]:
-    """The stored tune result for this model on this machine, if there is one."""
-    entries = model.head_config.get("tuned")
-    if not isinstance(entries, list) or not entries:
-        return None
-    key = {"machine": machine(), "model": _identity(model)}
-    for entry in entries:
-        if isinstance(entry, dict) and _key(entry) == key and _valid(entry):
-            return entry
-    return None
-
-
-def _identity(model: MTPModel) -> Dict[str, Any]:
-    # hashing config.json and listing files once per loaded model
-    cached = getattr(model, "_tune_identity", None)
-    if cached is None:
-        cached = model_identity(model)
-        object.__setattr__(model, "_tune_identity", cached)
-    return cached
-
-
-def _key(entry: Dict[str, Any]) -> Dict[str, Any]:
-    return {"machine": entry.get("machine"), "model": entry.get("model")}
-
-
-def _valid(entry: Dict[str, Any]) -> bool:
-    try:
-        costs = Costs.from_dict(entry["costs"])
-        acceptance = [float(a) for a in entry["acceptance_by_depth"]]
-    except (KeyError, TypeError, ValueError):
-        return False
-    return bool(costs.verify and costs.draft and acceptance)
-
-
-def store(model: MTPModel, entry: Dict[str, Any]) -> Path:
-    """Write ``entry`` into the MTP config beside the model, replacing the
-    entry of the same machine and model; returns the file written."""
-    if model.head_dir is None:
-        raise MTPError("the model was not loaded from a folder: nowhere to store")
-    file = model.head_dir / HEAD_CONFIG_FILE
-    from .loader import read_head_config
-
-    config = read_head_config(model.head_dir)
-    old = config.get("tuned")
-    old = old if isinstance(old, list) else []
-    kept = [e for e in old if isinstance(e, dict) and _key(e) != _key(entry)]
-    config["tuned"] = (kept + [entry])[-MAX_TUNED_ENTRIES:]
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        tmp.replace(file)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise MTPError(f"{file}: cannot write ({e.strerror or e})") from None
-    model.head_config = config
-    return file
-
-
-def apply_draft_vocab(model: MTPModel) -> None:
-    """Give a head without a draft vocabulary the one ``tune`` chose here."""
-    if model.head is None or "draft_vocab" in model.head.layer(0):
-        return
-    entry = tuned_entry(model)
-    if entry and entry.get("draft_vocab"):
-        model.head.set_draft_vocab(mx.array(entry["draft_vocab"], dtype=mx.int32))
 
 
 # -- timing --------------------------------------------------------------------
@@ -322,8 +203,6 @@ def measure_acceptance(
     stop_tokens: Sequence[int] = (),
 ) -> tuple:
     """Greedy generations drafting ``k`` every round: their stats and sequences."""
-    from .speculative import speculative_generate_step
-
     stats, sequences = MTPStats(), []
     for prompt in prompts:
         one = MTPStats()
@@ -488,7 +367,7 @@ def tune(
     vocab_sizes: Optional[Sequence[int]] = None,
     clock: str = "wall",
 ) -> Dict[str, Any]:
-    """Measure ``model`` on this machine; returns the entry ``store`` writes.
+    """Measure ``model`` on this machine; returns the entry ``store_tuned`` writes.
 
     ``clock="cpu"`` times this process's CPU time instead of wall time: on a
     CPU shared with other jobs the work done, which their load does not
@@ -498,20 +377,16 @@ def tune(
     most expected tokens (default: ``DRAFT_VOCAB_SIZES`` below half the
     vocabulary); the best goes into the entry when it raises the bound.
     """
-    from .bench import _template, load_prompts
-    from .generate import _encode
-
     if model.head is None:
         raise MTPError("this model has no MTP head: there is nothing to tune")
     if draft_max < 1:
         raise MTPError("tune needs a draft-max of at least 1")
     say = progress or (lambda msg: None)
     tic = time.perf_counter()
-    prompts, seen = [], set()
+    first = {}
     for p in load_prompts():  # one prompt of each kind
-        if p.kind not in seen:
-            seen.add(p.kind)
-            prompts.append(_encode(tokenizer, _template(tokenizer, p.prompt)))
+        first.setdefault(p.kind, p)
+    prompts = encoded_prompts(tokenizer, list(first.values()))
     stops = list(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     say(f"acceptance: {len(prompts)} prompts, {max_tokens} tokens, {draft_max} drafts")
@@ -525,7 +400,7 @@ def tune(
     costs = timer.costs(cpu=clock == "cpu")
     entry: Dict[str, Any] = {
         "machine": machine(),
-        "model": _identity(model),
+        "model": cached_identity(model),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "draft_max": draft_max,
         "clock": clock,

@@ -53,4 +53,4 @@ def _memory_bound_prior(monkeypatch):
     depend on the machine (none pays on a CPU with MLX's bundled BLAS). Tests
     pin the memory-bound guess of a GPU, so that they draft, and alike
     everywhere."""
-    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: False)
+    monkeypatch.setattr("mlx_mtp.config.compute_bound", lambda: False)

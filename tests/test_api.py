@@ -148,3 +148,15 @@ def test_prompt_cache_continues_a_generation(loaded):
     whole = first + out1 + follow[1:]
     fresh = [r.token for r in mlx_mtp.stream_generate(model, tokenizer, whole, 12, mtp=False)]
     assert out2 == fresh
+
+
+def test_sampling_as_one_value_or_as_keywords(loaded):
+    model, tokenizer = loaded
+    settings = dict(temp=0.8, top_k=20, repetition_penalty=1.2, seed=5)
+    by_keywords = mlx_mtp.generate(model, tokenizer, "hello", 16, **settings)
+    config = mlx_mtp.SamplingConfig(**settings)
+    assert mlx_mtp.generate(model, tokenizer, "hello", 16, sampling=config) == (
+        by_keywords
+    )
+    with pytest.raises(TypeError, match="not both"):
+        mlx_mtp.generate(model, tokenizer, "hello", 4, sampling=config, temp=0.5)

@@ -133,7 +133,7 @@ def test_template_that_rerenders_history(loaded):
 
 def test_rebuilds_when_the_cache_cannot_be_cut(loaded, monkeypatch):
     model, tok = loaded("deepseek_v3")
-    monkeypatch.setattr(mlx_mtp.chat, "_truncatable", lambda cache: False)
+    monkeypatch.setattr(mlx_mtp.chat, "truncatable", lambda cache: False)
     session = ChatSession(model, tok, max_tokens=MAX_TOKENS)
     answer(session, "hi")
     session.cached_tokens[-1] = -1  # as if the template re-rendered the last token

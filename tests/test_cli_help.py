@@ -125,6 +125,7 @@ def test_bench_without_model_uses_the_default_and_says_how_long(
 def test_bench_alone_runs_the_defaults(default_is_tiny, monkeypatch):
     import mlx_mtp.bench as bench
     from mlx_mtp.bench import DEFAULT_BENCH_TOKENS, DEFAULT_REPEATS
+    from mlx_mtp.prompts import load_prompts
 
     asked = {}
 
@@ -135,7 +136,7 @@ def test_bench_alone_runs_the_defaults(default_is_tiny, monkeypatch):
     monkeypatch.setattr(bench, "run_bench", run_bench)
     assert run_app(["bench"]) == 130  # not the help text
     assert asked == dict(
-        prompts=len(bench.load_prompts()),
+        prompts=len(load_prompts()),
         repeats=DEFAULT_REPEATS,
         tokens=DEFAULT_BENCH_TOKENS,
     )

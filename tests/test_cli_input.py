@@ -93,7 +93,7 @@ def test_ctrl_c_ends_the_line_and_prints_the_stats_so_far(full):
 @pytest.mark.slow
 def test_notice_where_mtp_cannot_gain(full, tmp_path):
     # asked in a fresh process: the tests pin this process's regime (conftest)
-    code = "from mlx_mtp.bench import cannot_gain_notice; print(cannot_gain_notice())"
+    code = "from mlx_mtp.config import cannot_gain_notice; print(cannot_gain_notice())"
     asked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert asked.returncode == 0, asked.stderr
     expected = asked.stdout.strip()

@@ -249,7 +249,7 @@ def test_interrupt_leaves_nothing(sources, tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "_save_config", interrupted)
+    monkeypatch.setattr(pipeline, "write_config", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(sources("mimo"), tmp_path / "out")
     assert _nothing_written(tmp_path, "out")

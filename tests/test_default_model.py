@@ -159,7 +159,7 @@ def test_a_damaged_build_is_rebuilt_with_one_line(cache, fake_build, how):
 
 def test_costs_stored_by_tune_keep_the_build(cache, fake_build):
     """``mlx-mtp tune`` adds its costs to the MTP config: no rebuild for that."""
-    from mlx_mtp.loader import read_head_config
+    from mlx_mtp.config import read_head_config
 
     path = dm.default_model_path()
     config = read_head_config(path)

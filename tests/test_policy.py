@@ -30,10 +30,10 @@ from mlx_mtp.adaptive import (
     prior_costs,
 )
 from mlx_mtp.cli import app
-from mlx_mtp.loader import HEAD_CONFIG_FILE
+from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
-from mlx_mtp.tune import machine, store, tune, tuned_entry
+from mlx_mtp.tune import tune
 
 # a forward over T tokens costs T steps: no draft can pay, whatever is accepted
 COMPUTE_BOUND = Costs([1.0, 2.0, 3.0, 4.0], [0.05, 0.1, 0.15])
@@ -231,7 +231,7 @@ def test_tune_writes_a_config_the_runtime_reads(tiny_folders, tmp_path):
     assert len(entry["costs"]["verify"]) == 3 and len(entry["costs"]["draft"]) == 2
     assert len(entry["acceptance_by_depth"]) == 2
     assert len(entry["speedups"]["bound"]) == 3 and entry["speedups"]["bound"][0] == 1
-    store(model, entry)
+    store_tuned(model, entry)
     # a stale entry, from another machine, is kept but ignored
     config = json.loads((folder / HEAD_CONFIG_FILE).read_text())
     other = dict(entry, machine=dict(entry["machine"], device="elsewhere"))
@@ -320,7 +320,7 @@ def test_tune_tries_draft_vocabularies_and_the_loader_applies_its_choice(
     assert all(0 <= t["acceptance_1"] <= 1 and len(t["draft"]) == 2 for t in trials)
     assert "draft_vocab" not in model.head  # the trial leaves the head as it was
     entry["draft_vocab"] = list(range(0, 288, 3))  # as if 96 tokens had won
-    store(model, entry)
+    store_tuned(model, entry)
     reloaded, _ = mlx_mtp.load(folder)
     assert reloaded.head.draft_vocab.tolist() == entry["draft_vocab"]
     # on another machine the entry, and its vocabulary, are ignored
@@ -379,10 +379,10 @@ def test_plain_rounds_keep_no_states_and_stop_exactly(hybrid, monkeypatch):
 
 def test_untuned_on_a_compute_bound_cpu_no_round_drafts(models, monkeypatch):
     model, _ = models
-    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: True)
+    monkeypatch.setattr("mlx_mtp.config.compute_bound", lambda: True)
     policy = make_policy(model, 3)  # no tuned entry: the machine's prior
     _, stats, _ = run(model, list(range(40, 60)), 40, policy)
     assert stats.drafted == 0
-    monkeypatch.setattr("mlx_mtp.tune.compute_bound", lambda: False)
+    monkeypatch.setattr("mlx_mtp.config.compute_bound", lambda: False)
     _, stats, _ = run(model, list(range(40, 60)), 40, make_policy(model, 3))
     assert stats.drafted > 0

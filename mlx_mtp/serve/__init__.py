@@ -1,13 +1,15 @@
 """An OpenAI-compatible HTTP server with MTP, decoding several streams at once.
 
 ``run(model, tokenizer, ...)`` serves a loaded model with uvicorn;
-``create_app`` builds the Starlette app (``app.py``) over an ``Engine``
-(``engine.py``), which batches the requests (``batch.py``).
+``create_app`` builds the Starlette app over an ``Engine`` (``engine.py``),
+which batches the requests (``batch.py``); both live in ``app.py``.
 
-This module itself imports neither MLX nor the web stack, so the command
-line can show these defaults cheaply.
+This module itself imports neither MLX nor the web stack (``create_app`` and
+``run`` are imported from ``app.py`` on first use), so the command line can
+show these defaults cheaply.
 """
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,40 +54,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be at least 0")
 
 
-def create_app(model, tokenizer, name: str, config: ServeConfig = None):
-    """The Starlette app serving ``model`` under the model id ``name``."""
-    from .app import create_app as _create
-
-    return _create(model, tokenizer, name, config or ServeConfig())
-
-
-def run(
-    model,
-    tokenizer,
-    name: str,
-    host: str = DEFAULT_HOST,
-    port: int = DEFAULT_PORT,
-    config: ServeConfig = None,
-    log=None,
-) -> None:
-    """Serve until interrupted. ``log`` hears one line once the port is open."""
-    import socket
-
-    import uvicorn
-
-    from ..errors import MTPError
-
-    app = create_app(model, tokenizer, name, config)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
-    except OSError as e:
-        sock.close()
-        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
-    port = sock.getsockname()[1]
-    if log is not None:
-        app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+def __getattr__(name: str):
+    # the server itself, imported on first use (it loads MLX and the web stack)
+    if name in ("create_app", "run"):
+        return getattr(importlib.import_module(f"{__name__}.app"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,27 +13,28 @@ its events come back through an asyncio queue per request.
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..generate import _encode
+from ..config import default_draft_max
+from ..defaults import MAX_DRAFT_MAX
+from ..errors import MTPError
+from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
-from ..adaptive import default_draft_max
-from . import ServeConfig
+from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from .engine import Engine, Event, Request
 
-# The most drafts a request may ask for per round.
-MAX_DRAFT_MAX = 16
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
           dict: "an object", list: "an array"}  # fmt: skip
 
@@ -97,10 +98,7 @@ class Service:
         )
         self.engine = Engine(model, tokenizer, config)
         cfgs = [model.config, model.config.get("text_config") or {}]
-        self.context = next(
-            (c[k] for c in cfgs for k in _CONTEXT_KEYS if isinstance(c.get(k), int)),
-            None,
-        )
+        self.context = context_length(model)
         self.vocab = next(
             (c["vocab_size"] for c in cfgs if isinstance(c.get("vocab_size"), int)),
             len(tokenizer),
@@ -211,7 +209,7 @@ class Service:
                 param="messages",
                 code="invalid_type",
             )
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if not has_chat_template(self.tokenizer):
             raise APIError(
                 "this model has no chat template: use /v1/completions",
                 param="messages",
@@ -219,14 +217,12 @@ class Service:
             )
         turns = [_message(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=True
-            )
+            text = chat_text(self.tokenizer, turns)
         except Exception as e:  # the template refuses the conversation
             raise APIError(
                 f"the chat template refused the messages: {e}", param="messages"
             ) from None
-        return _encode(self.tokenizer, text)
+        return encode(self.tokenizer, text)
 
     def completion_tokens(self, body: dict) -> List[int]:
         prompt = body.get("prompt")
@@ -239,7 +235,7 @@ class Service:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return _encode(self.tokenizer, prompt)
+            return encode(self.tokenizer, prompt)
         if isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab
             for t in prompt
@@ -255,17 +251,13 @@ class Service:
         """``max_tokens``, cut where the context ends; a prompt past it is refused."""
         if not tokens:
             raise APIError("the prompt is empty", param=param, code="invalid_value")
-        if self.context is None:
-            return max_tokens
-        if len(tokens) > self.context:
+        try:
+            _, max_tokens = fit_context(tokens, 0, max_tokens, self.context, False)
+        except MTPError as e:
             raise APIError(
-                f"the prompt holds {len(tokens)} tokens, more than the model's "
-                f"context of {self.context} tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
-        # the last new token is predicted at position context - 1
-        return min(max_tokens, self.context + 1 - len(tokens))
+                str(e), param=param, code="context_length_exceeded"
+            ) from None
+        return max_tokens
 
 
 def _message(m: Any, i: int) -> dict:
@@ -358,7 +350,11 @@ async def _read_body(request: HTTPRequest) -> dict:
     return body
 
 
-def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
+def create_app(
+    model, tokenizer, name: str, config: Optional[ServeConfig] = None
+) -> Starlette:
+    """The Starlette app serving ``model`` under the model id ``name``."""
+    config = config or ServeConfig()
     config.validate()
     service = Service(model, tokenizer, name, config)
 
@@ -515,3 +511,29 @@ def create_app(model, tokenizer, name: str, config: ServeConfig) -> Starlette:
     app.state.on_start = None
     app.state.service = service
     return app
+
+
+def run(
+    model,
+    tokenizer,
+    name: str,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    config: ServeConfig = None,
+    log=None,
+) -> None:
+    """Serve until interrupted. ``log`` hears one line once the port is open."""
+    app = create_app(model, tokenizer, name, config)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
+    except OSError as e:
+        sock.close()
+        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    port = sock.getsockname()[1]
+    if log is not None:
+        app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from ..adaptive import acceptance_prior, make_policy
-from ..chat import _truncatable
+from ..chat import truncatable
 from ..sampling import SamplingConfig, make_verifier
 from ..speculative import speculative_generate_step
 from ..stats import MTPStats
@@ -337,7 +337,7 @@ class Engine:
         """Streams whose prompts are read join the decoding batch."""
         for job in jobs:
             s = job.stream
-            if self.prompt_cache.enabled and not _truncatable(s.cache):
+            if self.prompt_cache.enabled and not truncatable(s.cache):
                 # keep the recurrent state at the turn boundary
                 self.prompt_cache.insert(job.request.prompt[:-1], copy_cache(s.cache))
             self.jobs[id(s)] = job

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..cache import MTPCache
-from ..chat import _truncatable, common_prefix, truncate
+from ..chat import common_prefix, truncatable, truncate
 
 
 @dataclass
@@ -88,7 +88,7 @@ class PromptCache:
         best, keep = None, 0
         for e in self.entries:
             n = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
-            if n < len(e.tokens) and not _truncatable(e.cache):
+            if n < len(e.tokens) and not truncatable(e.cache):
                 continue
             if n > keep:
                 best, keep = e, n
@@ -105,7 +105,7 @@ class PromptCache:
         """Keep ``cache``, which has read ``tokens``; older entries it covers go."""
         if not self.enabled or not tokens:
             return
-        cut = _truncatable(cache)
+        cut = truncatable(cache)
         self.entries = [
             e
             for e in self.entries

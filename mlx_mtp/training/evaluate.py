@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..generate import stream_generate
 from ..stats import MTPStats
 from .prompts import Prompt, render_prompt
 
@@ -27,8 +28,6 @@ def acceptance(
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, MTPStats]:
     """Greedy speculative generation of every prompt at every draft-max."""
-    from ..generate import stream_generate
-
     out = {}
     for k in draft_maxes:
         total = MTPStats(draft_max=k)

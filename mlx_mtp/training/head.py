@@ -12,10 +12,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..config import HEAD_CONFIG_FILE
 from ..errors import MTPError
 from ..heads import deepseek
 from ..heads.base import MTPHead
-from ..loader import HEAD_CONFIG_FILE, MTPModel
+from ..loader import MTPModel
 from ..trunk import find_backbone, output_head
 
 HEAD_FILE = "mtp.safetensors"

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import MTPError
+from ..loader import load
 from . import evaluate
 from .data import (
     DEFAULT_DISTILL_BATCH,
@@ -28,6 +29,7 @@ from .data import (
     check_data_file,
     chunk_sequences,
     encode_rows,
+    read_jsonl,
     self_distill,
 )
 from .head import init_head, save_head
@@ -114,8 +116,6 @@ def train_head(
     Returns a report (data sizes, per-depth agreement, held-out acceptance,
     ``"complete": False`` when time or Ctrl-C ended the run first).
     """
-    from ..loader import load
-
     cfg = cfg or TrainConfig()
     hooks = hooks or Hooks()
     stop = stop or Stop(max_minutes)
@@ -276,6 +276,4 @@ def _config_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _tokens(path: Path) -> int:
-    from .data import read_jsonl
-
     return sum(len(r["tokens"]) - r["prompt_len"] for r in read_jsonl(path))

@@ -85,13 +85,13 @@ def per_token(steps):
 def prompts_for(path, vocab):
     try:
         _, tokenizer = mlx_mtp.load(path)
-        from mlx_mtp.bench import _template, load_prompts
+        from mlx_mtp.prompts import load_prompts, user_prompt
 
         seen, out = set(), []
         for p in load_prompts():
             if p.kind not in seen:
                 seen.add(p.kind)
-                text = _template(tokenizer, p.prompt)
+                text = user_prompt(tokenizer, p.prompt)
                 out.append(tokenizer.encode(text, add_special_tokens=False))
         return out
     except Exception:  # no tokenizer: fixed token sequences

@@ -18,8 +18,7 @@ import time
 import mlx.core as mx
 
 import mlx_mtp
-from mlx_mtp.bench import _template, load_prompts
-from mlx_mtp.generate import _encode
+from mlx_mtp.prompts import encoded_prompts, load_prompts
 from mlx_mtp.tune import (
     CostTimer,
     _draft,
@@ -45,9 +44,7 @@ def main():
     own = head.draft_vocab if "draft_vocab" in head else None
     model.head.set_draft_vocab(None)
     vocab = model.trunk.embed_tokens.weight.shape[0]
-    prompts = [
-        _encode(tokenizer, _template(tokenizer, p.prompt)) for p in load_prompts()
-    ]
+    prompts = encoded_prompts(tokenizer, load_prompts())
     if args.cost_only:
         prompts = [[(7 * i + 3) % 256 for i in range(64)]]
         sequences = prompts

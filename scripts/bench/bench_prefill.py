@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 
 import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
-from mlx_mtp.bench import load_prompts
+from mlx_mtp.prompts import load_prompts
 from mlx_mtp.speculative import speculative_generate_step
 
 
