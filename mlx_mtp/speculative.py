@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .adaptive import FixedDraft
-from .cache import MTPCache, mark, restore, rollback, start_verify
+from .cache import MTPCache, rollback, start_verify
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
@@ -128,7 +128,7 @@ def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, histor
     return drafts, tentative
 
 
-def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
+def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
     """How many of ``emitted`` to keep: through the first stop token, at most ``limit``."""
     for i, t in enumerate(emitted[:limit]):
         if t in stop_tokens:
@@ -152,23 +152,22 @@ class _PlainStep:
     it takes, should this token end the generation.
     """
 
-    def __init__(self, model, cache: MTPCache, verifier, token, history, marks=None):
+    def __init__(self, model, cache: MTPCache, verifier, token, history, before=None):
         token = mx.array([token]) if isinstance(token, int) else token
-        self.marks = marks
+        self.before = before  # the trunk before this step, when it may be undone
         self.logits, self.hidden = model.trunk(token.reshape(1, 1), cache.trunk)
-        pending = [token] if marks else []
+        pending = [token] if before else []
         self.token = verifier.sample(self.logits[0, -1:], history, pending)
         mx.async_eval(self.token)
 
     def next(self, model, cache: MTPCache, verifier, history):
-        marks = [mark(c) for c in cache.trunk]
-        if not all(marks):  # a cache that cannot be brought back
+        before = cache.snapshot(trunk_only=True)
+        if before is None:  # a cache that cannot be brought back
             return None
-        return _PlainStep(model, cache, verifier, self.token, history, marks)
+        return _PlainStep(model, cache, verifier, self.token, history, before)
 
     def undo(self, cache: MTPCache) -> None:
-        for c, m in zip(cache.trunk, self.marks):
-            restore(c, m)
+        cache.restore(self.before)
 
 
 def speculative_generate_step(
@@ -176,10 +175,9 @@ def speculative_generate_step(
     model,
     *,
     max_tokens: int = 256,
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_policy: Optional[Callable[[], int]] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     verifier: Optional[Any] = None,
-    draft_policy: Optional[Callable[[], int]] = None,
     stop_tokens: Sequence[int] = (),
     prompt_cache: Optional[MTPCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
@@ -191,9 +189,10 @@ def speculative_generate_step(
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
-    ``draft_policy`` (e.g. ``CostAwareDraft``) picks each round's draft count
-    (at most ``draft_max``) and learns from ``update(drafted, accepted)``;
-    without one every round drafts ``draft_max``. ``cached_tokens`` are the
+    ``draft_policy`` (``FixedDraft(k)``, ``CostAwareDraft``) is the one source
+    of the draft count: each round asks it how many to draft (at most its
+    ``draft_max``; 0 turns MTP off) and tells it ``update(drafted, accepted)``;
+    without one every round drafts ``DEFAULT_DRAFT_MAX``. ``cached_tokens`` are the
     tokens already in ``prompt_cache``: the sampler sees them as history
     (penalty window, noise positions) as if the whole sequence had been the
     prompt. ``prefill_progress`` goes to ``prefill``.
@@ -204,9 +203,9 @@ def speculative_generate_step(
     verifier = verifier or ExactMatchVerifier()
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
     stats = stats if stats is not None else MTPStats()
-    stats.draft_max = draft_max
-    use_mtp = draft_max > 0 and model.head is not None
-    policy = draft_policy or FixedDraft(draft_max)
+    policy = draft_policy or FixedDraft(DEFAULT_DRAFT_MAX)
+    stats.draft_max = policy.draft_max
+    use_mtp = policy.draft_max > 0 and model.head is not None
     stop_tokens = set(stop_tokens)
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
@@ -252,7 +251,7 @@ def speculative_generate_step(
                     policy.update(len(drafts), len(emitted) - 1)
                 k = policy() if use_mtp else 0
             accepted = len(emitted) - 1
-            m = _cut(emitted, stop_tokens, remaining)
+            m = kept_count(emitted, stop_tokens, remaining)
             # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
             if drafts:
                 rollback(cache.trunk, len(drafts) + 1 - m)
