@@ -22,9 +22,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .adaptive import FixedDraft
+from .adaptive import FixedDraft, expected_tokens
 from .cache import MTPCache, rollback, start_verify
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
+from .ngram import PromptLookup
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
 
@@ -136,12 +137,29 @@ def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
     return min(len(emitted), limit)
 
 
-def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> None:
-    """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
+def count_round(
+    stats: MTPStats, drafts: List[Draft], accepted: int, m: int, lookup: bool = False
+) -> None:
+    """Record a round that kept ``m`` of its ``accepted + 1`` tokens
+    (``lookup``: its drafts were a prompt-lookup proposal)."""
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
-        stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
-    else:
-        stats.record_round([d.token.item() for d in drafts], accepted)
+        drafts, accepted = drafts[: m - 1], m - 1
+    stats.record_round([d.token.item() for d in drafts], accepted)
+    if lookup:
+        stats.lookup_drafted += len(drafts)
+        stats.lookup_accepted += accepted
+
+
+def _head_value(lookup: PromptLookup, policy, k: int) -> float:
+    """What a lookup round must beat, in expected tokens per plain step: a plain
+    step (1), or in "auto" the round the head's policy chose."""
+    if lookup.mode != "auto" or k == 0 or not hasattr(policy, "costs"):
+        return 1.0
+    return expected_tokens(policy.acceptance, k) / policy.costs.round(k)
+
+
+def _may_look(lookup: Optional[PromptLookup], last: int) -> bool:
+    return lookup is not None and lookup.may_propose_next(last)
 
 
 class _PlainStep:
@@ -184,6 +202,7 @@ def speculative_generate_step(
     stats: Optional[MTPStats] = None,
     cached_tokens: Sequence[int] = (),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    lookup: Optional[PromptLookup] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
@@ -195,7 +214,10 @@ def speculative_generate_step(
     without one every round drafts ``DEFAULT_DRAFT_MAX``. ``cached_tokens`` are the
     tokens already in ``prompt_cache``: the sampler sees them as history
     (penalty window, noise positions) as if the whole sequence had been the
-    prompt. ``prefill_progress`` goes to ``prefill``.
+    prompt. ``prefill_progress`` goes to ``prefill``. ``lookup`` (a
+    ``PromptLookup``) adds prompt-lookup drafts: a round checks its proposal
+    instead of the head's drafts when that is expected to pay more (it is
+    verified, accepted and rolled back as any draft).
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -209,6 +231,8 @@ def speculative_generate_step(
     stop_tokens = set(stop_tokens)
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
+    if lookup is not None:
+        lookup.sync(history)
 
     tic = time.perf_counter()
     prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
@@ -222,20 +246,25 @@ def speculative_generate_step(
         while n < max_tokens:
             remaining = max_tokens - n
             k = min(k, remaining - 1) if cache.pending[0].hidden is not None else 0
-            drafts, tentative = [], []
-            if k == 0 and lazy:
+            drafts, tentative, looked = [], [], []
+            if lookup is not None and ahead is None and remaining > 1:
+                looked = lookup.drafts(remaining - 1, _head_value(lookup, policy, k))
+            if k == 0 and lazy and not looked:
                 # a plain step; the next one starts before this token is read
                 step = ahead or _PlainStep(model, cache, verifier, y, history)
                 k, ahead = (policy() if use_mtp else 0), None
-                if k == 0 and remaining > 1:
+                if k == 0 and remaining > 1 and not _may_look(lookup, y):
                     ahead = step.next(model, cache, verifier, history)
                 emitted, hidden = [step.token.item()], step.hidden
                 if emitted[0] in stop_tokens and ahead is not None:
                     ahead.undo(cache)
                     ahead = None
             else:
-                # 1) draft; the head computes while the verify graph is built
-                if k > 0:
+                # 1) draft: a lookup proposal, or the head, which computes
+                # while the verify graph is built
+                if looked:
+                    drafts = [Draft(mx.array([t]), None) for t in looked]
+                elif k > 0:
                     drafts, tentative = draft(
                         model, cache, y, k, draft_p_min, verifier, history
                     )
@@ -247,7 +276,9 @@ def speculative_generate_step(
                 logits, hidden = model.trunk(inputs[None], cache.trunk)
                 # 3) accept: the round's one host sync
                 emitted = verifier.verify(logits[0], drafts, history)
-                if drafts:
+                if looked:
+                    lookup.update(len(drafts), len(emitted) - 1)
+                elif drafts:
                     policy.update(len(drafts), len(emitted) - 1)
                 k = policy() if use_mtp else 0
             accepted = len(emitted) - 1
@@ -263,12 +294,14 @@ def speculative_generate_step(
                 if any(q.size > PENDING_LIMIT for q in cache.pending):
                     catch_up(model, cache)  # layers that did not draft for a while
                     mx.async_eval([c.state for c in cache.head])
-            count_round(stats, drafts, accepted, m)
+            count_round(stats, drafts, accepted, m, lookup=bool(looked))
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9
             for i, t in enumerate(emitted[:m]):
                 yield t, i < accepted
             history.extend(emitted[:m])
+            if lookup is not None:
+                lookup.sync(history)
             n += m
             y = emitted[m - 1]
             if y in stop_tokens:
