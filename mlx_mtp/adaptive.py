@@ -140,16 +140,64 @@ def best_draft_count(acceptance: Sequence[float], costs: Costs, draft_max: int) 
 
 
 class FixedDraft:
-    """Every round drafts ``draft_max`` (for benchmarks at a fixed depth)."""
+    """Every round drafts ``k`` (for benchmarks at a fixed depth).
 
-    def __init__(self, draft_max: int):
-        self.draft_max = draft_max
+    ``draft_max`` (default ``k``) is the most a round may draft: with it above
+    0 the head keeps up with the trunk even while ``k`` is 0.
+    """
+
+    def __init__(self, k: int, draft_max: Optional[int] = None):
+        self.k = k
+        self.draft_max = k if draft_max is None else draft_max
 
     def __call__(self) -> int:
-        return self.draft_max
+        return self.k
 
     def update(self, drafted: int, accepted: int) -> None:
         pass
+
+
+class AcceptanceEstimate:
+    """The running P(draft j+1 kept | drafts 1..j kept), per depth.
+
+    Each depth starts at ``prior`` (measured by ``tune`` or ``train-head``, else
+    ``DEFAULT_PRIOR_ACCEPTANCE``), which counts as ``prior_weight`` tests; the
+    estimate is the mean of its tests until they weigh ``1 / min_rate``, then a
+    moving average over about that many, so it follows the text. A depth left
+    untested drifts by ``recover`` per update back to its prior, or to the
+    estimate of the depth before when that is higher, so that a deeper chain is
+    tried again. One estimator serves the single-stream loop
+    (``CostAwareDraft``) and each stream of a served batch.
+    """
+
+    def __init__(
+        self,
+        depths: int,
+        prior: Optional[Sequence[float]] = None,
+        prior_weight: Optional[float] = None,
+        min_rate: float = MIN_RATE,
+        recover: float = RECOVER,
+    ):
+        measured = bool(prior)
+        prior = list(prior or []) or [DEFAULT_PRIOR_ACCEPTANCE]
+        if prior_weight is None:
+            prior_weight = PRIOR_WEIGHT if measured else GUESS_WEIGHT
+        self.prior = [_clip(prior[min(j, len(prior) - 1)]) for j in range(depths)]
+        self.rates = list(self.prior)
+        self.tests = [prior_weight] * depths
+        self.min_rate, self.recover = min_rate, recover
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Learn from a round that proposed ``drafted`` drafts and kept ``accepted``."""
+        tested = min(drafted, accepted + 1)  # drafts after the first rejection were not
+        for j, a in enumerate(self.rates):
+            if j < tested:
+                self.tests[j] += 1
+                rate = max(1.0 / self.tests[j], self.min_rate)
+                self.rates[j] = a + rate * (float(j < accepted) - a)
+            else:  # back toward the prior, or the depth before where that is kept
+                target = self.prior[j] if j == 0 else max(self.prior[j], self.rates[j - 1])
+                self.rates[j] = a + self.recover * (target - a)
 
 
 class CostAwareDraft:
@@ -157,8 +205,8 @@ class CostAwareDraft:
 
     ``prior[j]`` is the expected P(draft j+1 kept | drafts before it kept),
     from ``tune`` or training; the estimates start there and follow the
-    rounds (see ``PRIOR_WEIGHT``). When ``k = 0`` wins, rounds are plain steps
-    and nothing is learnt, so now and then one round drafts once to see
+    rounds (``AcceptanceEstimate``). When ``k = 0`` wins, rounds are plain
+    steps and nothing is learnt, so now and then one round drafts once to see
     whether the text got easier (see ``PROBE_GAP``).
     """
 
@@ -167,19 +215,17 @@ class CostAwareDraft:
         draft_max: int,
         costs: Costs,
         prior: Optional[Sequence[float]] = None,
-        prior_weight: float = PRIOR_WEIGHT,
+        prior_weight: Optional[float] = None,
         min_rate: float = MIN_RATE,
         recover: float = RECOVER,
         probe_gap: int = PROBE_GAP,
         max_probe_gap: int = MAX_PROBE_GAP,
     ):
-        prior = list(prior or []) or [DEFAULT_PRIOR_ACCEPTANCE]
         self.draft_max = draft_max
         self.costs = costs
-        self.prior = [_clip(prior[min(j, len(prior) - 1)]) for j in range(draft_max)]
-        self.acceptance = list(self.prior)
-        self.tests = [prior_weight] * draft_max
-        self.min_rate, self.recover = min_rate, recover
+        self.estimate = AcceptanceEstimate(
+            draft_max, prior, prior_weight, min_rate, recover
+        )
         extra = costs.round(1) - 1.0 if draft_max > 0 else 0.0
         probe_gap = max(probe_gap, math.ceil(extra / PROBE_BUDGET))
         self.first_gap = min(probe_gap, max_probe_gap)
@@ -187,6 +233,14 @@ class CostAwareDraft:
         self.gap, self.idle = self.first_gap, 0
         # where even drafts that are always kept cannot pay, never draft
         self.can_pay = best_draft_count([1.0], costs, draft_max) > 0
+
+    @property
+    def acceptance(self) -> List[float]:
+        return self.estimate.rates
+
+    @property
+    def prior(self) -> List[float]:
+        return self.estimate.prior
 
     def __call__(self) -> int:
         """The next round's draft count (called once per round)."""
@@ -204,20 +258,7 @@ class CostAwareDraft:
 
     def update(self, drafted: int, accepted: int) -> None:
         """Learn from a round that proposed ``drafted`` drafts and kept ``accepted``."""
-        tested = min(drafted, accepted + 1)  # drafts after the first rejection were not
-        for j in range(self.draft_max):
-            a = self.acceptance[j]
-            if j < tested:
-                self.tests[j] += 1
-                rate = max(1.0 / self.tests[j], self.min_rate)
-                self.acceptance[j] = a + rate * (float(j < accepted) - a)
-            else:  # back toward the prior, or the depth before where that is kept
-                target = (
-                    self.prior[j]
-                    if j == 0
-                    else max(self.prior[j], self.acceptance[j - 1])
-                )
-                self.acceptance[j] = a + self.recover * (target - a)
+        self.estimate.update(drafted, accepted)
         if accepted and self.idle == 0 and self.gap > self.first_gap:
             self.gap = self.first_gap  # a kept probe: the text may have changed
 
@@ -243,8 +284,7 @@ def make_policy(model, draft_max: int, adaptive: bool = True):
     else:
         costs = prior_costs(config.compute_bound())
         prior = config.trained_acceptance(model)
-    weight = PRIOR_WEIGHT if prior else GUESS_WEIGHT
-    return CostAwareDraft(draft_max, costs, prior, prior_weight=weight)
+    return CostAwareDraft(draft_max, costs, prior)
 
 
 def acceptance_prior(model) -> Optional[List[float]]:

@@ -54,7 +54,7 @@ def cache_offset(cache: Any) -> Optional[int]:
     return None
 
 
-def mark(c) -> Optional[tuple]:
+def _mark(c) -> Optional[tuple]:
     """What bringing cache ``c`` back to this point takes; None when it cannot be.
 
     An attention cache is cut back to its offset (later calls only write past
@@ -68,8 +68,8 @@ def mark(c) -> Optional[tuple]:
     return None
 
 
-def restore(c, mark: tuple) -> None:
-    """Bring cache ``c`` back to where ``mark(c)`` was taken."""
+def _restore(c, mark: tuple) -> None:
+    """Bring cache ``c`` back to where ``_mark(c)`` was taken."""
     kind, value = mark
     if kind == "offset":
         rollback([c], cache_offset(c) - value)
@@ -130,6 +130,16 @@ class Pending:
 
     def copy(self) -> "Pending":
         return Pending(self.hidden, list(self.tokens))
+
+
+@dataclass
+class Snapshot:
+    """Where an ``MTPCache`` stood (``MTPCache.snapshot``): each cache's mark,
+    and (unless only the trunk was taken) what the head had not read."""
+
+    marks: List[tuple]
+    pending: Optional[List[Pending]] = None
+    start: Optional[List[int]] = None
 
 
 @dataclass
@@ -228,3 +238,25 @@ class MTPCache:
 
     def copy_pending(self) -> List[Pending]:
         return [p.copy() for p in self.pending]
+
+    def snapshot(self, trunk_only: bool = False) -> Optional[Snapshot]:
+        """What bringing this cache back to now takes (the trunk's caches alone
+        with ``trunk_only``), or None when one of its caches cannot be brought
+        back. Cheap: attention caches are cut back to their offset (later
+        calls only write past it) and recurrent caches replace their arrays on
+        every update, so keeping the arrays is a copy."""
+        marks = [_mark(c) for c in (self.trunk if trunk_only else self.state_list())]
+        if not all(marks):
+            return None
+        if trunk_only:
+            return Snapshot(marks)
+        return Snapshot(marks, self.copy_pending(), list(self.start))
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Bring this cache back to where ``snapshot`` was taken (it stays usable)."""
+        caches = self.trunk if snapshot.pending is None else self.state_list()
+        for c, m in zip(caches, snapshot.marks):
+            _restore(c, m)
+        if snapshot.pending is not None:
+            self.pending = [p.copy() for p in snapshot.pending]
+            self.start = list(snapshot.start)

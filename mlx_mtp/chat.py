@@ -18,7 +18,7 @@ started (after the cut to the new prompt's common prefix).
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
-from .cache import MTPCache, mark, restore
+from .cache import MTPCache, Snapshot
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
 from .loader import MTPModel
@@ -57,9 +57,7 @@ class _Saved:
 
     messages: int
     tokens: List[int]
-    marks: List[Any]  # per cache (trunk, then head), see ``cache.mark``
-    pending: List[Any]  # the head layers' pending inputs
-    start: List[int]
+    cache: Optional[Snapshot]  # None: the caches cannot be brought back
 
 
 @dataclass
@@ -168,24 +166,14 @@ class ChatSession:
         self._open = None
 
     def _save(self, n_messages: int) -> _Saved:
-        c = self.cache
-        return _Saved(
-            n_messages,
-            list(self.cached_tokens),
-            [mark(x) for x in c.state_list()],
-            c.copy_pending(),
-            list(c.start),
-        )
+        return _Saved(n_messages, list(self.cached_tokens), self.cache.snapshot())
 
     def _undo(self) -> None:
         """Back to the saved turn boundary (or to an empty cache if it cannot be)."""
         saved, self._open = self._open, None
         del self.messages[saved.messages :]
-        c = self.cache
-        if any(m is None for m in saved.marks):
+        if saved.cache is None:
             self.cache, self.cached_tokens = self.model.make_cache(), []
             return
-        for x, m in zip(c.state_list(), saved.marks):
-            restore(x, m)
-        c.pending, c.start = [p.copy() for p in saved.pending], list(saved.start)
+        self.cache.restore(saved.cache)
         self.cached_tokens = saved.tokens

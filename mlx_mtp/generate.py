@@ -126,7 +126,6 @@ def stream_generate(
         tokens,
         model,
         max_tokens=max_tokens,
-        draft_max=draft_max,
         draft_p_min=draft_p_min,
         verifier=verifier,
         draft_policy=policy,

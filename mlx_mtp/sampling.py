@@ -290,7 +290,10 @@ class SamplingVerifier:
             return [mx.argmax(logp + noise, axis=-1).item()]
         proposed = mx.concatenate([d.token for d in drafts])
         if self.sample_drafts:
-            q = mx.concatenate([d.q for d in drafts])
+            # a draft that was not sampled (greedy, or a prompt lookup) is
+            # one-hot: accepted with probability p(d), as the rule wants
+            vocab = logp.shape[-1]
+            q = mx.concatenate([_q(d, vocab) for d in drafts])
             keys = [self._key(n, _ACCEPT) for n in positions[:-1]]
             u = mx.stack([mx.random.uniform(key=key) for key in keys])
             a, token = rejection_sample(mx.exp(logp), q, proposed, u, noise)
@@ -299,6 +302,12 @@ class SamplingVerifier:
         mx.eval(a, token, proposed)  # the round's one host decision
         a = a.item()
         return proposed[:a].tolist() + [token.item()]
+
+
+def _q(draft: Draft, vocab: int) -> mx.array:
+    if draft.q is not None:
+        return draft.q
+    return (mx.arange(vocab) == draft.token.reshape(-1, 1)).astype(mx.float32)
 
 
 class ExactMatchVerifier:

@@ -22,9 +22,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .adaptive import FixedDraft
-from .cache import MTPCache, mark, restore, rollback, start_verify
+from .adaptive import FixedDraft, expected_tokens
+from .cache import MTPCache, rollback, start_verify
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
+from .ngram import PromptLookup
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
 
@@ -128,7 +129,7 @@ def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, histor
     return drafts, tentative
 
 
-def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
+def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
     """How many of ``emitted`` to keep: through the first stop token, at most ``limit``."""
     for i, t in enumerate(emitted[:limit]):
         if t in stop_tokens:
@@ -136,12 +137,29 @@ def _cut(emitted: List[int], stop_tokens, limit: int) -> int:
     return min(len(emitted), limit)
 
 
-def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> None:
-    """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
+def count_round(
+    stats: MTPStats, drafts: List[Draft], accepted: int, m: int, lookup: bool = False
+) -> None:
+    """Record a round that kept ``m`` of its ``accepted + 1`` tokens
+    (``lookup``: its drafts were a prompt-lookup proposal)."""
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
-        stats.record_round([d.token.item() for d in drafts[: m - 1]], m - 1)
-    else:
-        stats.record_round([d.token.item() for d in drafts], accepted)
+        drafts, accepted = drafts[: m - 1], m - 1
+    stats.record_round([d.token.item() for d in drafts], accepted)
+    if lookup:
+        stats.lookup_drafted += len(drafts)
+        stats.lookup_accepted += accepted
+
+
+def _head_value(lookup: PromptLookup, policy, k: int) -> float:
+    """What a lookup round must beat, in expected tokens per plain step: a plain
+    step (1), or in "auto" the round the head's policy chose."""
+    if lookup.mode != "auto" or k == 0 or not hasattr(policy, "costs"):
+        return 1.0
+    return expected_tokens(policy.acceptance, k) / policy.costs.round(k)
+
+
+def _may_look(lookup: Optional[PromptLookup], last: int) -> bool:
+    return lookup is not None and lookup.may_propose_next(last)
 
 
 class _PlainStep:
@@ -152,23 +170,22 @@ class _PlainStep:
     it takes, should this token end the generation.
     """
 
-    def __init__(self, model, cache: MTPCache, verifier, token, history, marks=None):
+    def __init__(self, model, cache: MTPCache, verifier, token, history, before=None):
         token = mx.array([token]) if isinstance(token, int) else token
-        self.marks = marks
+        self.before = before  # the trunk before this step, when it may be undone
         self.logits, self.hidden = model.trunk(token.reshape(1, 1), cache.trunk)
-        pending = [token] if marks else []
+        pending = [token] if before else []
         self.token = verifier.sample(self.logits[0, -1:], history, pending)
         mx.async_eval(self.token)
 
     def next(self, model, cache: MTPCache, verifier, history):
-        marks = [mark(c) for c in cache.trunk]
-        if not all(marks):  # a cache that cannot be brought back
+        before = cache.snapshot(trunk_only=True)
+        if before is None:  # a cache that cannot be brought back
             return None
-        return _PlainStep(model, cache, verifier, self.token, history, marks)
+        return _PlainStep(model, cache, verifier, self.token, history, before)
 
     def undo(self, cache: MTPCache) -> None:
-        for c, m in zip(cache.trunk, self.marks):
-            restore(c, m)
+        cache.restore(self.before)
 
 
 def speculative_generate_step(
@@ -176,27 +193,31 @@ def speculative_generate_step(
     model,
     *,
     max_tokens: int = 256,
-    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_policy: Optional[Callable[[], int]] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     verifier: Optional[Any] = None,
-    draft_policy: Optional[Callable[[], int]] = None,
     stop_tokens: Sequence[int] = (),
     prompt_cache: Optional[MTPCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     stats: Optional[MTPStats] = None,
     cached_tokens: Sequence[int] = (),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    lookup: Optional[PromptLookup] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
-    ``draft_policy`` (e.g. ``CostAwareDraft``) picks each round's draft count
-    (at most ``draft_max``) and learns from ``update(drafted, accepted)``;
-    without one every round drafts ``draft_max``. ``cached_tokens`` are the
+    ``draft_policy`` (``FixedDraft(k)``, ``CostAwareDraft``) is the one source
+    of the draft count: each round asks it how many to draft (at most its
+    ``draft_max``; 0 turns MTP off) and tells it ``update(drafted, accepted)``;
+    without one every round drafts ``DEFAULT_DRAFT_MAX``. ``cached_tokens`` are the
     tokens already in ``prompt_cache``: the sampler sees them as history
     (penalty window, noise positions) as if the whole sequence had been the
-    prompt. ``prefill_progress`` goes to ``prefill``.
+    prompt. ``prefill_progress`` goes to ``prefill``. ``lookup`` (a
+    ``PromptLookup``) adds prompt-lookup drafts: a round checks its proposal
+    instead of the head's drafts when that is expected to pay more (it is
+    verified, accepted and rolled back as any draft).
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -204,12 +225,14 @@ def speculative_generate_step(
     verifier = verifier or ExactMatchVerifier()
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
     stats = stats if stats is not None else MTPStats()
-    stats.draft_max = draft_max
-    use_mtp = draft_max > 0 and model.head is not None
-    policy = draft_policy or FixedDraft(draft_max)
+    policy = draft_policy or FixedDraft(DEFAULT_DRAFT_MAX)
+    stats.draft_max = policy.draft_max
+    use_mtp = policy.draft_max > 0 and model.head is not None
     stop_tokens = set(stop_tokens)
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
+    if lookup is not None:
+        lookup.sync(history)
 
     tic = time.perf_counter()
     prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
@@ -223,20 +246,25 @@ def speculative_generate_step(
         while n < max_tokens:
             remaining = max_tokens - n
             k = min(k, remaining - 1) if cache.pending[0].hidden is not None else 0
-            drafts, tentative = [], []
-            if k == 0 and lazy:
+            drafts, tentative, looked = [], [], []
+            if lookup is not None and ahead is None and remaining > 1:
+                looked = lookup.drafts(remaining - 1, _head_value(lookup, policy, k))
+            if k == 0 and lazy and not looked:
                 # a plain step; the next one starts before this token is read
                 step = ahead or _PlainStep(model, cache, verifier, y, history)
                 k, ahead = (policy() if use_mtp else 0), None
-                if k == 0 and remaining > 1:
+                if k == 0 and remaining > 1 and not _may_look(lookup, y):
                     ahead = step.next(model, cache, verifier, history)
                 emitted, hidden = [step.token.item()], step.hidden
                 if emitted[0] in stop_tokens and ahead is not None:
                     ahead.undo(cache)
                     ahead = None
             else:
-                # 1) draft; the head computes while the verify graph is built
-                if k > 0:
+                # 1) draft: a lookup proposal, or the head, which computes
+                # while the verify graph is built
+                if looked:
+                    drafts = [Draft(mx.array([t]), None) for t in looked]
+                elif k > 0:
                     drafts, tentative = draft(
                         model, cache, y, k, draft_p_min, verifier, history
                     )
@@ -248,11 +276,13 @@ def speculative_generate_step(
                 logits, hidden = model.trunk(inputs[None], cache.trunk)
                 # 3) accept: the round's one host sync
                 emitted = verifier.verify(logits[0], drafts, history)
-                if drafts:
+                if looked:
+                    lookup.update(len(drafts), len(emitted) - 1)
+                elif drafts:
                     policy.update(len(drafts), len(emitted) - 1)
                 k = policy() if use_mtp else 0
             accepted = len(emitted) - 1
-            m = _cut(emitted, stop_tokens, remaining)
+            m = kept_count(emitted, stop_tokens, remaining)
             # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
             if drafts:
                 rollback(cache.trunk, len(drafts) + 1 - m)
@@ -264,12 +294,14 @@ def speculative_generate_step(
                 if any(q.size > PENDING_LIMIT for q in cache.pending):
                     catch_up(model, cache)  # layers that did not draft for a while
                     mx.async_eval([c.state for c in cache.head])
-            count_round(stats, drafts, accepted, m)
+            count_round(stats, drafts, accepted, m, lookup=bool(looked))
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9
             for i, t in enumerate(emitted[:m]):
                 yield t, i < accepted
             history.extend(emitted[:m])
+            if lookup is not None:
+                lookup.sync(history)
             n += m
             y = emitted[m - 1]
             if y in stop_tokens:

@@ -42,6 +42,9 @@ class MTPStats:
     trace: Optional[List[DraftRound]] = None
     syncs: int = 0
     sync_time: float = 0.0
+    # of ``drafted`` / ``accepted``: the drafts that came from prompt lookup
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     def record_round(self, drafted: List[int], accepted: int) -> None:
         """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
@@ -64,7 +67,7 @@ class MTPStats:
         self.draft_max = other.draft_max
         for name in ("prompt_tokens", "prompt_time", "generation_tokens",
                      "generation_time", "rounds", "drafted", "accepted",
-                     "syncs", "sync_time"):
+                     "syncs", "sync_time", "lookup_drafted", "lookup_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at),
                              (self.accepted_at, other.accepted_at)):
@@ -124,8 +127,14 @@ class MTPStats:
             f"draft acceptance = {self.acceptance_rate:.2f} "
             f"({self.accepted} accepted / {self.drafted} generated), "
             f"mean acceptance length = {self.mean_accepted_length:.2f}, "
-            f"acceptance rate per position = ({per_pos})\n"
-            if self.draft_max  # none without MTP: there is nothing to count
+            f"acceptance rate per position = ({per_pos})"
+            + (
+                f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
+                if self.lookup_drafted
+                else ""
+            )
+            + "\n"
+            if self.draft_max or self.lookup_drafted  # else there is nothing to count
             else ""
         )
         return (
@@ -153,4 +162,6 @@ class MTPStats:
             "syncs": self.syncs,
             "sync_time": self.sync_time,
             "sync_share": self.sync_share,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
         }

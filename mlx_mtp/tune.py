@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from .adaptive import Costs, FixedDraft, speedups
-from .cache import MTPCache, mark, restore, start_verify
+from .cache import MTPCache, start_verify
 from .config import cached_identity, machine
 from .defaults import DEFAULT_PREFILL_STEP, DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
 from .errors import MTPError
@@ -51,19 +51,17 @@ DRAFT_VOCAB_SIZES = (4096, 8192, 16384, 32768)
 
 
 class _State:
-    """A cache position to time from, and how to come back to it."""
+    """A cache position to time from (``y`` next, after ``history``), and its
+    snapshot: every timed part starts there."""
 
     def __init__(self, model: MTPModel, cache: MTPCache, y: int, history: List[int]):
         self.model, self.cache, self.y, self.history = model, cache, y, history
-        self.marks = [mark(c) for c in cache.state_list()]
-        if not all(self.marks):
+        self.snapshot = cache.snapshot()
+        if self.snapshot is None:
             raise MTPError("this model's caches cannot be brought back: cannot time")
-        self.pending = cache.copy_pending()
 
     def restore(self) -> None:
-        for c, m in zip(self.cache.state_list(), self.marks):
-            restore(c, m)
-        self.cache.pending = [p.copy() for p in self.pending]
+        self.cache.restore(self.snapshot)
 
 
 def _warm_state(model: MTPModel, context: List[int]) -> _State:
@@ -212,7 +210,6 @@ def measure_acceptance(
                 prompt,
                 model,
                 max_tokens=max_tokens,
-                draft_max=k,
                 draft_policy=FixedDraft(k),
                 stop_tokens=stop_tokens,
                 stats=one,

@@ -246,7 +246,8 @@ def check_greedy(label: str, make_model, op, max_tokens: int) -> list:
     kernel (gated_delta or ssm_keep), against mlx-lm's."""
     from mlx_lm.generate import generate_step
 
-    from mlx_mtp.speculative import speculative_generate_step
+    from mlx_mtp.adaptive import FixedDraft
+from mlx_mtp.speculative import speculative_generate_step
     from mlx_mtp.stats import MTPStats
 
     model, reference = make_model()
@@ -274,7 +275,7 @@ def check_greedy(label: str, make_model, op, max_tokens: int) -> list:
         got = [
             t
             for t, _ in speculative_generate_step(
-                prompt, model, max_tokens=max_tokens, draft_max=3, stats=stats
+                prompt, model, max_tokens=max_tokens, draft_policy=FixedDraft(3), stats=stats
             )
         ]
     finally:

@@ -135,7 +135,7 @@ class RandomDraft:
         pass
 
 
-def run(model, prompt, max_tokens, policy, stop=(), draft_max=3):
+def run(model, prompt, max_tokens, policy, stop=()):
     cache = model.make_cache()
     stats = MTPStats(trace=[])
     out = [
@@ -144,7 +144,6 @@ def run(model, prompt, max_tokens, policy, stop=(), draft_max=3):
             prompt,
             model,
             max_tokens=max_tokens,
-            draft_max=draft_max,
             draft_policy=policy,
             stop_tokens=stop,
             prompt_cache=cache,
@@ -171,7 +170,7 @@ def models(tiny_folders):
         lambda: RandomDraft(3, 1),
         lambda: CostAwareDraft(3, MEMORY_BOUND, prior=[0.5]),
         lambda: CostAwareDraft(3, COMPUTE_BOUND),
-        lambda: lambda: 0,  # plain rounds with the head reading along
+        lambda: FixedDraft(0, draft_max=3),  # plain rounds, the head reading along
     ],
 )
 def test_greedy_output_is_the_same_under_any_policy(models, make):
@@ -187,11 +186,12 @@ def test_greedy_output_is_the_same_under_any_policy(models, make):
 def test_a_stop_token_on_a_plain_step_undoes_the_step_run_ahead(models, draft_max):
     model, reference = models
     prompt = list(range(100, 130))
-    plain = RandomDraft(0, 0)  # no draft, ever: the head reads along with MTP on
-    free, _, _ = run(model, prompt, 30, plain, draft_max=draft_max)
+    # no draft, ever; with draft_max > 0 the head reads along (MTP on)
+    plain = FixedDraft(0, draft_max=draft_max)
+    free, _, _ = run(model, prompt, 30, plain)
     stop = next(t for i, t in enumerate(free) if i > 3 and t not in free[:i])
     expected = reference_greedy(reference, prompt, 30, stop={stop})
-    got, stats, cache = run(model, prompt, 30, plain, {stop}, draft_max)
+    got, stats, cache = run(model, prompt, 30, plain, {stop})
     assert got == expected and got[-1] == stop
     assert stats.drafted == 0
     if draft_max:
@@ -208,7 +208,7 @@ def test_a_consumer_that_stops_reading_leaves_the_cache_exact(models):
     prompt = list(range(100, 130))
     cache = model.make_cache()
     steps = speculative_generate_step(
-        prompt, model, max_tokens=30, draft_max=0, prompt_cache=cache
+        prompt, model, max_tokens=30, draft_policy=FixedDraft(0), prompt_cache=cache
     )
     got = [next(steps)[0] for _ in range(5)]
     steps.close()  # the next step had started ahead

@@ -31,6 +31,7 @@ from test_speculative import (
 import mlx_mtp
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.recurrent.keep_states import KeepStatesCache
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
@@ -79,7 +80,7 @@ def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
         prompt,
         model,
         max_tokens=max_tokens,
-        draft_max=draft_max,
+        draft_policy=FixedDraft(draft_max),
         stop_tokens=stop,
         prompt_cache=cache,
         prefill_step_size=PREFILL,

@@ -26,7 +26,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import mlx_mtp
 from mlx_mtp import sampling
-from mlx_mtp.adaptive import CostAwareDraft, Costs
+from mlx_mtp.adaptive import CostAwareDraft, Costs, FixedDraft
 from mlx_mtp.cli.app import run_app
 from mlx_mtp.sampling import (
     SamplingConfig,
@@ -189,8 +189,8 @@ def run(model, prompt, max_tokens=24, draft_max=K, policy=None, **config):
     stats = MTPStats(trace=[])
     verifier = make_verifier(SamplingConfig(**config))
     steps = speculative_generate_step(
-        prompt, model, max_tokens=max_tokens, draft_max=draft_max,
-        verifier=verifier, draft_policy=policy, stats=stats,
+        prompt, model, max_tokens=max_tokens,
+        verifier=verifier, draft_policy=policy or FixedDraft(draft_max), stats=stats,
     )
     return [t for t, _ in steps], stats
 

@@ -27,6 +27,7 @@ from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.batch import BatchDecoder, Stream
 from mlx_mtp.serve.policy import BatchDraftLength, expected_tokens
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import catch_up, prefill, speculative_generate_step
 
 PREFILL = 16
@@ -242,7 +243,7 @@ def test_streams_join_and_leave_between_rounds(folders, family):
                 prompts[i],
                 model,
                 max_tokens=limits[i],
-                draft_max=drafts[i],
+                draft_policy=FixedDraft(drafts[i]),
                 prefill_step_size=PREFILL,
                 prompt_cache=alone,
             )
@@ -357,17 +358,20 @@ def test_rope_offsets_per_stream_match_single_streams():
         assert mx.array_equal(one, batched[b : b + 1])
 
 
-def test_stream_rates_start_at_the_heads_measured_acceptance():
-    """A new stream starts from what train-head or tune measured, not from an
-    optimistic 1 (which made every request's first rounds draft in full), and
-    undrafted positions drift back to that start."""
-    from mlx_mtp.serve.policy import AcceptanceRates
+def test_stream_rates_are_the_single_stream_estimator():
+    """A served stream estimates acceptance with the single-stream loop's
+    estimator and constants: it starts from what train-head or tune measured
+    (not an optimistic 1, which made every request's first rounds draft in
+    full), follows the rounds, and undrafted depths drift back."""
+    from mlx_mtp.adaptive import AcceptanceEstimate, CostAwareDraft, prior_costs
 
-    rates = AcceptanceRates(3, [0.3, 0.2])
-    assert rates.rates == [0.3, 0.2, 0.2]
+    rates = AcceptanceEstimate(3, [0.3, 0.2])
+    single = CostAwareDraft(3, prior_costs(), [0.3, 0.2])
+    assert rates.rates == single.acceptance == [0.3, 0.2, 0.2]
     rates.update(1, 1)  # the first draft kept
-    assert rates.rates[0] == pytest.approx(0.65)
+    single.update(1, 1)
+    assert rates.rates == single.acceptance and rates.rates[0] > 0.3
     for _ in range(500):
         rates.update(0, 0)  # rounds that drafted nothing
-    assert rates.rates == pytest.approx([0.3, 0.2, 0.2], abs=1e-3)
-    assert AcceptanceRates(2).rates == [1.0, 1.0]  # nothing measured: optimistic
+    assert rates.rates == pytest.approx([0.3, 0.3, 0.3], abs=1e-3)
+    assert AcceptanceEstimate(2).rates == [0.5, 0.5]  # nothing measured: a guess

@@ -12,6 +12,7 @@ from conftest import DRAFT_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from mlx_mtp.adaptive import FixedDraft
 import mlx_mtp
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
@@ -60,7 +61,7 @@ def mtp_greedy(model, prompt, max_tokens, draft_max, stop=(), cache=None):
             prompt,
             model,
             max_tokens=max_tokens,
-            draft_max=draft_max,
+            draft_policy=FixedDraft(draft_max),
             stop_tokens=stop,
             prompt_cache=cache,
             prefill_step_size=PREFILL,
@@ -186,3 +187,29 @@ def test_no_mtp_path_is_plain_greedy(models, family):
     got, stats, _ = mtp_greedy(model, prompt, 20, draft_max=0)
     assert got == expected
     assert stats.drafted == 0 and stats.rounds == 20
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_snapshot_brings_trunk_and_head_back(tiny_folders, family):
+    """``MTPCache.snapshot``/``restore``: generating on from a restored cache
+    gives what generating from the snapshot point gave."""
+    import mlx_mtp
+    from mlx_mtp.adaptive import FixedDraft
+
+    model, _ = mlx_mtp.load(tiny_folders(family)[0])
+    cache = model.make_cache()
+    prompt = list(range(3, 30))
+    steps = speculative_generate_step
+    first = [t for t, _ in steps(prompt, model, max_tokens=8, prompt_cache=cache,
+                                 draft_policy=FixedDraft(2))]  # fmt: skip
+    snap = cache.snapshot()
+    offset, pending = cache.offset, [q.size for q in cache.pending]
+    again = [t for t, _ in steps([first[-1]], model, max_tokens=8, prompt_cache=cache,
+                                 draft_policy=FixedDraft(2))]  # fmt: skip
+    cache.restore(snap)
+    assert cache.offset == offset and [q.size for q in cache.pending] == pending
+    redo = [t for t, _ in steps([first[-1]], model, max_tokens=8, prompt_cache=cache,
+                                draft_policy=FixedDraft(2))]  # fmt: skip
+    assert redo == again
+    trunk = cache.snapshot(trunk_only=True)
+    assert trunk.pending is None and len(trunk.marks) == len(cache.trunk)

@@ -28,10 +28,11 @@ import mlx.core as mx
 
 from ..cache import MTPCache, start_verify
 from ..sampling import Draft
-from ..speculative import PENDING_LIMIT, _cut, count_round
+from ..speculative import PENDING_LIMIT, count_round, kept_count
 from ..stats import MTPStats
 from .batch_cache import RaggedKVCache, merge, rollback
-from .policy import AcceptanceRates, BatchDraftLength
+from ..adaptive import AcceptanceEstimate
+from .policy import BatchDraftLength
 
 
 @dataclass
@@ -53,10 +54,10 @@ class Stream:
     generated: int = 0
     done: bool = False
     prior: Optional[List[float]] = None  # the head's measured acceptance per depth
-    rates: AcceptanceRates = field(init=False)  # running acceptance per position
+    rates: AcceptanceEstimate = field(init=False)  # running acceptance per depth
 
     def __post_init__(self):
-        self.rates = AcceptanceRates(self.draft_max, self.prior)
+        self.rates = AcceptanceEstimate(self.draft_max, self.prior)
         self.stats.draft_max = self.draft_max
 
 
@@ -288,7 +289,7 @@ class BatchDecoder:
         for b, (s, d) in enumerate(zip(streams, drafts)):
             emitted = s.verifier.verify(logits[b, : len(d) + 1], d, s.history)
             accepted = len(emitted) - 1
-            m = _cut(emitted, s.stop_tokens, s.max_tokens - s.generated)
+            m = kept_count(emitted, s.stop_tokens, s.max_tokens - s.generated)
             if caps[b]:  # undrafted positions drift back up: a low rate is retried
                 s.rates.update(len(d), accepted)
             count_round(s.stats, d, accepted, m)

@@ -394,7 +394,6 @@ class Engine:
             request.prompt[job.read :],
             self.model,
             max_tokens=request.max_tokens,
-            draft_max=s.draft_max,
             verifier=s.verifier,
             draft_policy=make_policy(
                 self.model, s.draft_max, self.config.adaptive_draft

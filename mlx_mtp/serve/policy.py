@@ -7,7 +7,8 @@ and a round with no drafts (a plain batched decode step) can be the fastest.
 So the round's ``K`` is the one with the most expected tokens per second:
 
 - expected tokens: per stream ``1 + r_1 + r_1 r_2 + ... + r_1..r_K`` from its
-  running per-position acceptance (``AcceptanceRates``), at most
+  running per-position acceptance (``adaptive.AcceptanceEstimate``, the
+  single-stream loop's estimator), at most
   the drafts it may take;
 - seconds: the median of the last rounds measured at this batch size and
   ``K`` (a median: one slow round, another process's burst, does not sway
@@ -23,7 +24,7 @@ asked for) stays unless another is expected ``MARGIN`` faster.
 
 import statistics
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence
+from typing import Deque, Dict, List, Sequence
 
 from ..adaptive import expected_tokens
 
@@ -31,46 +32,6 @@ DEFAULT_EXPLORE = 16
 DEFAULT_WINDOW = 8
 MIN_SAMPLES = 3
 MARGIN = 0.05
-DEFAULT_RATE = 0.1  # AcceptanceRates: the moving average's weight
-RECOVER = 0.02  # AcceptanceRates: drift of an undrafted position per round
-
-
-class AcceptanceRates:
-    """A stream's running P(draft j+1 kept | the drafts before it kept).
-
-    Each rate starts at the head's measured acceptance for its depth (``prior``,
-    from ``tune`` or ``train-head``), or at an optimistic 1 where none was
-    measured; the start counts as one test, the rate is a plain mean over its
-    first ``1 / rate`` tests and a moving average after. Positions left
-    undrafted in a round the stream could draft drift back toward the start,
-    so a pessimistic early rate does not keep the batch from drafting for good.
-    """
-
-    def __init__(
-        self,
-        draft_max: int,
-        prior: Optional[Sequence[float]] = None,
-        rate: float = DEFAULT_RATE,
-        recover: float = RECOVER,
-    ):
-        prior = list(prior or []) or [1.0]
-        self.start = [
-            min(max(float(prior[min(j, len(prior) - 1)]), 0.0), 1.0)
-            for j in range(draft_max)
-        ]
-        self.rates: List[float] = list(self.start)
-        self.tests: List[int] = [1] * draft_max
-        self.rate, self.recover = rate, recover
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """Learn from a round that proposed ``drafted`` drafts and kept ``accepted``."""
-        tested = min(drafted, accepted + 1)  # drafts after the first rejection were not
-        for j in range(tested):
-            self.tests[j] += 1
-            step = max(self.rate, 1.0 / self.tests[j])
-            self.rates[j] += step * ((j < accepted) - self.rates[j])
-        for j in range(drafted, len(self.rates)):
-            self.rates[j] += self.recover * (self.start[j] - self.rates[j])
 
 
 class BatchDraftLength:

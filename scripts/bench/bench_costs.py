@@ -31,7 +31,6 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache
 
 import mlx_mtp
 from mlx_mtp.cache import rollback, start_verify
@@ -40,28 +39,6 @@ from mlx_mtp.speculative import draft, prefill, speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
 CLOCKS = (time.perf_counter, time.process_time)
-
-
-def snapshot(cache):
-    marks = []
-    for c in cache.trunk + cache.head:
-        if isinstance(c, ArraysCache):
-            marks.append(("arrays", list(c.cache)))
-        else:
-            marks.append(("offset", c.offset))
-    return marks, [p.copy() for p in cache.pending]
-
-
-def restore(cache, snap):
-    marks, pending = snap
-    for c, (kind, value) in zip(cache.trunk + cache.head, marks):
-        if kind == "arrays":
-            if hasattr(c, "rollback"):
-                c.rollback(0)
-            c.cache = list(value)
-        else:
-            rollback([c], c.offset - value)
-    cache.pending = [p.copy() for p in pending]
 
 
 def timed(fn):
@@ -123,7 +100,7 @@ def main():
     cache.pending[0].push(hidden, [y])
     mx.eval(hidden, [c.state for c in cache.trunk + cache.head])
     y = context[-1]
-    snap = snapshot(cache)
+    snap = cache.snapshot()
 
     def plain_steps():  # mlx-lm's generate_step: step n+1 built while n computes
         token = mx.array([y])
@@ -171,7 +148,6 @@ def main():
                 p,
                 model,
                 max_tokens=args.tokens,
-                draft_max=k,
                 stats=stats,
                 draft_policy=policy,
                 verifier=make_verifier(),
@@ -206,7 +182,7 @@ def main():
         shift = rep % len(parts)
         for name, i, fn in parts[shift:] + parts[:shift]:
             t = timed(fn)
-            restore(cache, snap)
+            cache.restore(snap)
             if rep:
                 ptimes[name, i].append(t)
         for i in range(len(prompts)):

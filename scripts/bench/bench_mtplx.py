@@ -102,7 +102,6 @@ def run_ours(args):
                 p,
                 model,
                 max_tokens=args.tokens,
-                draft_max=d,
                 draft_policy=FixedDraft(d),
                 verifier=make_verifier(),
             )

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import tiny  # noqa: E402
 
 import mlx_mtp  # noqa: E402
+from mlx_mtp.adaptive import FixedDraft  # noqa: E402
 from mlx_mtp.sampling import SamplingConfig, make_verifier  # noqa: E402
 from mlx_mtp.speculative import speculative_generate_step  # noqa: E402
 
@@ -89,9 +90,8 @@ def main():
             prompt,
             model,
             max_tokens=args.tokens,
-            draft_max=k,
             verifier=verifier,
-            draft_policy=policy,
+            draft_policy=policy or FixedDraft(k),
         )
 
     # the verifier users get by default (the full sampler chain, at temp 0)
@@ -101,12 +101,9 @@ def main():
         "mlx-mtp, no MTP": lambda: ours(0),
         "  same, default verifier": lambda: ours(0, default()),
     }
-    try:  # older checkouts (timed with PYTHONPATH) have no policies
-        from mlx_mtp.adaptive import FixedDraft
-
-        configs["mlx-mtp, MTP on, 0 drafts"] = lambda: ours(3, default(), FixedDraft(0))
-    except ImportError:
-        pass
+    configs["mlx-mtp, MTP on, 0 drafts"] = lambda: ours(
+        3, default(), FixedDraft(0, draft_max=3)
+    )
     names = list(configs)
     for name in names:  # warm up
         per_token_time(configs[name]())

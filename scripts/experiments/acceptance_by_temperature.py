@@ -58,7 +58,7 @@ def run(model, prompts, tokens, draft_max, adaptive=False, **sampling):
         verifier = make_verifier(SamplingConfig(seed=i, **sampling))
         policy = CostAwareDraft(draft_max, prior_costs()) if adaptive else None
         for _ in speculative_generate_step(
-            prompt, model, max_tokens=tokens, draft_max=draft_max,
+            prompt, model, max_tokens=tokens,
             verifier=verifier, draft_policy=policy, stats=stats,
         ):
             pass

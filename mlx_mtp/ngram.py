@@ -1,0 +1,131 @@
+"""Prompt-lookup drafts: when the last few tokens occurred before, what followed.
+
+Code edits, quoting summaries and structured output repeat long stretches of
+their context; the tokens that followed the last earlier occurrence of the
+current suffix are a draft that costs no model call. The rules are those of
+llama.cpp's lookup decoding and vLLM's n-gram proposer: the longest suffix of
+``n_max`` down to ``n_min`` tokens that occurred before wins, and among its
+occurrences the most recent one.
+
+``NgramIndex`` keeps, per n-gram, the position after its latest occurrence
+that has a continuation, updated as tokens arrive: appending a token costs
+O(n_max), proposing O(n_max + k), with no scan of the history.
+
+``PromptLookup`` is the draft source the speculative loop asks each round: it
+keeps the index in step with the history and decides, from its own running
+acceptance (``AcceptanceEstimate``) and the round costs, whether checking a
+proposal beats the alternative it is compared with (a plain step or the MTP
+head's round). A proposal is a deterministic draft: for rejection sampling
+its distribution is one-hot, so the verify stays lossless at any temperature.
+"""
+
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from .adaptive import AcceptanceEstimate, Costs, expected_tokens, prior_costs
+
+DEFAULT_N_MAX = 4
+DEFAULT_N_MIN = 2
+# The most drafts one lookup proposes (a proposal costs nothing to make; a
+# verify over more tokens costs more, and the estimate decides how many pay).
+DEFAULT_LOOKUP_MAX = 8
+DRAFT_SOURCES = ("mtp", "ngram", "auto")
+
+
+class NgramIndex:
+    """A growing token sequence and, per n-gram, where it last continued."""
+
+    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = DEFAULT_N_MIN):
+        if not 1 <= n_min <= n_max:
+            raise ValueError("need 1 <= n_min <= n_max")
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: List[int] = []
+        self.last: Dict[Tuple[int, ...], int] = {}
+        self.continued: Set[int] = set()  # tokens that some token followed
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        """Add one token; the n-grams that end just before it now have a continuation."""
+        i = len(self.tokens)  # where ``token`` goes: it continues the n-grams before it
+        for n in range(self.n_min, min(self.n_max, i) + 1):
+            self.last[tuple(self.tokens[i - n : i])] = i
+        if i:
+            self.continued.add(self.tokens[-1])
+        self.tokens.append(int(token))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def propose(self, k: int) -> List[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the
+        longest matching suffix (``n_max`` down to ``n_min`` tokens); [] when
+        none occurred before."""
+        if k <= 0:
+            return []
+        tokens = self.tokens
+        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
+            start = self.last.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+class PromptLookup:
+    """The n-gram draft source of one generation (see the module's docstring).
+
+    ``mode`` "ngram" drafts a proposal whenever checking it is expected to
+    beat a plain step; "auto" also weighs it against the MTP head's round.
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        costs: Optional[Costs] = None,
+        prior: Optional[Sequence[float]] = None,
+        draft_max: int = DEFAULT_LOOKUP_MAX,
+        n_max: int = DEFAULT_N_MAX,
+        n_min: int = DEFAULT_N_MIN,
+    ):
+        if mode not in ("ngram", "auto"):
+            raise ValueError(f"an n-gram draft source is 'ngram' or 'auto', not {mode!r}")
+        self.mode = mode
+        self.costs = costs or prior_costs()
+        self.draft_max = draft_max
+        self.index = NgramIndex(n_max, n_min)
+        self.estimate = AcceptanceEstimate(draft_max, prior)
+        self.proposed = self.used = 0  # rounds with a proposal, rounds that drafted it
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Bring the index up to ``history`` (which only grows within a generation)."""
+        if len(history) < len(self.index):  # a new conversation state: start over
+            self.index = NgramIndex(self.index.n_max, self.index.n_min)
+        self.index.extend(history[len(self.index) :])
+
+    def value(self, k: int) -> float:
+        """Expected tokens per plain step of a round checking ``k`` lookup drafts."""
+        return expected_tokens(self.estimate.rates, k) / self.costs.verify_cost(k + 1)
+
+    def drafts(self, limit: int, against: float = 1.0) -> List[int]:
+        """This round's lookup drafts (at most ``limit``), or [] when checking
+        them is not expected to beat ``against`` (a plain step is 1)."""
+        proposal = self.index.propose(min(limit, self.draft_max))
+        if not proposal:
+            return []
+        self.proposed += 1
+        best = max(range(len(proposal) + 1), key=lambda k: (self.value(k), -k))
+        if best == 0 or self.value(best) <= against:
+            return []
+        self.used += 1
+        return proposal[:best]
+
+    def may_propose_next(self, last: int) -> bool:
+        """Whether the round after the token that follows ``last`` (the last
+        token now) can have a proposal. With ``n_min`` 2 the shortest n-gram
+        then ends in ``last`` and the next token, so ``last`` must have been
+        followed before; the loop runs a plain step ahead only when it was not."""
+        return self.index.n_min != 2 or last in self.index.continued
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.estimate.update(drafted, accepted)
