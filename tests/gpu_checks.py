@@ -247,7 +247,7 @@ def check_greedy(label: str, make_model, op, max_tokens: int) -> list:
     from mlx_lm.generate import generate_step
 
     from mlx_mtp.adaptive import FixedDraft
-from mlx_mtp.speculative import speculative_generate_step
+    from mlx_mtp.speculative import speculative_generate_step
     from mlx_mtp.stats import MTPStats
 
     model, reference = make_model()

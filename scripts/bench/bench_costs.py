@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_mtp
-from mlx_mtp.cache import rollback, start_verify
+from mlx_mtp.cache import start_verify
 from mlx_mtp.sampling import ExactMatchVerifier, make_verifier
 from mlx_mtp.speculative import draft, prefill, speculative_generate_step
 from mlx_mtp.stats import MTPStats
