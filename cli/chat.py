@@ -170,6 +170,7 @@ def chat(
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = True,
+    draft_source: o.DraftSourceOption = o.DraftSource.auto,
     no_mtp: o.NoMTP = False,
     show_drafts: bool = typer.Option(
         False,
@@ -217,6 +218,7 @@ def chat(
         mtp=not no_mtp,
         sampling=sampling,
         adaptive_draft=adaptive_draft,
+        draft_source=o.DraftSource(draft_source).value,
     )
     console = Console(highlight=False)
     line_editing()

@@ -128,6 +128,7 @@ def generate(
     draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
     draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
     adaptive_draft: o.AdaptiveDraft = True,
+    draft_source: o.DraftSourceOption = o.DraftSource.auto,
     no_mtp: o.NoMTP = False,
     as_json: bool = typer.Option(
         False,
@@ -175,6 +176,7 @@ def generate(
             truncate_prompt=truncate_prompt,
             sampling=sampling,
             adaptive_draft=adaptive_draft,
+            draft_source=o.DraftSource(draft_source).value,
         ):
             tokens.append(response.token)
             pieces.append(response.text)

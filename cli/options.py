@@ -25,6 +25,12 @@ class DraftSampling(str, Enum):
     sample = "sample"
 
 
+class DraftSource(str, Enum):  # defaults.DRAFT_SOURCES
+    mtp = "mtp"
+    ngram = "ngram"
+    auto = "auto"
+
+
 class Sharding(str, Enum):  # distributed.SHARDINGS
     auto = "auto"
     pipeline = "pipeline"
@@ -168,6 +174,16 @@ DraftSamplingOption = Annotated[
         panel=SPECULATIVE,
         help="greedy: draft the head's top token; sample: sample drafts through the "
         "sampler chain (temp > 0).",
+    ),
+]
+DraftSourceOption = Annotated[
+    DraftSource,
+    _option(
+        "--draft-source",
+        panel=SPECULATIVE,
+        help="mtp: drafts from the MTP head; ngram: prompt lookup (what followed "
+        "the last earlier occurrence of the latest tokens, free to make); auto: "
+        "each round whichever is expected to keep more per unit of time.",
     ),
 ]
 AdaptiveDraft = Annotated[

@@ -267,6 +267,18 @@ def _clip(p: float) -> float:
     return min(max(float(p), 0.0), 1.0)
 
 
+def machine_costs(model) -> Costs:
+    """Round costs here: those ``tune`` stored for this model and machine, else
+    the prior guess (the same guess on every process under ``mlx.launch``)."""
+    sharding = getattr(model, "sharding", None)
+    if sharding is not None and sharding.size > 1:
+        return prior_costs()
+    entry = config.tuned_entry(model) if model.head is not None else None
+    if entry is not None:
+        return Costs.from_dict(entry["costs"])
+    return prior_costs(config.compute_bound())
+
+
 def make_policy(model, draft_max: int, adaptive: bool = True):
     """The policy ``stream_generate`` drafts with: ``CostAwareDraft`` from the
     costs ``tune`` stored for this machine (or ``prior_costs``) and the tuned

@@ -40,6 +40,8 @@ from .tune import CostTimer
 BASELINE = "mlx-lm"
 NO_MTP = "no-mtp"
 AUTO = "mtp auto"
+NGRAM = "ngram"  # prompt lookup alone
+BOTH = "auto"  # the head or prompt lookup, per round (generate's default)
 WARMUP_TOKENS = 8
 
 
@@ -164,9 +166,11 @@ def run_once(
     max_tokens,
     draft_p_min,
     adaptive: bool = False,
+    source: str = "mtp",
 ):
     """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
-    ``adaptive``: the draft count chosen each round, at most ``draft_max``."""
+    ``adaptive``: the draft count chosen each round, at most ``draft_max``;
+    ``source``: where drafts come from (``stream_generate``'s ``draft_source``)."""
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
@@ -185,6 +189,7 @@ def run_once(
             draft_p_min=draft_p_min,
             mtp=draft_max > 0,
             adaptive_draft=adaptive,
+            draft_source=source,
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
@@ -192,12 +197,15 @@ def run_once(
 
 
 def configurations(draft_max: int, has_head: bool = True) -> List[tuple]:
-    """(name, draft_max, adaptive) for each configuration; None stands for mlx-lm."""
-    out = [(BASELINE, None, False), (NO_MTP, 0, False)]
+    """(name, draft_max, adaptive, draft source) for each configuration; a
+    draft_max of None stands for mlx-lm. Prompt lookup (``ngram``) needs no
+    head; ``auto`` picks per round between it and the head."""
+    out = [(BASELINE, None, False, "mtp"), (NO_MTP, 0, False, "mtp")]
+    lookup = (NGRAM, max(draft_max, 1), True, "ngram")
     if not has_head or draft_max == 0:
-        return out
-    out += [(f"mtp k={k}", k, False) for k in range(1, draft_max + 1)]
-    return out + [(AUTO, draft_max, True)]
+        return out + [lookup]
+    out += [(f"mtp k={k}", k, False, "mtp") for k in range(1, draft_max + 1)]
+    return out + [(AUTO, draft_max, True, "mtp"), lookup, (BOTH, draft_max, True, "auto")]
 
 
 def run_bench(
@@ -224,9 +232,9 @@ def run_bench(
     configs = configurations(draft_max, model.head is not None)
     encoded = encoded_prompts(tokenizer, prompts)
     seconds = 0.0
-    for _, k, adaptive in configs:  # warm up: compile, allocate
+    for _, k, adaptive, source in configs:  # warm up: compile, allocate
         timing, _, _ = run_once(
-            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive
+            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive, source
         )
         tokens, t_prompt, first, t_gen = timing[:4]
         per_token = t_gen / max(len(tokens) - first, 1)
@@ -250,12 +258,12 @@ def run_bench(
             timer.run_once(rep)
         for i, prompt in enumerate(encoded):
             shift = rep % len(configs)
-            for name, k, adaptive in configs[shift:] + configs[:shift]:
+            for name, k, adaptive, source in configs[shift:] + configs[:shift]:
                 if progress:
                     where = f"prompt {i + 1}/{len(encoded)}"
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
                 (tokens, t_prompt, first, t_gen, cpu), stats, peak = run_once(
-                    model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive
+                    model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive, source
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(
@@ -275,7 +283,7 @@ def run_bench(
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
     result.configs = [
-        _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive in configs
+        _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive, _ in configs
     ]
     if timer is not None:
         result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)

@@ -7,6 +7,10 @@ show them in ``--help`` without importing MLX or mlx-lm.
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DRAFT_MAX = 3
 DEFAULT_DRAFT_P_MIN = 0.0
+# where drafts come from: the MTP head, prompt lookup (n-grams), or per round
+# whichever is expected to keep more per unit of time
+DRAFT_SOURCES = ("mtp", "ngram", "auto")
+DEFAULT_DRAFT_SOURCE = "auto"
 DEFAULT_PREFILL_STEP = 2048
 # The most drafts per round. Draft j is kept only when drafts 1..j-1 were, so
 # even at 90% acceptance per draft the 16th survives one round in five; past

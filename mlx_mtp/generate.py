@@ -10,6 +10,7 @@ from .cache import MTPCache
 from .config import default_draft_max
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SOURCE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
     MAX_DRAFT_MAX,
@@ -17,6 +18,7 @@ from .defaults import (
 from .distributed import sync_verifier
 from .errors import MTPError
 from .loader import MTPModel
+from .ngram import make_lookup
 from .prompts import context_length, encode, fit_context
 from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
 from .speculative import speculative_generate_step
@@ -64,6 +66,7 @@ def stream_generate(
     truncate_prompt: bool = False,
     trace: bool = False,
     adaptive_draft: bool = True,
+    draft_source: str = DEFAULT_DRAFT_SOURCE,
     **sampling_kwargs,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
@@ -82,6 +85,10 @@ def stream_generate(
     through the same chain (accepted with min(1, p/q)). A custom
     ``sampler=`` is exact-matched instead; ``verifier=`` replaces all of these.
 
+    ``draft_source``: "mtp" drafts with the head alone, "ngram" with prompt
+    lookup alone (what followed the last earlier occurrence of the latest
+    tokens), "auto" (the default) with whichever is expected to keep more per
+    unit of time each round; every draft goes through the same verify.
     ``draft_max`` bounds the drafts per round (default: the head's
     ``recommended_draft_max``, else ``DEFAULT_DRAFT_MAX``); each round drafts
     as many as pay for themselves by the costs ``mlx-mtp tune`` measured here
@@ -112,9 +119,12 @@ def stream_generate(
         if sampling is None:
             sampling = SamplingConfig(**sampling_kwargs)
         verifier = make_verifier(sampling, sampler, logits_processors)
+    asked = draft_max
     if draft_max is None:
         draft_max = default_draft_max(model)
-    if not mtp:
+    # a draft_max asked for bounds every source; by default lookups go longer
+    lookup = make_lookup(model, draft_source, asked) if mtp else None
+    if not mtp or draft_source == "ngram":  # no drafts / prompt lookup alone
         draft_max = 0
     policy = make_policy(model, draft_max, adaptive_draft)
     stats = MTPStats(trace=[] if trace else None)
@@ -135,6 +145,7 @@ def stream_generate(
         prefill_progress=prefill_progress,
         stats=stats,
         cached_tokens=cached_tokens,
+        lookup=lookup,
     )
     n = 0
     for token, from_draft in steps:

@@ -21,14 +21,21 @@ its distribution is one-hot, so the verify stays lossless at any temperature.
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .adaptive import AcceptanceEstimate, Costs, expected_tokens, prior_costs
+from .adaptive import (
+    AcceptanceEstimate,
+    Costs,
+    expected_tokens,
+    machine_costs,
+    prior_costs,
+)
+from .defaults import DRAFT_SOURCES
+from .errors import MTPError
 
 DEFAULT_N_MAX = 4
 DEFAULT_N_MIN = 2
 # The most drafts one lookup proposes (a proposal costs nothing to make; a
 # verify over more tokens costs more, and the estimate decides how many pay).
 DEFAULT_LOOKUP_MAX = 8
-DRAFT_SOURCES = ("mtp", "ngram", "auto")
 
 
 class NgramIndex:
@@ -129,3 +136,18 @@ class PromptLookup:
 
     def update(self, drafted: int, accepted: int) -> None:
         self.estimate.update(drafted, accepted)
+
+
+def make_lookup(
+    model, source: str, draft_max: Optional[int] = None
+) -> Optional[PromptLookup]:
+    """The prompt-lookup source for ``--draft-source`` (None for "mtp"), at
+    most ``draft_max`` drafts a round (default ``DEFAULT_LOOKUP_MAX``)."""
+    if source not in DRAFT_SOURCES:
+        raise MTPError(
+            f"draft source must be one of {', '.join(DRAFT_SOURCES)}, not {source!r}"
+        )
+    if source == "mtp":
+        return None
+    limit = DEFAULT_LOOKUP_MAX if draft_max is None else draft_max
+    return PromptLookup(source, machine_costs(model), draft_max=limit)

@@ -52,7 +52,8 @@ def test_p_min_stops_drafting(loaded):
     def drafted(p_min):
         r = list(
             mlx_mtp.stream_generate(
-                model, tokenizer, "abc", 30, draft_p_min=p_min, adaptive_draft=False
+                model, tokenizer, "abc", 30, draft_p_min=p_min, adaptive_draft=False,
+                draft_source="mtp",  # p_min is the head's: lookups have no probability
             )
         )
         return r[-1].stats.drafted

@@ -65,10 +65,10 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
     assert out["regime"]["backend"] == "cpu" and out["regime"]["weights"] == "float32"
     assert "BLAS" in out["regime"]["blas"]
     configs = {c["config"]: c for c in out["configs"]}
-    assert list(configs) == [BASELINE, NO_MTP, "mtp k=1", "mtp k=2", AUTO]
+    assert list(configs) == [BASELINE, NO_MTP, "mtp k=1", "mtp k=2", AUTO, "ngram", "auto"]
     assert all(set(c) == FIELDS for c in configs.values())
     runs = out["runs"]
-    assert len(runs) == 2 * 2 * 5  # repeats x prompts x configurations
+    assert len(runs) == 2 * 2 * 7  # repeats x prompts x configurations
     base = {
         (r["prompt"], r["repeat"]): r["generation_tps"]
         for r in runs

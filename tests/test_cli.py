@@ -254,7 +254,9 @@ def test_bench_draft_max_and_max_tokens(folders, one_prompt):
     configs, _ = bench(
         "--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0]
     )
-    assert list(configs) == ["mlx-lm", "no-mtp", "mtp k=1", "mtp k=2", "mtp auto"]
+    assert list(configs) == [
+        "mlx-lm", "no-mtp", "mtp k=1", "mtp k=2", "mtp auto", "ngram", "auto"
+    ]  # fmt: skip
     assert all(c["tokens"] == 9 for c in configs.values())
     assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
 
@@ -262,7 +264,7 @@ def test_bench_draft_max_and_max_tokens(folders, one_prompt):
 def test_bench_repeats_and_prompts(folders, one_prompt):
     _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
-    assert len(out["runs"]) == 4  # one per configuration
+    assert len(out["runs"]) == 6  # one per configuration
     out = json.loads(
         invoke(
             "bench",
@@ -279,7 +281,7 @@ def test_bench_repeats_and_prompts(folders, one_prompt):
             2,
         ).stdout
     )
-    assert len(out["runs"]) == 2 * 4
+    assert len(out["runs"]) == 2 * 6
 
 
 def test_bench_draft_p_min(folders, one_prompt):
