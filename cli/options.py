@@ -153,8 +153,8 @@ DraftMax = Annotated[
         min=0,
         max=MAX_DRAFT_MAX,
         panel=SPECULATIVE,
-        help="The most drafts per round (default: the head's recommended count, "
-        "else 3).",
+        help="The most MTP head drafts per round (default: the head's recommended "
+        "count, else 3); prompt-lookup drafts have their own bound of 8.",
     ),
 ]
 DraftPMin = Annotated[

@@ -119,11 +119,11 @@ def stream_generate(
         if sampling is None:
             sampling = SamplingConfig(**sampling_kwargs)
         verifier = make_verifier(sampling, sampler, logits_processors)
-    asked = draft_max
     if draft_max is None:
         draft_max = default_draft_max(model)
-    # a draft_max asked for bounds every source; by default lookups go longer
-    lookup = make_lookup(model, draft_source, asked) if mtp else None
+    # lookups are free to make: their own bound (DEFAULT_LOOKUP_MAX), and the
+    # costs and their running acceptance decide how many a round checks
+    lookup = make_lookup(model, draft_source) if mtp else None
     if not mtp or draft_source == "ngram":  # no drafts / prompt lookup alone
         draft_max = 0
     policy = make_policy(model, draft_max, adaptive_draft)

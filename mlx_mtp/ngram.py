@@ -138,16 +138,12 @@ class PromptLookup:
         self.estimate.update(drafted, accepted)
 
 
-def make_lookup(
-    model, source: str, draft_max: Optional[int] = None
-) -> Optional[PromptLookup]:
-    """The prompt-lookup source for ``--draft-source`` (None for "mtp"), at
-    most ``draft_max`` drafts a round (default ``DEFAULT_LOOKUP_MAX``)."""
+def make_lookup(model, source: str) -> Optional[PromptLookup]:
+    """The prompt-lookup source for ``--draft-source`` (None for "mtp")."""
     if source not in DRAFT_SOURCES:
         raise MTPError(
             f"draft source must be one of {', '.join(DRAFT_SOURCES)}, not {source!r}"
         )
     if source == "mtp":
         return None
-    limit = DEFAULT_LOOKUP_MAX if draft_max is None else draft_max
-    return PromptLookup(source, machine_costs(model), draft_max=limit)
+    return PromptLookup(source, machine_costs(model))

@@ -58,14 +58,16 @@ def test_generate_max_tokens(folders):
 
 def test_generate_draft_max(folders):
     for k in (1, 2):
-        stats = generate("-n", 40, "--draft-max", k, model=folders[0])["stats"]
+        stats = generate(
+            "-n", 40, "--draft-max", k, "--draft-source", "mtp", model=folders[0]
+        )["stats"]  # fmt: skip
         assert len(stats["per_position_acceptance"]) <= k and stats["drafted"] > 0
         assert stats["mean_accepted_length"] <= k + 1
 
 
 def test_generate_no_mtp_and_draft_p_min(folders):
     plain = generate("-n", 20, "--no-mtp", model=folders[0])
-    cut = generate("-n", 20, "--draft-p-min", 1.0, model=folders[0])
+    cut = generate("-n", 20, "--draft-p-min", 1.0, "--draft-source", "mtp", model=folders[0])
     spec = generate("-n", 20, model=folders[0])
     assert plain["stats"]["drafted"] == 0 and plain["stats"]["rounds"] == 20
     assert cut["stats"]["drafted"] == 0
@@ -132,7 +134,7 @@ def per_position(out):
 
 def test_chat_max_tokens_and_draft_max(folders):
     out, [(tokens, _, _, drafted, mean)] = chat(
-        "-n", 30, "--draft-max", 1, model=folders[0]
+        "-n", 30, "--draft-max", 1, "--draft-source", "mtp", model=folders[0]
     )
     assert tokens == 30 and drafted > 0 and mean <= 2
     assert len(per_position(out).split(",")) == 1
@@ -141,7 +143,7 @@ def test_chat_max_tokens_and_draft_max(folders):
 
 
 def test_chat_no_mtp_and_draft_p_min(folders):
-    for flag in (["--no-mtp"], ["--draft-p-min", 1.0]):
+    for flag in (["--no-mtp"], ["--draft-p-min", 1.0, "--draft-source", "mtp"]):
         _, [(tokens, _, accepted, drafted, mean)] = chat(
             "-n", 12, *flag, model=folders[0]
         )
