@@ -86,6 +86,20 @@ class PrefillBar:
             self.progress = None
 
 
+def dropped_notice(tokenizer, text: str, kept: int) -> None:
+    """Say how much of the prompt ``--truncate-prompt`` dropped, if any."""
+    from mlx_mtp.prompts import encode
+
+    total = len(encode(tokenizer, text))
+    if kept < total:
+        print(
+            f"notice: --truncate-prompt dropped the oldest {total - kept} of "
+            f"{total} prompt tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 @app.command()
 def generate(
     model: o.ModelPath = None,
@@ -178,6 +192,8 @@ def generate(
             adaptive_draft=adaptive_draft,
             draft_source=o.DraftSource(draft_source).value,
         ):
+            if truncate_prompt and not tokens:
+                dropped_notice(tokenizer, text, response.prompt_tokens)
             tokens.append(response.token)
             pieces.append(response.text)
             finish = response.finish_reason

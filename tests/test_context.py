@@ -76,8 +76,13 @@ def test_generate_cli_refuses_or_truncates(short, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "context of 64 tokens" in err[0], err
     assert run_app(args + ["--truncate-prompt"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    io = capsys.readouterr()
+    out = json.loads(io.out)
     assert len(out["tokens"]) == 4 and out["stats"]["prompt_tokens"] == CONTEXT - 4
+    import re
+
+    dropped, total = map(int, re.search(r"dropped the oldest (\d+) of (\d+)", io.err).groups())
+    assert total - dropped == CONTEXT - 4  # the templated prompt, as it was cut
 
 
 def test_prefill_progress(tiny_folders):
