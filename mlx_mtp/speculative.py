@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .adaptive import FixedDraft, expected_tokens
-from .cache import MTPCache, rollback, start_verify
+from .cache import MTPCache, can_rollback, rollback, start_verify
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .ngram import PromptLookup
 from .sampling import Draft, ExactMatchVerifier
@@ -231,6 +231,8 @@ def speculative_generate_step(
     stop_tokens = set(stop_tokens)
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
+    if lookup is not None and not can_rollback(cache.trunk):
+        lookup = None  # a trunk that cannot drop rejected drafts checks none
     if lookup is not None:
         lookup.sync(history)
 

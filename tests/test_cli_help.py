@@ -116,7 +116,7 @@ def test_bench_without_model_uses_the_default_and_says_how_long(
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["regime"]["mtp_head"]
     line = re.search(
-        r"bench: 4 configurations x 2 prompts x 2 repeats x 4 tokens, about \d+ s",
+        r"bench: 6 configurations x 2 prompts x 2 repeats x 4 tokens, about \d+ s",
         result.stderr,
     )
     assert line, result.stderr

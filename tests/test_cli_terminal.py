@@ -87,7 +87,7 @@ def full(tiny_folders):
 def test_chat_recalls_and_edits_earlier_lines(full):
     # --fixed-draft: the same drafts in the terminal's process as in this one,
     # whose regime the tests pin (conftest), so the same cache is left behind
-    term = Terminal("chat", "-m", full, "-n", 4, "--fixed-draft")
+    term = Terminal("chat", "-m", full, "-n", 4, "--fixed-draft", "--draft-source", "mtp")
     term.prompt_after(b"/help lists the commands")
     term.send(b"hello\r")
     term.prompt_after(b"/pass")
@@ -108,7 +108,7 @@ def test_chat_recalls_and_edits_earlier_lines(full):
     # the same conversation typed out in full leaves the same cache behind
     typed = CliRunner().invoke(
         app,
-        ["chat", "-m", str(full), "-n", "4", "--fixed-draft"],
+        ["chat", "-m", str(full), "-n", "4", "--fixed-draft", "--draft-source", "mtp"],
         input="hello\nhello\nhelp me!\n/stats\n",
     )
     cached = re.compile(r"cached tokens: \d+, reused in the last answered prompt: \d+/\d+")
