@@ -110,6 +110,11 @@ class PromptLookup:
             self.index = NgramIndex(self.index.n_max, self.index.n_min)
         self.index.extend(history[len(self.index) :])
 
+    def can_pay(self) -> bool:
+        """Whether lookup drafts kept every time would beat a plain step."""
+        ks = range(1, self.draft_max + 1)
+        return any((k + 1) / self.costs.verify_cost(k + 1) > 1 for k in ks)
+
     def value(self, k: int) -> float:
         """Expected tokens per plain step of a round checking ``k`` lookup drafts."""
         return expected_tokens(self.estimate.rates, k) / self.costs.verify_cost(k + 1)
@@ -146,4 +151,8 @@ def make_lookup(model, source: str) -> Optional[PromptLookup]:
         )
     if source == "mtp":
         return None
-    return PromptLookup(source, machine_costs(model))
+    lookup = PromptLookup(source, machine_costs(model))
+    # where even drafts that are always kept cannot beat a plain step (a CPU
+    # with MLX's bundled BLAS: a verify over t tokens costs t steps), none is
+    # drafted; leaving the source out also keeps plain steps running ahead
+    return lookup if lookup.can_pay() else None

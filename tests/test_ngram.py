@@ -189,3 +189,15 @@ def test_sampling_with_lookup_drafts_is_exact(tiny_folders):
         assert looked >= n  # every generation checked a lookup draft first
         for samples, p in ((firsts, p0), (seconds, p1)):
             assert tv(np.array(samples), p) < tv_bound(p, n)
+
+
+def test_no_lookup_source_where_it_cannot_pay(tiny_folders, monkeypatch):
+    """On a compute-bound machine the source is left out altogether, so plain
+    steps keep running one ahead (a lookup that may come disables that)."""
+    from mlx_mtp import config
+    from mlx_mtp.ngram import make_lookup
+
+    model = mlx_mtp.load_model(tiny_folders("mimo")[0])
+    assert make_lookup(model, "auto") is not None  # the pinned memory-bound guess
+    monkeypatch.setattr(config, "compute_bound", lambda: True)
+    assert make_lookup(model, "auto") is None and make_lookup(model, "mtp") is None
