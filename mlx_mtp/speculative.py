@@ -1,19 +1,15 @@
 """The speculative loop: draft with the MTP head, verify with one trunk forward.
 
 Positions: the trunk has read every token before ``y``; ``y`` is the last
-token chosen and not yet read. Each round
+token chosen and not yet read. Each round (``rounds``: draft, verify, settle)
+drafts ``[d_1..d_k]`` with the head (or takes a prompt-lookup proposal),
+verifies ``[y, d_1..d_k]`` in ONE forward of the trunk, keeps the agreeing
+prefix plus one token of the main model, and rolls the caches back to it.
+This loop is the single stream's: the prompt's prefill, how many drafts
+each round takes (the draft policy, the lookup source), and plain steps that
+run one ahead, as mlx-lm's do, while no round drafts.
 
-1) drafts: the head catches up on the hidden states it has not seen (paired
-   with their successor tokens) in ONE batched call whose last output is
-   already draft 1; draft j+1 comes from head layer j (the last layer chains
-   on its own output when there are fewer layers than drafts);
-2) verifies ``[y, d_1..d_k]`` in ONE forward of the trunk;
-3) accepts the agreeing prefix plus one token of the main model;
-4) rolls back: the trunk to the tokens it keeps, every head layer past its
-   tentative entries (they came from drafts, not from true tokens);
-5) leaves the new true hidden states pending for the next round's catch-up.
-
-After the prompt there is no plain decode step: every token comes from a
+After the prompt there is no other decode step: every token comes from a
 round; a round with no drafts is exactly a plain decode step.
 """
 
@@ -23,36 +19,13 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .adaptive import FixedDraft, expected_tokens
-from .cache import MTPCache, can_rollback, rollback, start_verify
+from .cache import MTPCache, can_rollback
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .ngram import PromptLookup
+from .rounds import OneStream, Stream, catch_up, settle, verify
+from .rounds import draft as draft_round
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
-
-# A head layer that has not drafted for this many positions (rounds without
-# drafts, or deeper than the drafts asked for) catches up, so what waits for it
-# stays small.
-PENDING_LIMIT = 32
-
-
-def _read(model, cache: MTPCache, j: int, hidden: mx.array, tokens) -> Tuple:
-    """Head layer ``j`` over ``hidden`` paired with ``tokens`` (ints or an array)."""
-    head = model.head
-    if not isinstance(tokens, mx.array):
-        tokens = mx.array(tokens)
-    return head.layer(j)(hidden, tokens[None], head.layer_cache(cache.head, j))
-
-
-def catch_up(model, cache: MTPCache) -> None:
-    """Every head layer reads its complete pairs, passing its outputs up."""
-    for j, queue in enumerate(cache.pending):
-        n = len(queue.tokens)
-        if n == 0:
-            continue
-        _, out = _read(model, cache, j, queue.hidden[:, :n], queue.tokens)
-        if j + 1 < len(cache.pending):
-            cache.pending[j + 1].push(out, queue.tokens)
-        queue.drop_first(n)
 
 
 def prefill(
@@ -63,6 +36,7 @@ def prefill(
     ``progress(done, total)`` hears the tokens read before each chunk and at the end.
     """
     todo = prompt[:-1]
+    one = [Stream([], cache, None, 0)]
     for s in range(0, len(todo), step):
         if progress is not None:
             progress(s, len(todo))
@@ -70,7 +44,7 @@ def prefill(
         _, hidden = model.trunk(mx.array(chunk)[None], cache.trunk)
         if use_mtp:
             cache.pending[0].push(hidden, chunk)
-            catch_up(model, cache)
+            catch_up(model, OneStream(model, cache), one)
             pending = [q.hidden for q in cache.pending if q.hidden is not None]
             mx.eval(pending, [c.state for c in cache.state_list()])
         else:
@@ -79,75 +53,18 @@ def prefill(
         progress(len(todo), len(todo))
 
 
-def draft(model, cache: MTPCache, y: int, k: int, p_min: float, verifier, history):
-    """Catch the head up and draft up to ``k`` tokens.
-
-    Layer 0 reads every pending pair (``y`` completes the last): its last
-    output is draft 1. Layer ``j`` then reads its complete pairs and, as
-    tentative entries at chain positions ``p + 1 .. p + j``, its last input
-    completed by draft 1 and layer ``j - 1``'s tentative outputs with drafts
-    ``2..j``: its last output is draft ``j + 1``. Drafts past the last layer
-    chain the last layer on its own output. Returns the drafts and how many
-    tentative entries each layer wrote (rolled back after the verify).
-    """
-    queues = cache.pending
-    n_layers = len(queues)
-    tentative = [0] * n_layers
-    drafts: List[Draft] = []
-    tokens = queues[0].tokens + [y]
-    logits, out = _read(model, cache, 0, queues[0].hidden, tokens)
-    if n_layers > 1:
-        queues[1].push(out, tokens)
-    queues[0].drop_first(len(tokens))
-    tent = out[:, :0]  # this layer's tentative outputs
-    for j in range(k):
-        d = verifier.draft(logits[:, -1], history, drafts)
-        if p_min > 0 and d.p.item() < p_min:
-            break
-        drafts.append(d)
-        if j + 1 == k:
-            break
-        if j + 1 < n_layers:  # layer j + 1 drafts depth j + 2
-            layer, queue = j + 1, queues[j + 1]
-            n = len(queue.tokens)
-            hidden = [h for h in (queue.hidden, tent) if h is not None and h.shape[1]]
-            hidden = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
-            c = hidden.shape[1] - n  # inputs read tentatively, with the last c drafts
-            known = mx.array(queue.tokens, dtype=d.token.dtype)
-            toks = [known] + [x.token for x in drafts[len(drafts) - c :]]
-            logits, out = _read(model, cache, layer, hidden, mx.concatenate(toks))
-            if n and layer + 1 < n_layers:
-                queues[layer + 1].push(out[:, :n], queue.tokens)
-            if n:
-                queue.drop_first(n)
-            tent = out[:, n:]
-        else:  # past the last layer: chain it on its own output
-            layer = n_layers - 1
-            logits, out = _read(model, cache, layer, out[:, -1:], d.token)
-            c = 1
-        tentative[layer] += c
-    return drafts, tentative
-
-
-def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
-    """How many of ``emitted`` to keep: through the first stop token, at most ``limit``."""
-    for i, t in enumerate(emitted[:limit]):
-        if t in stop_tokens:
-            return i + 1
-    return min(len(emitted), limit)
-
-
-def count_round(
-    stats: MTPStats, drafts: List[Draft], accepted: int, m: int, lookup: bool = False
-) -> None:
-    """Record a round that kept ``m`` of its ``accepted + 1`` tokens
-    (``lookup``: its drafts were a prompt-lookup proposal)."""
-    if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
-        drafts, accepted = drafts[: m - 1], m - 1
-    stats.record_round([d.token.item() for d in drafts], accepted)
-    if lookup:
-        stats.lookup_drafted += len(drafts)
-        stats.lookup_accepted += accepted
+def draft(
+    model, cache: MTPCache, y: int, k: int, p_min: float, verifier, history
+) -> Tuple[List[Draft], List[int]]:
+    """One stream's head catches up and drafts up to ``k`` tokens after
+    ``history`` (whose last token is ``y``): ``rounds.draft`` for a batch of
+    one. Returns the drafts and the tentative entries per head layer."""
+    history = list(history)
+    if not history or history[-1] != y:
+        history.append(y)
+    one = [Stream(history, cache, verifier, k + 1)]
+    drafts, tentative = draft_round(model, OneStream(model, cache), one, [k], p_min)
+    return drafts[0], tentative[0]
 
 
 def _head_value(lookup: PromptLookup, policy, k: int) -> float:
@@ -242,13 +159,15 @@ def speculative_generate_step(
     stats.prompt_time += time.perf_counter() - tic
     tic = time.perf_counter()
 
-    y, n, ahead = prompt[-1], 0, None
+    stream = Stream(history, cache, verifier, max_tokens, stop_tokens, stats)
+    one, caches = [stream], OneStream(model, cache)
+    ahead = None
     k = policy() if use_mtp else 0
     try:
-        while n < max_tokens:
-            remaining = max_tokens - n
+        while not stream.done:
+            remaining, y = stream.remaining, history[-1]
             k = min(k, remaining - 1) if cache.pending[0].hidden is not None else 0
-            drafts, tentative, looked = [], [], []
+            drafts, tentative, looked = [], None, []
             if lookup is not None and ahead is None and remaining > 1:
                 looked = lookup.drafts(remaining - 1, _head_value(lookup, policy, k))
             if k == 0 and lazy and not looked:
@@ -262,52 +181,30 @@ def speculative_generate_step(
                     ahead.undo(cache)
                     ahead = None
             else:
-                # 1) draft: a lookup proposal, or the head, which computes
-                # while the verify graph is built
+                # a round: a lookup proposal or the head's drafts, one verify
                 if looked:
                     drafts = [Draft(mx.array([t]), None) for t in looked]
                 elif k > 0:
-                    drafts, tentative = draft(
-                        model, cache, y, k, draft_p_min, verifier, history
+                    drafted, tentative = draft_round(
+                        model, caches, one, [k], draft_p_min
                     )
-                    mx.async_eval([d.token for d in drafts])
-                # 2) verify in one forward
-                if drafts:
-                    start_verify(cache.trunk)
-                inputs = mx.concatenate([mx.array([y])] + [d.token for d in drafts])
-                logits, hidden = model.trunk(inputs[None], cache.trunk)
-                # 3) accept: the round's one host sync
-                emitted = verifier.verify(logits[0], drafts, history)
+                    drafts = drafted[0]
+                (emitted,), hidden = verify(model, caches, one, [drafts])
                 if looked:
                     lookup.update(len(drafts), len(emitted) - 1)
                 elif drafts:
                     policy.update(len(drafts), len(emitted) - 1)
                 k = policy() if use_mtp else 0
             accepted = len(emitted) - 1
-            m = kept_count(emitted, stop_tokens, remaining)
-            # 4) roll back: the trunk keeps y, e_1..e_{m-1}; the head its true entries
-            if drafts:
-                rollback(cache.trunk, len(drafts) + 1 - m)
-            for j, t in enumerate(tentative):
-                rollback(model.head.layer_cache(cache.head, j), t)
-            # 5) the kept hidden states wait for the head
-            if use_mtp:
-                cache.pending[0].push(hidden[:, :m], [y] + emitted[: m - 1])
-                if any(q.size > PENDING_LIMIT for q in cache.pending):
-                    catch_up(model, cache)  # layers that did not draft for a while
-                    mx.async_eval([c.state for c in cache.head])
-            count_round(stats, drafts, accepted, m, lookup=bool(looked))
+            (m,) = settle(
+                model, caches, one, [drafts], tentative, [emitted], hidden, use_mtp
+            )
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9
             for i, t in enumerate(emitted[:m]):
                 yield t, i < accepted
-            history.extend(emitted[:m])
             if lookup is not None:
                 lookup.sync(history)
-            n += m
-            y = emitted[m - 1]
-            if y in stop_tokens:
-                break
     finally:
         if ahead is not None:  # the consumer stopped reading: unread its step
             ahead.undo(cache)

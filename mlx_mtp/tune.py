@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from . import rounds
 from .adaptive import Costs, FixedDraft, speedups
 from .cache import MTPCache, start_verify
 from .config import cached_identity, machine
@@ -37,8 +38,9 @@ from .defaults import DEFAULT_PREFILL_STEP, DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_T
 from .errors import MTPError
 from .loader import MTPModel
 from .prompts import encoded_prompts, load_prompts
+from .rounds import OneStream, Stream
 from .sampling import make_verifier
-from .speculative import draft, prefill, speculative_generate_step
+from .speculative import prefill, speculative_generate_step
 from .stats import MTPStats
 
 PLAIN_STEPS = 8  # plain steps per timing of the plain step
@@ -96,23 +98,23 @@ def _verify(state: _State, t: int) -> None:
     state.restore()
 
 
+def _drafts(state: _State, k: int):
+    one = [Stream(list(state.history), state.cache, make_verifier(), k + 1)]
+    caches = OneStream(state.model, state.cache)
+    drafts, _ = rounds.draft(state.model, caches, one, [k])  # greedy
+    return caches, one, drafts
+
+
 def _draft(state: _State, k: int) -> None:
-    drafts, _ = draft(
-        state.model, state.cache, state.y, k, 0.0, make_verifier(), state.history
-    )
-    mx.eval([d.token for d in drafts])
+    _, _, drafts = _drafts(state, k)
+    mx.eval([d.token for d in drafts[0]])
     state.restore()
 
 
 def _round(state: _State, k: int) -> None:
     """A round as the loop runs it: drafts, then the verify pass and its sync."""
-    model, cache, verifier = state.model, state.cache, make_verifier()  # greedy
-    drafts, _ = draft(model, cache, state.y, k, 0.0, verifier, state.history)
-    mx.async_eval([d.token for d in drafts])
-    start_verify(cache.trunk)
-    inputs = mx.concatenate([mx.array([state.y])] + [d.token for d in drafts])
-    logits, _ = model.trunk(inputs[None], cache.trunk)
-    verifier.verify(logits[0], drafts, state.history)
+    caches, one, drafts = _drafts(state, k)
+    rounds.verify(state.model, caches, one, drafts)
     state.restore()
 
 

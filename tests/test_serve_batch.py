@@ -15,20 +15,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
-import tiny_own_layout
 import tiny_hybrid
+import tiny_own_layout
 import tiny_recurrent
 from live_server import LiveServer
 from test_multilayer import build_multilayer
 
 import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.generate import stream_generate
+from mlx_mtp.rounds import OneStream, catch_up
+from mlx_mtp.rounds import Stream as OneStreamState
 from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.batch import BatchDecoder, Stream
 from mlx_mtp.serve.policy import BatchDraftLength, expected_tokens
-from mlx_mtp.adaptive import FixedDraft
-from mlx_mtp.speculative import catch_up, prefill, speculative_generate_step
+from mlx_mtp.speculative import prefill, speculative_generate_step
 
 PREFILL = 16
 CLIENTS = 8
@@ -47,7 +49,9 @@ def folders(tmp_path_factory):
                 built[kind] = tiny_hybrid.build_folder(root / kind, kind)[0]
             elif kind in tiny_recurrent.MODEL_TYPES:
                 built[kind] = tiny_recurrent.build_folder(root / kind, kind)[0]
-            elif kind in tiny_own_layout.MULTI_LAYER_TYPES + tiny_own_layout.MODEL_TYPES:
+            elif (
+                kind in tiny_own_layout.MULTI_LAYER_TYPES + tiny_own_layout.MODEL_TYPES
+            ):
                 built[kind] = tiny_own_layout.build_folder(root / kind, kind)[0]
             else:
                 built[kind] = tiny.build_folder(root / kind, kind)[0]
@@ -252,8 +256,9 @@ def test_streams_join_and_leave_between_rounds(folders, family):
         assert s.stats.drafted > 0
         # the caches it leaves with are the single-stream loop's (the head
         # layers once both have read what they have pending)
-        catch_up(model, alone)
-        catch_up(model, s.cache)
+        for c in (alone, s.cache):
+            one = [OneStreamState([], c, None, 0)]
+            catch_up(model, OneStream(model, c), one)
         for a, b in zip(alone.state_list(), s.cache.state_list()):
             assert a.offset == b.offset if hasattr(a, "offset") else True
             for x, y in zip(_layer_arrays(a), _layer_arrays(b)):

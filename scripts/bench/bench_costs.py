@@ -25,6 +25,7 @@ version of the loop has, so the same script times older checkouts:
 """
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -33,6 +34,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_mtp
+from mlx_mtp import cache as caches
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import start_verify
 from mlx_mtp.sampling import ExactMatchVerifier, make_verifier
 from mlx_mtp.speculative import draft, prefill, speculative_generate_step
@@ -57,6 +60,30 @@ def per_token(steps):
             start = [clock() for clock in CLOCKS]
     times = [clock() - s for clock, s in zip(CLOCKS, start)]
     return times + [len(tokens) - 1], tokens
+
+
+def snapshot(cache):
+    """A function that brings ``cache`` back to now (``MTPCache.snapshot`` where
+    the checkout has it, else each cache's mark and the head's pending inputs)."""
+    if hasattr(cache, "snapshot"):
+        back = snapshot(cache)
+        return lambda: cache.restore(snap)
+    marks = [caches.mark(c) for c in cache.trunk + cache.head]
+    pending = [p.copy() for p in cache.pending]
+
+    def back():
+        for c, m in zip(cache.trunk + cache.head, marks):
+            caches.restore(c, m)
+        cache.pending[:] = [p.copy() for p in pending]
+
+    return back
+
+
+def fixed(k):
+    """The loop's arguments for a fixed ``k`` drafts every round."""
+    if "draft_max" in inspect.signature(speculative_generate_step).parameters:
+        return {"draft_max": k}  # a checkout from before the policy carried it
+    return {"draft_policy": FixedDraft(k)}
 
 
 def prompts_for(path, vocab):
@@ -100,7 +127,7 @@ def main():
     cache.pending[0].push(hidden, [y])
     mx.eval(hidden, [c.state for c in cache.trunk + cache.head])
     y = context[-1]
-    snap = cache.snapshot()
+    back = snapshot(cache)
 
     def plain_steps():  # mlx-lm's generate_step: step n+1 built while n computes
         token = mx.array([y])
@@ -144,13 +171,16 @@ def main():
             )
 
         def ours(p, k, stats, policy=None):  # with the verifier users get
+            how = fixed(k if policy is None else K)
+            if policy is not None:
+                how["draft_policy"] = policy
             return speculative_generate_step(
                 p,
                 model,
                 max_tokens=args.tokens,
                 stats=stats,
-                draft_policy=policy,
                 verifier=make_verifier(),
+                **how,
             )
 
         loops = [("mlx-lm", None)] + [(f"k={k}", k) for k in range(K + 1)]
@@ -182,7 +212,7 @@ def main():
         shift = rep % len(parts)
         for name, i, fn in parts[shift:] + parts[:shift]:
             t = timed(fn)
-            cache.restore(snap)
+            back()
             if rep:
                 ptimes[name, i].append(t)
         for i in range(len(prompts)):
