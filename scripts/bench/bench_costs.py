@@ -66,7 +66,7 @@ def snapshot(cache):
     """A function that brings ``cache`` back to now (``MTPCache.snapshot`` where
     the checkout has it, else each cache's mark and the head's pending inputs)."""
     if hasattr(cache, "snapshot"):
-        back = snapshot(cache)
+        snap = cache.snapshot()
         return lambda: cache.restore(snap)
     marks = [caches.mark(c) for c in cache.trunk + cache.head]
     pending = [p.copy() for p in cache.pending]
