@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..config import default_draft_max
+from ..constrain import JSONConstraint, grammar_tokenizer, response_format_grammar
 from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
@@ -84,6 +85,7 @@ class Params:
     stop: List[str]
     stream: bool
     include_usage: bool
+    grammar: Optional[str] = None  # what ``response_format`` holds answers to
 
 
 class Service:
@@ -105,6 +107,23 @@ class Service:
         )
         self.created = int(time.time())
         self.on_start = None
+        self._grammar_tokenizer = None
+
+    def constraint(self, grammar: str, prompt_len: int) -> JSONConstraint:
+        """The logits processor holding an answer to ``grammar``."""
+        if self._grammar_tokenizer is None:
+            try:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
+            except MTPError as e:
+                raise APIError(
+                    str(e), param="response_format", code="unsupported_value"
+                ) from None
+        try:
+            return JSONConstraint(grammar, self._grammar_tokenizer, prompt_len)
+        except MTPError as e:
+            raise APIError(
+                str(e), param="response_format", code="invalid_value"
+            ) from None
 
     # -- checking a request --------------------------------------------------
 
@@ -160,6 +179,12 @@ class Service:
                 code="invalid_type",
             )
         options = _get(body, "stream_options", (dict,), {})
+        try:
+            grammar = response_format_grammar(body.get("response_format"))
+        except ValueError as e:
+            raise APIError(
+                str(e), param="response_format", code="invalid_value"
+            ) from None
         return Params(
             max_tokens=max_tokens,
             sampling=sampling,
@@ -167,6 +192,7 @@ class Service:
             stop=stop,
             stream=_get(body, "stream", (bool,), False),
             include_usage=_get(options, "include_usage", (bool,), False),
+            grammar=grammar,
         )
 
     def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
@@ -378,6 +404,8 @@ def create_app(
             emit=emit,
             stop=p.stop,
         )
+        if p.grammar is not None:
+            request.logits_processors = [service.constraint(p.grammar, len(tokens))]
         service.engine.submit(request)
         return request, events
 
