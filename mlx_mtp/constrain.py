@@ -38,8 +38,11 @@ def grammar_tokenizer(tokenizer, vocab: int):
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     eos = getattr(tokenizer, "eos_token_ids", None)
-    eos = [eos] if isinstance(eos, int) else sorted(eos or ()) or None
+    eos = [eos] if isinstance(eos, int) else sorted(eos or ())
     try:
+        # an end token from the model's config that the tokenizer lacks
+        # cannot be written out: the grammar ends with the others
+        eos = [t for t in eos if t < len(hf)] or None
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos)
     except Exception as e:  # slow (Python) tokenizers, unreadable vocabularies
         raise MTPError(f"constrained decoding cannot use this tokenizer ({e})")
