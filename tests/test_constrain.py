@@ -108,7 +108,9 @@ def test_random_logits_give_valid_json(which, request):
 def test_rolled_back_drafts_leave_the_same_masks(tiny_tokenizer):
     tokenizer, ll = tiny_tokenizer
     hf = _hf(tokenizer)
-    answer = hf.encode('{"ok": true, "colour": "red", "n": 7}', add_special_tokens=False)
+    answer = hf.encode(
+        '{"ok": true, "colour": "red", "n": 7}', add_special_tokens=False
+    )
     fresh = JSONConstraint(json_grammar(SCHEMA), ll, len(PROMPT))
     spec = JSONConstraint(json_grammar(SCHEMA), ll, len(PROMPT))
     logits = mx.zeros((1, ll.vocab_size))

@@ -119,8 +119,10 @@ def test_sampled_answers_validate(client):
     [
         ({"type": "xml"}, "invalid_value"),
         ({"type": "json_schema", "json_schema": {"schema": 3}}, "invalid_value"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}},
-         "invalid_value"),  # fmt: skip
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}},
+            "invalid_value",
+        ),  # fmt: skip
     ],
 )
 def test_bad_response_formats_are_400(client, response_format, code):
