@@ -38,6 +38,7 @@ from ..prompts import chat_text, context_length, encode, fit_context, has_chat_t
 from ..sampling import SamplingConfig
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from .engine import Engine, Event, Request
+from .fim import fim_prompt, fim_tokens
 
 logger = logging.getLogger("mlx_mtp.serve")
 
@@ -284,6 +285,22 @@ class Service:
             )
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
+        suffix = _get(body, "suffix", (str,))
+        # an empty suffix leaves nothing to fill in: a model without the
+        # tokens continues the prompt, one with them is asked as usual
+        if suffix and not isinstance(prompt, str):
+            raise APIError(
+                "'suffix' needs 'prompt' to be a string", param="prompt",
+                code="invalid_type",
+            )  # fmt: skip
+        if isinstance(prompt, str) and suffix is not None:
+            if suffix or fim_tokens(self.tokenizer) is not None:
+                try:
+                    return fim_prompt(self.tokenizer, prompt, suffix)
+                except MTPError as e:
+                    raise APIError(
+                        str(e), param="suffix", code="unsupported_value"
+                    ) from None
         if isinstance(prompt, str):
             return encode(self.tokenizer, prompt)
         if isinstance(prompt, list) and all(
