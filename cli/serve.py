@@ -79,7 +79,7 @@ def serve(
 ):
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once."""
     from mlx_mtp.serve import ServeConfig
-    from mlx_mtp.serve.app import run
+    from mlx_mtp.serve.app import listen, run
 
     if o.processes().size() > 1:
         raise fail(
@@ -94,13 +94,13 @@ def serve(
         prompt_cache_bytes=prompt_cache_mb << 20,
         adaptive_draft=not fixed_draft,
     )
+    sock = listen(host, port)  # a busy port fails before the model loads
     path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
     run(
         loaded,
         tokenizer,
         path.name,
-        host=host,
-        port=port,
         config=config,
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        sock=sock,
     )

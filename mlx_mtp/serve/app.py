@@ -13,6 +13,8 @@ its events come back through an asyncio queue per request.
 
 import asyncio
 import json
+import logging
+import re
 import socket
 import time
 import uuid
@@ -23,17 +25,25 @@ from typing import Any, Dict, List, Optional
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..config import default_draft_max
+from ..constrain import JSONConstraint, grammar_tokenizer, response_format_grammar
 from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from .engine import Engine, Event, Request
+from .fim import fim_prompt, fim_tokens
+
+logger = logging.getLogger("mlx_mtp.serve")
+
+# chat roles the templates know; "developer" is OpenAI's newer name for system
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
           dict: "an object", list: "an array"}  # fmt: skip
@@ -84,6 +94,7 @@ class Params:
     stop: List[str]
     stream: bool
     include_usage: bool
+    grammar: Optional[str] = None  # what ``response_format`` holds answers to
 
 
 class Service:
@@ -105,21 +116,54 @@ class Service:
         )
         self.created = int(time.time())
         self.on_start = None
+        self.aliases = model_aliases(name)
+        self._grammar_tokenizer = None
+
+    def constraint(self, grammar: str, prompt_len: int) -> JSONConstraint:
+        """The logits processor holding an answer to ``grammar``."""
+        if self._grammar_tokenizer is None:
+            try:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
+            except MTPError as e:
+                raise APIError(
+                    str(e), param="response_format", code="unsupported_value"
+                ) from None
+        try:
+            return JSONConstraint(grammar, self._grammar_tokenizer, prompt_len)
+        except MTPError as e:
+            raise APIError(
+                str(e), param="response_format", code="invalid_value"
+            ) from None
+
+    def no_such_model(self, model: str) -> APIError:
+        return APIError(
+            f"The model '{model}' does not exist; this server serves '{self.name}'",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
 
     # -- checking a request --------------------------------------------------
 
     def params(self, body: dict) -> Params:
         model = _get(body, "model", (str,))
-        if model is not None and model != self.name:
-            raise APIError(
-                f"The model '{model}' does not exist; this server serves '{self.name}'",
-                param="model",
-                code="model_not_found",
-                status=404,
-            )
+        if model is not None and model not in self.aliases:
+            raise self.no_such_model(model)
         if _get(body, "n", (int,), 1) != 1:
             raise APIError(
                 "only n = 1 is supported", param="n", code="unsupported_value"
+            )
+        if _get(body, "best_of", (int,), 1) != 1:
+            raise APIError(
+                "only best_of = 1 is supported",
+                param="best_of",
+                code="unsupported_value",
+            )
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            raise APIError(
+                "'top_logprobs' needs 'logprobs'",
+                param="top_logprobs",
+                code="invalid_value",
             )
         for name in ("logprobs", "echo"):
             if body.get(name) not in (None, False, 0):
@@ -160,6 +204,12 @@ class Service:
                 code="invalid_type",
             )
         options = _get(body, "stream_options", (dict,), {})
+        try:
+            grammar = response_format_grammar(body.get("response_format"))
+        except ValueError as e:
+            raise APIError(
+                str(e), param="response_format", code="invalid_value"
+            ) from None
         return Params(
             max_tokens=max_tokens,
             sampling=sampling,
@@ -167,6 +217,7 @@ class Service:
             stop=stop,
             stream=_get(body, "stream", (bool,), False),
             include_usage=_get(options, "include_usage", (bool,), False),
+            grammar=grammar,
         )
 
     def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
@@ -234,6 +285,22 @@ class Service:
             )
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
+        suffix = _get(body, "suffix", (str,))
+        # an empty suffix leaves nothing to fill in: a model without the
+        # tokens continues the prompt, one with them is asked as usual
+        if suffix and not isinstance(prompt, str):
+            raise APIError(
+                "'suffix' needs 'prompt' to be a string", param="prompt",
+                code="invalid_type",
+            )  # fmt: skip
+        if isinstance(prompt, str) and suffix is not None:
+            if suffix or fim_tokens(self.tokenizer) is not None:
+                try:
+                    return fim_prompt(self.tokenizer, prompt, suffix)
+                except MTPError as e:
+                    raise APIError(
+                        str(e), param="suffix", code="unsupported_value"
+                    ) from None
         if isinstance(prompt, str):
             return encode(self.tokenizer, prompt)
         if isinstance(prompt, list) and all(
@@ -260,6 +327,15 @@ class Service:
         return max_tokens
 
 
+def model_aliases(name: str) -> set:
+    """The ``model`` values naming the served model: its name, the last part of
+    that name without a trailing hash (``org/Model-mtp-89ea8eb6719b`` is also
+    ``Model-mtp``), and the empty string, which clients send when they need no
+    name."""
+    short = re.sub(r"-[0-9a-f]{8,64}$", "", name.rstrip("/").rsplit("/", 1)[-1])
+    return {name, short, ""}
+
+
 def _message(m: Any, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
@@ -271,6 +347,14 @@ def _message(m: Any, i: int) -> dict:
             param=f"{where}.role",
             code="invalid_type",
         )
+    if role not in ROLES:
+        raise APIError(
+            f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    if role == "developer":  # chat templates know it as system
+        role = "system"
     content = m.get("content")
     if isinstance(content, list):
         texts = []
@@ -309,6 +393,12 @@ def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool)
     return {**meta, "object": "text_completion", "choices": [choice]}
 
 
+def _with_usage(chunk: dict, include_usage: bool) -> dict:
+    """A chunk before the usage chunk says ``"usage": null`` where one will come
+    (as OpenAI's do)."""
+    return {**chunk, "usage": None} if include_usage else chunk
+
+
 def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict) -> dict:
     if kind == "chat":
         message = {"role": "assistant", "content": text}
@@ -323,6 +413,47 @@ def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict) -> dict:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
     return {**meta, "object": obj, "choices": [choice], "usage": usage}
+
+
+def _note(http: HTTPRequest, usage: Optional[dict]) -> None:
+    """Hands a request's usage to its access log line."""
+    http.scope[_USAGE] = usage
+
+
+_USAGE = "mlx_mtp.usage"
+
+
+class _AccessLog:
+    """One INFO line per request once its response is sent: status, tokens, MTP
+    acceptance, time."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [None]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-",)
+            line = f'{client[0]} "{scope["method"]} {scope["path"]}" {status[0]}'
+            usage = scope.get(_USAGE)
+            if usage:
+                line += (
+                    f", {usage['prompt_tokens']} + {usage['completion_tokens']} tokens"
+                )
+                mtp = usage.get("mtp") or {}
+                if mtp.get("drafted"):
+                    line += f", MTP acceptance {mtp['acceptance_rate']:.2f}"
+            logger.info("%s, %.2f s", line, time.perf_counter() - start)
 
 
 def _sse(obj) -> str:
@@ -378,6 +509,8 @@ def create_app(
             emit=emit,
             stop=p.stop,
         )
+        if p.grammar is not None:
+            request.logits_processors = [service.constraint(p.grammar, len(tokens))]
         service.engine.submit(request)
         return request, events
 
@@ -401,26 +534,27 @@ def create_app(
                 "model": service.name}  # fmt: skip
         if p.stream:
             return StreamingResponse(
-                _stream(request, events, kind, meta, p.include_usage),
+                _stream(http, request, events, kind, meta, p.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         return await _collect(http, request, events, kind, meta)
 
-    async def _stream(request, events, kind, meta, include_usage):
+    async def _stream(http, request, events, kind, meta, include_usage):
         done = False
         try:
-            yield _sse(_chunk(kind, meta, "", None, first=True))
+            first = _chunk(kind, meta, "", None, first=True)
+            yield _sse(_with_usage(first, include_usage))
             while True:
                 event = await events.get()
                 if event.error is not None:
                     yield _sse(_internal(event.error))
                     break
                 if event.text or event.finish_reason:
-                    yield _sse(
-                        _chunk(kind, meta, event.text, event.finish_reason, False)
-                    )
+                    chunk = _chunk(kind, meta, event.text, event.finish_reason, False)
+                    yield _sse(_with_usage(chunk, include_usage))
                 if event.finish_reason is not None:
+                    _note(http, event.usage)
                     if include_usage:
                         obj = (
                             "chat.completion.chunk"
@@ -452,6 +586,7 @@ def create_app(
                     return JSONResponse(_internal(event.error), status_code=500)
                 parts.append(event.text)
                 if event.finish_reason is not None:
+                    _note(http, event.usage)
                     text = "".join(parts)
                     body = _whole(kind, meta, text, event.finish_reason, event.usage)
                     return JSONResponse(body)
@@ -464,10 +599,18 @@ def create_app(
     async def completions(http: HTTPRequest):
         return await complete(http, "text")
 
+    def model_entry() -> dict:
+        return {"id": service.name, "object": "model", "created": service.created,
+                "owned_by": "mlx-mtp"}  # fmt: skip
+
     async def models(http: HTTPRequest):
-        entry = {"id": service.name, "object": "model", "created": service.created,
-                 "owned_by": "mlx-mtp"}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    async def model(http: HTTPRequest):
+        name = http.path_params["name"]
+        if name not in service.aliases:
+            return service.no_such_model(name).response()
+        return JSONResponse(model_entry())
 
     async def health(http: HTTPRequest):
         engine = service.engine
@@ -503,14 +646,31 @@ def create_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
+        middleware=[Middleware(_AccessLog)],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
     app.state.on_start = None
     app.state.service = service
     return app
+
+
+def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> socket.socket:
+    """A socket listening on ``host:port``; ``MTPError`` where it cannot (a port
+    in use): call it before loading the model, so that this fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
+    except OSError as e:
+        sock.close()
+        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
 
 
 def run(
@@ -521,19 +681,23 @@ def run(
     port: int = DEFAULT_PORT,
     config: ServeConfig = None,
     log=None,
+    sock: Optional[socket.socket] = None,
 ) -> None:
-    """Serve until interrupted. ``log`` hears one line once the port is open."""
+    """Serve until interrupted, on ``sock`` (from ``listen``) or ``host:port``.
+
+    ``log`` hears one line once the port is open; the access log (logger
+    ``mlx_mtp.serve``, one line per request) goes to stderr unless that logger
+    has handlers of its own.
+    """
+    if sock is None:
+        sock = listen(host, port)
     app = create_app(model, tokenizer, name, config)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
-    except OSError as e:
-        sock.close()
-        raise MTPError(f"cannot listen on {host}:{port} ({e.strerror})") from None
-    port = sock.getsockname()[1]
+    host, port = sock.getsockname()[:2]
     if log is not None:
         app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -64,6 +64,8 @@ class Request:
     draft_max: int
     emit: Callable[[Event], None]
     stop: List[str] = field(default_factory=list)
+    # applied after the sampling settings' own, at every position (drafts too)
+    logits_processors: List[Callable] = field(default_factory=list)
     cancelled: bool = False
 
 
@@ -291,7 +293,9 @@ class Engine:
             job = _Job(request, self.tokenizer)
             cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
             job.reused = job.read
-            verifier = make_verifier(request.sampling)
+            verifier = make_verifier(
+                request.sampling, logits_processors=request.logits_processors
+            )
             use_mtp = self.model.head is not None and self.config.mtp
             draft_max = request.draft_max if use_mtp else 0
             job.stream = Stream(

@@ -1,0 +1,153 @@
+"""Constrained decoding: answers that are JSON, or JSON valid for a schema.
+
+``JSONConstraint`` is a logits processor (``processor(tokens, logits)``): it
+masks every token the grammar forbids after the tokens generated so far. The
+grammar is llguidance's (``LLMatcher``), compiled from a JSON schema; the
+end-of-sequence tokens are allowed only where the JSON may end, and once it
+is complete they are all that is allowed.
+
+Speculative rounds call the processor at every verified position, whose
+prefixes end in drafts that may be rejected, and then at the next round's
+prefix: the matcher rolls back to what the new prefix shares with what it
+consumed and consumes the rest, and the mask at each consumed length is kept
+until a rollback passes it (the verify asks again for the draft rows' masks).
+Since the same masks apply with drafts or without, greedy answers are those
+of constrained plain decoding.
+"""
+
+import json
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MTPError
+
+# Output that reads like ``json.dumps``: the grammar fixes the whitespace, so a
+# model cannot pad an answer with spaces and newlines until max_tokens.
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_tokenizer(tokenizer, vocab: int):
+    """llguidance's view of an mlx-lm ``tokenizer``, with ``vocab`` token ids.
+
+    Building it reads the whole vocabulary (under a second): build it once
+    per model. Raises ``MTPError`` for a tokenizer llguidance cannot read.
+    """
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos = getattr(tokenizer, "eos_token_ids", None)
+    eos = [eos] if isinstance(eos, int) else sorted(eos or ())
+    try:
+        # an end token from the model's config that the tokenizer lacks
+        # cannot be written out: the grammar ends with the others
+        eos = [t for t in eos if t < len(hf)] or None
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos)
+    except Exception as e:  # slow (Python) tokenizers, unreadable vocabularies
+        raise MTPError(f"constrained decoding cannot use this tokenizer ({e})")
+
+
+def json_grammar(schema: Optional[Dict[str, Any]] = None) -> str:
+    """The grammar of JSON valid for ``schema``; of any JSON object without one."""
+    from llguidance import LLMatcher
+
+    try:
+        return LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"}, defaults=_LAYOUT
+        )
+    except ValueError as e:
+        raise MTPError(f"invalid JSON schema: {e}") from None
+
+
+class JSONConstraint:
+    """Keeps the tokens after ``prompt_len`` inside ``grammar``."""
+
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int):
+        from llguidance import LLMatcher
+
+        self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise MTPError(f"invalid JSON schema: {self.matcher.get_error()}")
+        self.prompt_len = prompt_len
+        self.vocab = ll_tokenizer.vocab_size
+        self.eos = list(ll_tokenizer.eos_tokens)
+        self.consumed: List[int] = []
+        self.masks: List[mx.array] = []  # masks[i]: after consumed[:i]
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens[self.prompt_len :].tolist()
+        if not self._follow(generated):
+            # the prefix holds a token the grammar forbids: only a rejected
+            # draft can put one there, so this row is never used
+            return logits
+        mask = self._mask()
+        width = logits.shape[-1]
+        if width != mask.size:  # logits wider or narrower than the vocabulary
+            mask = mx.pad(mask, (0, max(0, width - mask.size)))[:width]
+        return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
+
+    def _follow(self, generated: Sequence[int]) -> bool:
+        """Bring the matcher to ``generated``; False where the grammar forbids it."""
+        common = 0
+        for a, b in zip(self.consumed, generated):
+            if a != b:
+                break
+            common += 1
+        if common < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+            del self.masks[common + 1 :]
+        rest = list(generated[common:])
+        valid = self.matcher.validate_tokens(rest) if rest else 0
+        if valid:
+            self.matcher.consume_tokens(rest[:valid])
+            self.consumed.extend(rest[:valid])
+        return valid == len(rest)
+
+    def _mask(self) -> mx.array:
+        """Allowed tokens after ``consumed``, as booleans, from the cache if kept."""
+        n = len(self.consumed)
+        if n < len(self.masks) and self.masks[n] is not None:
+            return self.masks[n]
+        if self.matcher.is_error():  # a resource limit: end the answer
+            allowed = np.zeros(self.vocab, dtype=bool)
+            allowed[self.eos] = True
+        else:
+            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[: self.vocab]
+        self.masks.extend([None] * (n + 1 - len(self.masks)))  # lengths not asked
+        self.masks[n] = mx.array(allowed.astype(bool))
+        return self.masks[n]
+
+
+def response_format_grammar(response_format: Any) -> Optional[str]:
+    """The grammar an OpenAI ``response_format`` asks for (None: free text).
+
+    Raises ``ValueError`` with a message for the client on a malformed field.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ValueError("'response_format' must be an object")
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return json_grammar()
+    if kind != "json_schema":
+        raise ValueError(
+            "'response_format.type' must be 'text', 'json_object' or "
+            f"'json_schema', got {json.dumps(kind)}"
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ValueError(
+            "'response_format.json_schema' must be an object with a 'schema' object"
+        )
+    # no schema: any JSON value, as OpenAI reads it
+    schema = spec.get("schema") if "schema" in spec else {}
+    try:
+        return json_grammar(schema)
+    except MTPError as e:
+        raise ValueError(str(e)) from None
