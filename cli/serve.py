@@ -11,6 +11,7 @@ from mlx_mtp.serve import (
     DEFAULT_PROMPT_CACHE_ENTRIES,
     DEFAULT_PROMPT_CACHE_MB,
     DEFAULT_SERVE_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
 )
 
 from . import options as o
@@ -67,6 +68,14 @@ def serve(
         help="Memory those caches may take together, in MiB.",
         rich_help_panel=SERVER,
     ),
+    shutdown_timeout: float = typer.Option(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        "--shutdown-timeout",
+        min=0,
+        help="On Ctrl-C or SIGTERM, seconds the running requests may go on "
+        "before they end (a second Ctrl-C ends them at once).",
+        rich_help_panel=SERVER,
+    ),
     draft_max: o.DraftMax = None,
     fixed_draft: bool = typer.Option(
         False,
@@ -93,6 +102,7 @@ def serve(
         prompt_cache_entries=prompt_cache_entries,
         prompt_cache_bytes=prompt_cache_mb << 20,
         adaptive_draft=not fixed_draft,
+        shutdown_timeout=shutdown_timeout,
     )
     sock = listen(host, port)  # a busy port fails before the model loads
     path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)

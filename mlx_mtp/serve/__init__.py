@@ -22,6 +22,8 @@ DEFAULT_PROMPT_CACHE_MB = 2048
 DEFAULT_SERVE_PREFILL_STEP = 512
 # A request that names no max_tokens stops here (or at the end of the context).
 DEFAULT_SERVE_MAX_TOKENS = 512
+# On SIGINT/SIGTERM running streams go on this long, then end ("length").
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass
@@ -33,7 +35,9 @@ class ServeConfig:
     ``DEFAULT_DRAFT_MAX``. ``adaptive_draft``: each batched round drafts as
     deep as pays at the current batch size (measured), a stream served alone
     as ``CostAwareDraft`` chooses; otherwise every stream drafts its
-    ``draft_max`` every round.
+    ``draft_max`` every round. ``shutdown_timeout``: seconds the streams
+    running at SIGINT/SIGTERM may go on before they end (a second signal
+    ends them at once).
     """
 
     draft_max: Optional[int] = None
@@ -44,12 +48,14 @@ class ServeConfig:
     prefill_step: int = DEFAULT_SERVE_PREFILL_STEP
     adaptive_draft: bool = True
     mtp: bool = True  # False: no request drafts, whatever it asks
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("draft_max", "prompt_cache_entries", "prompt_cache_bytes"):
+        names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes")
+        for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")
 

@@ -15,10 +15,12 @@ import asyncio
 import json
 import logging
 import re
+import signal
 import socket
+import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -673,6 +675,38 @@ def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose SIGINT or SIGTERM drains instead of aborting.
+
+    The first signal stops accepting connections and lets running streams go
+    on for ``shutdown_timeout`` seconds (then they end with "length"); a
+    second one ends them at once. Either way the engine thread is joined
+    (lifespan shutdown) and the process exits 0, instead of re-raising the
+    signal as uvicorn does.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, timeout: float):
+        super().__init__(config)
+        self.engine, self.timeout = engine, timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.engine.drain(0 if self.should_exit else self.timeout)
+        self.should_exit = True
+
+    @contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        before = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+
 def run(
     model,
     tokenizer,
@@ -700,4 +734,9 @@ def run(
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    timeout = app.state.service.config.shutdown_timeout
+    # uvicorn's own limit is a backstop: the engine ends the streams first
+    settings = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=int(timeout) + 10
+    )
+    _Server(settings, app.state.service.engine, timeout).run(sockets=[sock])

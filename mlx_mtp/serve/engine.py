@@ -39,7 +39,6 @@ from .batch import BatchDecoder, Stream
 from .batch_cache import batchable
 from .prompt_cache import PromptCache, copy_cache
 
-
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
 
@@ -107,6 +106,13 @@ class _Text:
         out = text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return out
+
+    def flush(self) -> str:
+        """End the text here (cut short: "length"); return what was held back."""
+        if self.finish is None:
+            self.finish = "length"
+            self.detokenizer.finalize()
+        return self.feed([], self.tokens)
 
     def _find_stop(self, text: str) -> bool:
         start = max(0, self.searched - max(map(len, self.stop)) + 1)
@@ -177,6 +183,7 @@ class Engine:
         self.serial: List[_Job] = []  # decoding without a batch
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._deadline: Optional[float] = None  # streams still running then end
 
     # -- the HTTP side ---------------------------------------------------------
 
@@ -220,11 +227,25 @@ class Engine:
         self._thread.daemon = True
         self._thread.start()
 
-    def stop(self) -> None:
+    def drain(self, seconds: float) -> None:
+        """Let the running streams go on for ``seconds`` at most: then each ends
+        with ``finish_reason`` "length" (as do requests still waiting)."""
+        deadline = time.monotonic() + max(0.0, seconds)
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+        self.inbox.put(None)  # wake the loop
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End every stream now and wait for the engine thread to finish.
+
+        Joining matters: a process that exits while the thread is inside an
+        MLX call aborts ("terminate called without an active exception").
+        """
+        self.drain(0)
         self._stopping = True
         self.inbox.put(None)
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -232,7 +253,7 @@ class Engine:
         return bool(self.waiting or self.reading or self.jobs or self.serial)
 
     def _run(self) -> None:
-        while not self._stopping:
+        while not (self._stopping and not self._busy()):
             # 1) new requests; cancelled ones go
             self._take(block=not self._busy())
             self._drop_cancelled()
@@ -247,6 +268,8 @@ class Engine:
                     self._round()
                 for job in list(self.serial):
                     self._serial_step(job)
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._end_all()
             except Exception as e:  # a bug must not take the server down
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(f"{type(e).__name__}: {e}")
@@ -378,6 +401,24 @@ class Engine:
         request = job.request
         info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
         request.emit(Event(text, finish_reason=reason, usage=info))
+
+    def _end_all(self) -> None:
+        """Shutting down past the drain time: every request ends where it is."""
+        for job in list(self.reading.values()):
+            self.reader.remove([job.stream], extract=False)
+            del self.reading[id(job.stream)]
+            self._finish(job, "")
+        if self.jobs:
+            jobs = list(self.jobs.values())
+            self._leave(jobs, [job.text.flush() for job in jobs])
+        for job in list(self.serial):
+            self.serial.remove(job)
+            job.steps.close()
+            self._finish(job, job.text.flush())
+        for request in self.waiting:
+            info = usage(len(request.prompt), 0, 0, MTPStats())
+            request.emit(Event(finish_reason="length", usage=info))
+        self.waiting = []
 
     def _fail_all(self, message: str) -> None:
         """After an internal error: every request gets it, the batch starts afresh."""
