@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 import mlx.core as mx
 
 from .cache import MTPCache, rollback, start_verify
-from .sampling import Draft
+from .sampling import Draft, logprobs
 from .stats import MTPStats
 
 # A head layer that has not drafted for this many positions (rounds without
@@ -35,6 +35,34 @@ from .stats import MTPStats
 PENDING_LIMIT = 32
 
 Item = Optional[Tuple[mx.array, Any]]  # (hidden [1, L, D], L tokens) or nothing
+
+
+@dataclass
+class Logprobs:
+    """Where a stream's kept tokens leave their log-probabilities (from the
+    verify's logits, no extra forward): per token ``(token, logprob, top)``,
+    ``top`` the ``top`` likeliest ``(token, logprob)`` at its position."""
+
+    top: int = 0
+    entries: List[Tuple[int, float, List[Tuple[int, float]]]] = field(
+        default_factory=list
+    )
+
+    def record(self, logprobs: mx.array, tokens: Sequence[int]) -> None:
+        """``logprobs[i]`` (``[T, V]``) is the distribution ``tokens[i]`` came from."""
+        picked = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)
+        if self.top > 0:
+            top = min(self.top, logprobs.shape[-1])
+            order = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+            best = mx.take_along_axis(logprobs, order, axis=-1)
+            tops = [
+                sorted(zip(o, b), key=lambda x: -x[1])
+                for o, b in zip(order.tolist(), best.tolist())
+            ]
+        else:
+            tops = [[] for _ in tokens]
+        for t, lp, top in zip(tokens, picked[:, 0].tolist(), tops):
+            self.entries.append((int(t), lp, top))
 
 
 @dataclass
@@ -53,6 +81,7 @@ class Stream:
     stats: MTPStats = field(default_factory=MTPStats)
     generated: int = 0
     done: bool = False
+    logprobs: Optional[Logprobs] = None  # kept tokens' log-probabilities, if asked
 
     @property
     def remaining(self) -> int:
@@ -213,13 +242,13 @@ def draft(
 
 def verify(
     model, caches: RoundCaches, streams: Sequence[Stream], drafts: List[List[Draft]]
-) -> Tuple[List[List[int]], mx.array]:
+) -> Tuple[List[List[int]], mx.array, mx.array]:
     """Verify every stream's ``[y, drafts]`` in one trunk forward.
 
     A stream with fewer drafts than the widest is padded after its tokens,
     where its causal mask hides the padding (``settle`` rolls it back like a
     rejected draft). Returns each stream's accepted drafts plus one token of
-    the main model (its verifier's), and the trunk's hidden states.
+    the main model (its verifier's), and the trunk's logits and hidden states.
     """
     width = 1 + max(len(d) for d in drafts)
     rows = []
@@ -237,7 +266,7 @@ def verify(
         s.verifier.verify(logits[b, : len(d) + 1], d, s.history)
         for b, (s, d) in enumerate(zip(streams, drafts))
     ]
-    return emitted, hidden
+    return emitted, logits, hidden
 
 
 def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
@@ -266,13 +295,16 @@ def settle(
     drafts: List[List[Draft]],
     tentative: Optional[List[List[int]]],
     emitted: List[List[int]],
+    logits: mx.array,
     hidden: mx.array,
     feed_head: bool,
 ) -> List[int]:
     """Keep each stream's tokens of a round and roll back the rest.
 
     ``emitted[b]`` are stream ``b``'s accepted drafts and its main-model token,
-    ``hidden`` the trunk's states at the round's inputs (``[B, width, D]``).
+    ``logits`` and ``hidden`` the trunk's outputs at the round's inputs
+    (``[B, width, ...]``; the logits give the kept tokens' log-probabilities
+    to a stream that asks for them).
     Each stream keeps through its first stop token and at most its remaining
     tokens; the trunk goes back to the tokens kept, every head layer past its
     tentative entries, and (``feed_head``) the kept states wait for the head.
@@ -293,6 +325,9 @@ def settle(
             if any(counts):
                 caches.rollback(model.head.layer_cache(caches.head, j), counts)
     for b, (s, m) in enumerate(zip(streams, kept)):
+        if s.logprobs is not None:
+            rows = logprobs(s.verifier, logits[b, :m], s.history, emitted[b][:m])
+            s.logprobs.record(rows, emitted[b][:m])
         if feed_head:
             read = [s.history[-1]] + emitted[b][: m - 1]
             s.cache.pending[0].push(hidden[b : b + 1, :m], read)

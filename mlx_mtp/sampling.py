@@ -375,6 +375,26 @@ class ExactMatchVerifier:
         return emitted
 
 
+def logprobs(verifier, logits: mx.array, history, tokens: Sequence[int]) -> mx.array:
+    """Log-probabilities at the rows of ``logits`` (``[T, V]``; row ``i`` follows
+    ``history`` and ``tokens[:i]``) after ``verifier``'s logits processors and
+    before temperature and the top-p/top-k/min-p filters, as mlx-lm reports them."""
+    processors = getattr(verifier, "processors", None)
+    if processors is None:
+        processors = getattr(verifier, "logits_processors", None) or []
+    if processors:
+        prefix = [int(t) for t in history]
+        rows = []
+        for i in range(logits.shape[0]):
+            row, before = logits[i : i + 1], mx.array(prefix + list(tokens[:i]))
+            for processor in processors:
+                row = processor(before, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def make_verifier(
     config: Optional[SamplingConfig] = None,
     sampler: Optional[Sampler] = None,

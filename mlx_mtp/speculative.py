@@ -22,7 +22,7 @@ from .adaptive import FixedDraft, expected_tokens
 from .cache import MTPCache, can_rollback
 from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .ngram import PromptLookup
-from .rounds import OneStream, Stream, catch_up, settle, verify
+from .rounds import Logprobs, OneStream, Stream, catch_up, settle, verify
 from .rounds import draft as draft_round
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
@@ -120,6 +120,7 @@ def speculative_generate_step(
     cached_tokens: Sequence[int] = (),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     lookup: Optional[PromptLookup] = None,
+    logprobs: Optional[Logprobs] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
@@ -134,7 +135,9 @@ def speculative_generate_step(
     prompt. ``prefill_progress`` goes to ``prefill``. ``lookup`` (a
     ``PromptLookup``) adds prompt-lookup drafts: a round checks its proposal
     instead of the head's drafts when that is expected to pay more (it is
-    verified, accepted and rolled back as any draft).
+    verified, accepted and rolled back as any draft). ``logprobs`` (a
+    ``rounds.Logprobs``) receives each token's log-probability before the token
+    is yielded.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -160,6 +163,7 @@ def speculative_generate_step(
     tic = time.perf_counter()
 
     stream = Stream(history, cache, verifier, max_tokens, stop_tokens, stats)
+    stream.logprobs = logprobs
     one, caches = [stream], OneStream(model, cache)
     ahead = None
     k = policy() if use_mtp else 0
@@ -176,7 +180,8 @@ def speculative_generate_step(
                 k, ahead = (policy() if use_mtp else 0), None
                 if k == 0 and remaining > 1 and not _may_look(lookup, y):
                     ahead = step.next(model, cache, verifier, history)
-                emitted, hidden = [step.token.item()], step.hidden
+                emitted = [step.token.item()]
+                logits, hidden = step.logits, step.hidden
                 if emitted[0] in stop_tokens and ahead is not None:
                     ahead.undo(cache)
                     ahead = None
@@ -189,7 +194,7 @@ def speculative_generate_step(
                         model, caches, one, [k], draft_p_min
                     )
                     drafts = drafted[0]
-                (emitted,), hidden = verify(model, caches, one, [drafts])
+                (emitted,), logits, hidden = verify(model, caches, one, [drafts])
                 if looked:
                     lookup.update(len(drafts), len(emitted) - 1)
                 elif drafts:
@@ -197,7 +202,15 @@ def speculative_generate_step(
                 k = policy() if use_mtp else 0
             accepted = len(emitted) - 1
             (m,) = settle(
-                model, caches, one, [drafts], tentative, [emitted], hidden, use_mtp
+                model,
+                caches,
+                one,
+                [drafts],
+                tentative,
+                [emitted],
+                logits,
+                hidden,
+                use_mtp,
             )
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9

@@ -157,13 +157,13 @@ class BatchDecoder:
         if k > 0:
             ks = [min(c, k) for c in caps]
             drafts, tentative = rounds.draft(model, self, streams, ks, self.draft_p_min)
-        emitted, hidden = rounds.verify(model, self, streams, drafts)
+        emitted, logits, hidden = rounds.verify(model, self, streams, drafts)
         for s, d, e, cap in zip(streams, drafts, emitted, caps):
             if cap:  # undrafted positions drift back up: a low rate is retried
                 s.rates.update(len(d), len(e) - 1)
         feed = model.head is not None
         kept = rounds.settle(
-            model, self, streams, drafts, tentative, emitted, hidden, feed
+            model, self, streams, drafts, tentative, emitted, logits, hidden, feed
         )
         seconds = time.perf_counter() - tic
         if self.policy is not None:
