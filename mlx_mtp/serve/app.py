@@ -97,6 +97,7 @@ class Params:
     stream: bool
     include_usage: bool
     grammar: Optional[str] = None  # what ``response_format`` holds answers to
+    logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
 
 
 class Service:
@@ -167,11 +168,16 @@ class Service:
                 param="top_logprobs",
                 code="invalid_value",
             )
-        for name in ("logprobs", "echo"):
-            if body.get(name) not in (None, False, 0):
-                raise APIError(
-                    f"'{name}' is not supported", param=name, code="unsupported_value"
-                )
+        if body.get("echo") not in (None, False):
+            raise APIError(
+                "'echo' is not supported", param="echo", code="unsupported_value"
+            )
+        logprobs = _get(body, "logprobs", (int, bool))
+        top = _get(body, "top_logprobs", (int,), 0, low=0, high=20)
+        if isinstance(logprobs, bool):  # chat: logprobs, top_logprobs
+            logprobs = top if logprobs else None
+        elif logprobs is not None:  # completions: logprobs is the top count
+            logprobs = _get(body, "logprobs", (int,), low=0, high=20)
         max_tokens = _get(body, "max_completion_tokens", (int,), low=1)
         if max_tokens is None:
             max_tokens = _get(body, "max_tokens", (int,), self.config.max_tokens, low=1)
@@ -220,6 +226,7 @@ class Service:
             stream=_get(body, "stream", (bool,), False),
             include_usage=_get(options, "include_usage", (bool,), False),
             grammar=grammar,
+            logprobs=logprobs,
         )
 
     def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
@@ -384,15 +391,49 @@ def _message(m: Any, i: int) -> dict:
 # -- the responses ---------------------------------------------------------------
 
 
-def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool):
+def _chunk(
+    kind: str, meta: dict, text: str, finish: Optional[str], first: bool, lp=None
+):
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
     return {**meta, "object": "text_completion", "choices": [choice]}
+
+
+def _logprobs(kind: str, entries: list, tokenizer, offset: int = 0):
+    """OpenAI's ``logprobs`` of a choice from ``(token, logprob, top)`` entries
+    (chat: ``content``; completions: ``tokens``, ``token_logprobs``, ...);
+    ``offset``: characters of the completion before these tokens."""
+
+    def text(t: int) -> str:
+        return tokenizer.decode([t])
+
+    if kind == "chat":
+
+        def item(t, lp):
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        content = [
+            {**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]}
+            for t, lp, top in entries
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{text(a): b for a, b in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 def _with_usage(chunk: dict, include_usage: bool) -> dict:
@@ -401,18 +442,18 @@ def _with_usage(chunk: dict, include_usage: bool) -> dict:
     return {**chunk, "usage": None} if include_usage else chunk
 
 
-def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict) -> dict:
+def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict, lp=None) -> dict:
     if kind == "chat":
         message = {"role": "assistant", "content": text}
         choice = {
             "index": 0,
             "message": message,
             "finish_reason": finish,
-            "logprobs": None,
+            "logprobs": lp,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
         obj = "text_completion"
     return {**meta, "object": obj, "choices": [choice], "usage": usage}
 
@@ -510,6 +551,7 @@ def create_app(
             draft_max=p.draft_max,
             emit=emit,
             stop=p.stop,
+            logprobs=p.logprobs,
         )
         if p.grammar is not None:
             request.logits_processors = [service.constraint(p.grammar, len(tokens))]
@@ -542,8 +584,13 @@ def create_app(
             )
         return await _collect(http, request, events, kind, meta)
 
+    def logprobs(request: Request, kind: str, entries: list, offset: int = 0):
+        if request.logprobs is None:
+            return None
+        return _logprobs(kind, entries, service.tokenizer, offset)
+
     async def _stream(http, request, events, kind, meta, include_usage):
-        done = False
+        done, sent = False, 0
         try:
             first = _chunk(kind, meta, "", None, first=True)
             yield _sse(_with_usage(first, include_usage))
@@ -552,8 +599,12 @@ def create_app(
                 if event.error is not None:
                     yield _sse(_internal(event.error))
                     break
-                if event.text or event.finish_reason:
-                    chunk = _chunk(kind, meta, event.text, event.finish_reason, False)
+                if event.text or event.finish_reason or event.logprobs:
+                    lp = logprobs(request, kind, event.logprobs, sent)
+                    sent += len(event.text)
+                    chunk = _chunk(
+                        kind, meta, event.text, event.finish_reason, False, lp
+                    )
                     yield _sse(_with_usage(chunk, include_usage))
                 if event.finish_reason is not None:
                     _note(http, event.usage)
@@ -574,7 +625,7 @@ def create_app(
 
     async def _collect(http, request, events, kind, meta):
         gone = asyncio.ensure_future(_wait_disconnect(http))
-        parts = []
+        parts, entries = [], []
         try:
             while True:
                 get = asyncio.ensure_future(events.get())
@@ -587,10 +638,14 @@ def create_app(
                 if event.error is not None:
                     return JSONResponse(_internal(event.error), status_code=500)
                 parts.append(event.text)
+                entries += event.logprobs
                 if event.finish_reason is not None:
                     _note(http, event.usage)
                     text = "".join(parts)
-                    body = _whole(kind, meta, text, event.finish_reason, event.usage)
+                    lp = logprobs(request, kind, entries)
+                    body = _whole(
+                        kind, meta, text, event.finish_reason, event.usage, lp
+                    )
                     return JSONResponse(body)
         finally:
             gone.cancel()

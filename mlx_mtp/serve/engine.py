@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..adaptive import acceptance_prior, make_policy
 from ..chat import truncatable
+from ..rounds import Logprobs
 from ..sampling import SamplingConfig, make_verifier
 from ..speculative import speculative_generate_step
 from ..stats import MTPStats
@@ -51,6 +52,8 @@ class Event:
     finish_reason: Optional[str] = None
     usage: Optional[dict] = None
     error: Optional[str] = None
+    # (token, logprob, top alternatives) of the tokens behind this event, if asked
+    logprobs: List = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Request:
     stop: List[str] = field(default_factory=list)
     # applied after the sampling settings' own, at every position (drafts too)
     logits_processors: List[Callable] = field(default_factory=list)
+    logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
     cancelled: bool = False
 
 
@@ -143,6 +147,16 @@ class _Job:
         self.read = 0  # prompt tokens the stream's caches hold
         self.reused = 0
         self.steps = None  # the single-stream loop, where there is no batch
+        self.logprobs_sent = 0
+
+    def logprobs(self) -> list:
+        """The log-probabilities of the tokens fed to the text since last asked."""
+        lp = self.stream.logprobs if self.stream is not None else None
+        if lp is None:
+            return []
+        new = lp.entries[self.logprobs_sent : self.text.tokens]
+        self.logprobs_sent += len(new)
+        return new
 
 
 def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPStats):
@@ -330,6 +344,8 @@ class Engine:
                 stop_tokens=set(self.text_eos()),
                 prior=self.prior,
             )
+            if request.logprobs is not None:
+                job.stream.logprobs = Logprobs(request.logprobs)
             job.stream.stats.prompt_tokens = len(request.prompt) - job.read
             if not self.batched:
                 self._start_serial(job, cache)
@@ -380,7 +396,7 @@ class Engine:
                 finished.append(job)
                 last.append(text)
             elif text:
-                job.request.emit(Event(text))
+                job.request.emit(Event(text, logprobs=job.logprobs()))
         if finished:
             self._leave(finished, last)
 
@@ -400,7 +416,9 @@ class Engine:
         reason = job.text.finish or "length"
         request = job.request
         info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
-        request.emit(Event(text, finish_reason=reason, usage=info))
+        request.emit(
+            Event(text, finish_reason=reason, usage=info, logprobs=job.logprobs())
+        )
 
     def _end_all(self) -> None:
         """Shutting down past the drain time: every request ends where it is."""
@@ -448,6 +466,7 @@ class Engine:
             prefill_step_size=self.config.prefill_step,
             stats=s.stats,
             cached_tokens=request.prompt[: job.read],
+            logprobs=s.logprobs,
         )
         self.serial.append(job)
 
@@ -460,7 +479,7 @@ class Engine:
         text = job.text.feed([token[0]] if token else [], job.request.max_tokens)
         if token is not None and job.text.finish is None:
             if text:
-                job.request.emit(Event(text))
+                job.request.emit(Event(text, logprobs=job.logprobs()))
             return
         # the round's remaining tokens: the trunk has read all but the last
         while s.generated < s.stats.generation_tokens:
