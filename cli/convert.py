@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
 from mlx_mtp.convert.precision import (
     DEFAULT_MTP_BITS,
     DEFAULT_Q_BITS,

@@ -77,6 +77,7 @@ def serve(
         rich_help_panel=SERVER,
     ),
     draft_max: o.DraftMax = None,
+    draft_source: o.DraftSourceOption = o.DraftSource.auto,
     fixed_draft: bool = typer.Option(
         False,
         "--fixed-draft",
@@ -103,6 +104,7 @@ def serve(
         prompt_cache_bytes=prompt_cache_mb << 20,
         adaptive_draft=not fixed_draft,
         shutdown_timeout=shutdown_timeout,
+        draft_source=o.DraftSource(draft_source).value,
     )
     sock = listen(host, port)  # a busy port fails before the model loads
     path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)

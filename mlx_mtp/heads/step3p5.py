@@ -33,6 +33,7 @@ import mlx.nn as nn
 from .base import MTPHead, MultiLayerHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .common import windowed
+
 # MTP layers stored as layers N.. past the trunk, as DeepSeek-V3 stores them
 from .deepseek import is_mtp_key, num_layers, prefix  # noqa: F401  (loader hooks)
 from .qwen3_next import ZeroCentredRMSNorm

@@ -48,9 +48,12 @@ class ServeConfig:
     prefill_step: int = DEFAULT_SERVE_PREFILL_STEP
     adaptive_draft: bool = True
     mtp: bool = True  # False: no request drafts, whatever it asks
+    draft_source: str = "auto"  # "mtp", "ngram" or "auto" (a request may choose)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def validate(self) -> None:
+        if self.draft_source not in ("mtp", "ngram", "auto"):
+            raise ValueError("draft_source must be 'mtp', 'ngram' or 'auto'")
         for name in ("max_tokens", "max_batch", "prefill_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -3,8 +3,8 @@
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
 server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``
 and ``GET /health``. Request fields follow OpenAI's API; ``draft_max`` (drafts
-per round) is an extension, and ``usage`` carries the MTP counts under
-``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
+per round) and ``draft_source`` ("mtp", "ngram" or "auto") are extensions, and
+``usage`` carries the MTP counts under ``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
 {"message", "type", "param", "code"}}``, and the server goes on serving.
 
 Requests are checked and tokenized here; the engine thread generates, and
@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from ..config import default_draft_max
 from ..constrain import JSONConstraint, grammar_tokenizer, response_format_grammar
-from ..defaults import MAX_DRAFT_MAX
+from ..defaults import DRAFT_SOURCES, MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
@@ -98,6 +98,7 @@ class Params:
     include_usage: bool
     grammar: Optional[str] = None  # what ``response_format`` holds answers to
     logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
+    draft_source: Optional[str] = None  # None: the server's
 
 
 class Service:
@@ -200,6 +201,14 @@ class Service:
         if default_draft is None:
             default_draft = default_draft_max(self.model)
         draft_max = _get(body, "draft_max", (int,), default_draft, 0, MAX_DRAFT_MAX)
+        draft_source = _get(body, "draft_source", (str,))
+        if draft_source is not None and draft_source not in DRAFT_SOURCES:
+            raise APIError(
+                f"'draft_source' must be one of {', '.join(DRAFT_SOURCES)}, "
+                f"got {json.dumps(draft_source)}",
+                param="draft_source",
+                code="invalid_value",
+            )
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -227,6 +236,7 @@ class Service:
             include_usage=_get(options, "include_usage", (bool,), False),
             grammar=grammar,
             logprobs=logprobs,
+            draft_source=draft_source,
         )
 
     def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
@@ -552,6 +562,7 @@ def create_app(
             emit=emit,
             stop=p.stop,
             logprobs=p.logprobs,
+            draft_source=p.draft_source,
         )
         if p.grammar is not None:
             request.logits_processors = [service.constraint(p.grammar, len(tokens))]

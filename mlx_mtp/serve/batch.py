@@ -17,8 +17,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import rounds
-from ..adaptive import AcceptanceEstimate
+from ..adaptive import AcceptanceEstimate, expected_tokens
+from ..ngram import PromptLookup
 from ..rounds import Item
+from ..sampling import Draft
 from .batch_cache import RaggedKVCache, merge, rollback
 from .policy import BatchDraftLength
 
@@ -32,6 +34,7 @@ class Stream(rounds.Stream):
     draft_max: int = 0
     prior: Optional[List[float]] = None  # the head's measured acceptance per depth
     rates: AcceptanceEstimate = field(init=False)  # running acceptance per depth
+    lookup: Optional[PromptLookup] = None  # prompt-lookup drafts, where asked for
 
     def __post_init__(self):
         self.rates = AcceptanceEstimate(self.draft_max, self.prior)
@@ -144,6 +147,17 @@ class BatchDecoder:
             return 0
         return max(0, min(s.draft_max, s.max_tokens - s.generated - 1))
 
+    def _looked(self, s: Stream, cap: int, k: int) -> List[int]:
+        """Stream ``s``'s prompt-lookup drafts this round, where checking them
+        is expected to pay more than a plain step, or (in "auto") than the
+        head's ``min(cap, k)`` drafts, by the single-stream costs."""
+        if s.lookup is None or s.remaining < 2:
+            return []
+        against, kb = 1.0, min(cap, k)
+        if s.lookup.mode == "auto" and kb > 0:
+            against = expected_tokens(s.rates.rates, kb) / s.lookup.costs.round(kb)
+        return s.lookup.drafts(s.remaining - 1, against)
+
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""
         model, streams = self.model, self.streams
@@ -153,20 +167,30 @@ class BatchDecoder:
         k = max(caps)
         if self.policy is not None:
             k = self.policy.choose(len(streams), [s.rates.rates for s in streams], caps)
+        looked = [self._looked(s, c, k) for s, c in zip(streams, caps)]
         drafts, tentative = [[] for _ in streams], None
-        if k > 0:
-            ks = [min(c, k) for c in caps]
+        ks = [0 if lk else min(c, k) for c, lk in zip(caps, looked)]
+        if max(ks) > 0:
             drafts, tentative = rounds.draft(model, self, streams, ks, self.draft_p_min)
+        for b, lk in enumerate(looked):
+            if lk:
+                drafts[b] = [Draft(mx.array([t]), None) for t in lk]
         emitted, logits, hidden = rounds.verify(model, self, streams, drafts)
-        for s, d, e, cap in zip(streams, drafts, emitted, caps):
-            if cap:  # undrafted positions drift back up: a low rate is retried
+        for s, d, e, cap, lk in zip(streams, drafts, emitted, caps, looked):
+            if lk:
+                s.lookup.update(len(d), len(e) - 1)
+            elif cap:  # undrafted positions drift back up: a low rate is retried
                 s.rates.update(len(d), len(e) - 1)
         feed = model.head is not None
         kept = rounds.settle(
             model, self, streams, drafts, tentative, emitted, logits, hidden, feed
         )
+        for s in streams:
+            if s.lookup is not None:
+                s.lookup.sync(s.history)
         seconds = time.perf_counter() - tic
-        if self.policy is not None:
+        # a round widened by lookup drafts is no sample of the head's K
+        if self.policy is not None and max(map(len, drafts)) <= k:
             self.policy.record(len(streams), k, seconds)
         for s in streams:
             s.stats.generation_time += seconds

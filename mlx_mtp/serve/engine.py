@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..adaptive import acceptance_prior, make_policy
 from ..chat import truncatable
+from ..ngram import make_lookup
 from ..rounds import Logprobs
 from ..sampling import SamplingConfig, make_verifier
 from ..speculative import speculative_generate_step
@@ -69,6 +70,7 @@ class Request:
     # applied after the sampling settings' own, at every position (drafts too)
     logits_processors: List[Callable] = field(default_factory=list)
     logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
+    draft_source: Optional[str] = None  # None: the server's
     cancelled: bool = False
 
 
@@ -172,6 +174,9 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPSta
             "accepted": stats.accepted,
             "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_length": stats.mean_accepted_length,
+            # of those, the prompt-lookup drafts
+            "lookup_drafted": stats.lookup_drafted,
+            "lookup_accepted": stats.lookup_accepted,
         },
     }
 
@@ -334,7 +339,9 @@ class Engine:
                 request.sampling, logits_processors=request.logits_processors
             )
             use_mtp = self.model.head is not None and self.config.mtp
-            draft_max = request.draft_max if use_mtp else 0
+            source = request.draft_source or self.config.draft_source
+            lookup = make_lookup(self.model, source) if self.config.mtp else None
+            draft_max = request.draft_max if use_mtp and source != "ngram" else 0
             job.stream = Stream(
                 history=list(request.prompt),
                 cache=cache,
@@ -346,6 +353,9 @@ class Engine:
             )
             if request.logprobs is not None:
                 job.stream.logprobs = Logprobs(request.logprobs)
+            if lookup is not None:
+                lookup.sync(job.stream.history)
+                job.stream.lookup = lookup
             job.stream.stats.prompt_tokens = len(request.prompt) - job.read
             if not self.batched:
                 self._start_serial(job, cache)
@@ -467,6 +477,7 @@ class Engine:
             stats=s.stats,
             cached_tokens=request.prompt[: job.read],
             logprobs=s.logprobs,
+            lookup=s.lookup,
         )
         self.serial.append(job)
 
