@@ -4,13 +4,13 @@ import json
 import statistics
 
 import pytest
+from mlx_mtp.cli import app
+from mlx_mtp.cli.app import run_app
 from typer.testing import CliRunner
 
 from mlx_mtp.bench import AUTO, BASELINE, NO_MTP
-from mlx_mtp.prompts import load_prompts
-from mlx_mtp.cli import app
-from mlx_mtp.cli.app import run_app
 from mlx_mtp.errors import MTPError
+from mlx_mtp.prompts import load_prompts
 
 FIELDS = {
     "config",

@@ -1,10 +1,10 @@
 """`mlx-mtp bench` on a busy machine says its figures do not hold, and which."""
 
+from mlx_mtp.cli import app
 from typer.testing import CliRunner
 
 from mlx_mtp import bench
 from mlx_mtp.bench import BASELINE, NO_MTP, BenchResult, ConfigResult, Measurement
-from mlx_mtp.cli import app
 
 
 def _row(name, k, ratio):

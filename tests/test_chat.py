@@ -11,13 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import DRAFT_FAMILIES
+from mlx_mtp.cli import app
 from typer.testing import CliRunner
 
 import mlx_mtp
 import mlx_mtp.chat
 from mlx_mtp.cache import cache_offset
 from mlx_mtp.chat import ChatSession, truncate
-from mlx_mtp.cli import app
 from mlx_mtp.generate import stream_generate
 
 MAX_TOKENS = 10

@@ -11,9 +11,8 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from typer.testing import CliRunner
-
 from mlx_mtp.cli import app
+from typer.testing import CliRunner
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,8 @@
 """What the CLI says about its own settings: no counts of drafts that cannot
 exist, no silently ignored flag."""
 
-from typer.testing import CliRunner
-
 from mlx_mtp.cli import app
+from typer.testing import CliRunner
 
 
 def run(*args):

@@ -9,10 +9,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from mlx_mtp.cli import app
 from mlx_mtp.cli.app import run_app
+from typer.testing import CliRunner
 
 README = Path(__file__).parent.parent / "README.md"
 HEAVY = ("mlx_lm", "transformers", "torch")

@@ -148,10 +148,8 @@ def test_a_port_in_use_is_one_line(folder):
 
 def test_under_mlx_launch_it_is_one_line(monkeypatch):
     """Every process would load the whole model and listen on the same port."""
+    from mlx_mtp.cli import app, options
     from typer.testing import CliRunner
-
-    from mlx_mtp.cli import app
-    from mlx_mtp.cli import options
 
     class Two:
         def size(self):

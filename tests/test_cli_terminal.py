@@ -13,10 +13,10 @@ import termios
 import time
 
 import pytest
-from typer.testing import CliRunner
-
 from mlx_mtp.cli import app
 from mlx_mtp.cli.chat import footer
+from typer.testing import CliRunner
+
 from mlx_mtp.stats import MTPStats
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")

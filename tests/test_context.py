@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import tiny
+from mlx_mtp.cli import app
 from typer.testing import CliRunner
 
 import mlx_mtp
-from mlx_mtp.cli import app
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import generate, stream_generate
 

@@ -18,8 +18,8 @@ from test_speculative import assert_same_or_near_tie, mtp_greedy, reference_gree
 
 import mlx_mtp
 from mlx_mtp.errors import MTPError
-from mlx_mtp.loader import read_config
 from mlx_mtp.generate import mtp_logits
+from mlx_mtp.loader import read_config
 
 PLAIN = list(tiny_plain.PLAIN_CONFIGS)
 HYBRID = list(tiny_hybrid.MODEL_TYPES)  # Qwen3-Next / Qwen3.5: mtp.* heads

@@ -26,10 +26,10 @@ import pytest
 import tiny
 import tiny_recurrent
 from mlx.utils import tree_flatten
-
-import mlx_mtp
 from mlx_mtp.convert import add_mtp, convert
 from mlx_mtp.convert.describe import describe
+
+import mlx_mtp
 from mlx_mtp.generate import mtp_logits
 
 TOKENS = list(range(40, 72))

@@ -143,7 +143,6 @@ def test_head_from_a_gguf(tiny_folders, tmp_path):
     """--mtp-only with a GGUF holding blk.N.nextn.*: the same head as from HF."""
     import tiny_plain
     from mlx.utils import tree_flatten
-
     from mlx_mtp.convert.model import head_tensors
 
     full = convert(tiny_folders("glm4_moe")[0], tmp_path / "full")

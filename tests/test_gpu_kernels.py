@@ -6,9 +6,8 @@ logic is still checked on the CPU by the emulated tests
 ``gpu_checks.py`` so that they also run standalone where pytest is not at hand.
 """
 
-import pytest
-
 import gpu_checks as checks
+import pytest
 
 BACKEND = checks.gd._backend()
 pytestmark = pytest.mark.skipif(BACKEND is None, reason="no GPU backend in MLX here")

@@ -25,9 +25,9 @@ from test_speculative import (
 )
 
 import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.recurrent.gdn_cache import GDNCache, patch_trunk
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 

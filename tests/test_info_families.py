@@ -3,6 +3,7 @@
 import json
 
 from mlx_mtp.cli.app import run_app
+
 from mlx_mtp.heads import RELEASED, supported_model_types
 
 

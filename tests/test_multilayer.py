@@ -19,8 +19,8 @@ from test_speculative import (
     reference_greedy,
 )
 
-from mlx_mtp.adaptive import FixedDraft
 import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.chat import truncate
 from mlx_mtp.heads import MultiLayerHead
 

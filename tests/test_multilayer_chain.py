@@ -284,6 +284,7 @@ def test_qwen_greedy_identical_and_layer_caches_exact(qwen, draft_max):
 def test_qwen_round_trip_keeps_both_layers(qwen, tmp_path):
     from mlx_mtp.convert import convert
     from mlx_mtp.convert.describe import describe
+
     from mlx_mtp.generate import mtp_logits
 
     model, _, src = qwen

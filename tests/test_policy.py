@@ -11,6 +11,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx_mtp.cli import app
 from test_speculative import (
     assert_cache_exact,
     assert_same_or_near_tie,
@@ -29,7 +30,6 @@ from mlx_mtp.adaptive import (
     make_policy,
     prior_costs,
 )
-from mlx_mtp.cli import app
 from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats

@@ -29,9 +29,9 @@ from test_speculative import (
 )
 
 import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.recurrent.keep_states import KeepStatesCache
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
@@ -388,7 +388,7 @@ def test_head_logits_match_numpy(models, family):
 def test_the_trunk_hands_over_the_hidden_state_vllm_does(models, family):
     """Before or after the final norm, as vLLM's model returns it to its drafter."""
     model, reference, _ = models(family)
-    from mlx_mtp.trunk import find_backbone, final_norm
+    from mlx_mtp.trunk import final_norm, find_backbone
 
     norm = final_norm(find_backbone(reference))
     seen = {}

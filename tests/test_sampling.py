@@ -23,11 +23,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sampler
 from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_mtp.cli.app import run_app
 
 import mlx_mtp
 from mlx_mtp import sampling
 from mlx_mtp.adaptive import CostAwareDraft, Costs, FixedDraft
-from mlx_mtp.cli.app import run_app
 from mlx_mtp.sampling import (
     SamplingConfig,
     SamplingVerifier,

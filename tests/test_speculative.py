@@ -12,8 +12,8 @@ from conftest import DRAFT_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_mtp.adaptive import FixedDraft
 import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 

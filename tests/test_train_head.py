@@ -602,6 +602,7 @@ def test_batch_flags_reach_generation_and_the_trunk(
     import importlib
 
     from mlx_mtp.cli import run_app
+
     from mlx_mtp.training import shards
 
     lm_generate = importlib.import_module("mlx_lm.generate")  # the module

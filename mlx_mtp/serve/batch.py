@@ -150,13 +150,22 @@ class BatchDecoder:
     def _looked(self, s: Stream, cap: int, k: int) -> List[int]:
         """Stream ``s``'s prompt-lookup drafts this round, where checking them
         is expected to pay more than a plain step, or (in "auto") than the
-        head's ``min(cap, k)`` drafts, by the single-stream costs."""
+        head's ``min(cap, k)`` drafts, by the single-stream costs.
+
+        With other streams in the batch, a proposal rides within the round's
+        width ``k``, which the batch's draft length found worth its cost:
+        a wider one would widen every stream's verify (and ``k`` 0, a batch
+        where drafts do not pay, takes none).
+        """
         if s.lookup is None or s.remaining < 2:
+            return []
+        limit = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
+        if limit < 1:
             return []
         against, kb = 1.0, min(cap, k)
         if s.lookup.mode == "auto" and kb > 0:
             against = expected_tokens(s.rates.rates, kb) / s.lookup.costs.round(kb)
-        return s.lookup.drafts(s.remaining - 1, against)
+        return s.lookup.drafts(limit, against)
 
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""
