@@ -30,10 +30,19 @@ from starlette.routing import Route
 from ..config import default_draft_max
 from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
-from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
+from ..prompts import context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
 from .engine import Engine, Event, Request
+from .tools import (
+    ToolError,
+    ToolPlan,
+    render,
+    split,
+    template_message,
+    tool_format,
+    tool_plan,
+)
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
           dict: "an object", list: "an array"}  # fmt: skip
@@ -105,6 +114,7 @@ class Service:
         )
         self.created = int(time.time())
         self.on_start = None
+        self.tool_format = tool_format(tokenizer)
 
     # -- checking a request --------------------------------------------------
 
@@ -195,7 +205,7 @@ class Service:
             out[token] = float(max(-100.0, min(100.0, value)))
         return out
 
-    def chat_tokens(self, body: dict) -> List[int]:
+    def chat_tokens(self, body: dict, plan: Optional[ToolPlan] = None) -> List[int]:
         messages = body.get("messages")
         if messages is None:
             raise APIError(
@@ -215,14 +225,15 @@ class Service:
                 param="messages",
                 code="unsupported_value",
             )
+        plan = plan or ToolPlan()
         turns = [_message(m, i) for i, m in enumerate(messages)]
         try:
-            text = chat_text(self.tokenizer, turns)
+            text = render(self.tokenizer, turns, plan.tools)
         except Exception as e:  # the template refuses the conversation
             raise APIError(
                 f"the chat template refused the messages: {e}", param="messages"
             ) from None
-        return encode(self.tokenizer, text)
+        return encode(self.tokenizer, text + plan.prefix)
 
     def completion_tokens(self, body: dict) -> List[int]:
         prompt = body.get("prompt")
@@ -292,26 +303,33 @@ def _message(m: Any, i: int) -> dict:
             param=f"{where}.content",
             code="invalid_type",
         )
-    return {"role": role, "content": content}
+    return template_message(m, {"role": role, "content": content}, where)
 
 
 # -- the responses ---------------------------------------------------------------
 
 
-def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool):
+def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool,
+           calls=(), index: int = 0):  # fmt: skip
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [c.openai(index + i) for i, c in enumerate(calls)]
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     return {**meta, "object": "text_completion", "choices": [choice]}
 
 
-def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict) -> dict:
+def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict,
+           calls=()) -> dict:  # fmt: skip
     if kind == "chat":
         message = {"role": "assistant", "content": text}
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [c.openai() for c in calls]
         choice = {
             "index": 0,
             "message": message,
@@ -385,8 +403,10 @@ def create_app(
         try:
             body = await _read_body(http)
             p = service.params(body)
+            plan = ToolPlan()
             if kind == "chat":
-                tokens = service.chat_tokens(body)
+                plan = tool_plan(body, service.tool_format)
+                tokens = service.chat_tokens(body, plan)
             else:
                 tokens = service.completion_tokens(body)
             try:
@@ -394,6 +414,8 @@ def create_app(
             except ValueError as e:
                 raise APIError(str(e)) from None
             request, events = submit(tokens, p, kind)
+        except ToolError as e:
+            return APIError(str(e), param=e.param, code=e.code).response()
         except APIError as e:
             return e.response()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -401,13 +423,13 @@ def create_app(
                 "model": service.name}  # fmt: skip
         if p.stream:
             return StreamingResponse(
-                _stream(request, events, kind, meta, p.include_usage),
+                _stream(request, events, kind, meta, p.include_usage, plan.splitter()),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _collect(http, request, events, kind, meta)
+        return await _collect(http, request, events, kind, meta, plan.splitter())
 
-    async def _stream(request, events, kind, meta, include_usage):
+    async def _stream(request, events, kind, meta, include_usage, splitter):
         done = False
         try:
             yield _sse(_chunk(kind, meta, "", None, first=True))
@@ -416,10 +438,10 @@ def create_app(
                 if event.error is not None:
                     yield _sse(_internal(event.error))
                     break
-                if event.text or event.finish_reason:
-                    yield _sse(
-                        _chunk(kind, meta, event.text, event.finish_reason, False)
-                    )
+                text, calls, finish = split(splitter, event.text, event.finish_reason)
+                if text or finish or calls:
+                    made = len(splitter.calls) - len(calls) if calls else 0
+                    yield _sse(_chunk(kind, meta, text, finish, False, calls, made))
                 if event.finish_reason is not None:
                     if include_usage:
                         obj = (
@@ -436,9 +458,9 @@ def create_app(
             if not done:  # the client went away: free its stream
                 service.engine.cancel(request)
 
-    async def _collect(http, request, events, kind, meta):
+    async def _collect(http, request, events, kind, meta, splitter):
         gone = asyncio.ensure_future(_wait_disconnect(http))
-        parts = []
+        parts, calls = [], []
         try:
             while True:
                 get = asyncio.ensure_future(events.get())
@@ -450,10 +472,12 @@ def create_app(
                 event = get.result()
                 if event.error is not None:
                     return JSONResponse(_internal(event.error), status_code=500)
-                parts.append(event.text)
-                if event.finish_reason is not None:
+                text, made, finish = split(splitter, event.text, event.finish_reason)
+                parts.append(text)
+                calls += made
+                if finish is not None:
                     text = "".join(parts)
-                    body = _whole(kind, meta, text, event.finish_reason, event.usage)
+                    body = _whole(kind, meta, text, finish, event.usage, calls)
                     return JSONResponse(body)
         finally:
             gone.cancel()
