@@ -325,26 +325,24 @@ class ToolSplitter:
                 continue
             i = self.pending.find(fmt.start)
             if i >= 0:
-                out.append(self.pending[:i])
+                out.append(self._content(self.pending[:i]))
                 self.pending = self.pending[i + len(fmt.start) :]
                 self.in_call = True
                 continue
             keep = _held(self.pending, fmt.start)
-            out.append(self.pending[: len(self.pending) - keep])
+            out.append(self._content(self.pending[: len(self.pending) - keep]))
             self.pending = self.pending[len(self.pending) - keep :]
             break
-        return self._content("".join(out)), calls
+        return "".join(out), calls
 
     def finish(self) -> Tuple[str, List[ToolCall]]:
         """The rest at the end of the answer."""
         out: List[str] = []
         calls = self._parse(self.pending, out, "") if self.in_call else []
         if not self.in_call:
-            out.append(self.pending)
-        self.pending, self.in_call = "", False
-        text = self._content("".join(out))
-        self.gap = ""
-        return text, calls
+            out.append(self._content(self.pending))
+        self.pending, self.in_call, self.gap = "", False, ""
+        return "".join(out), calls
 
     def finish_reason(self, reason: str) -> str:
         """``"tool_calls"`` for an answer that ended after calling tools."""
@@ -357,7 +355,7 @@ class ToolSplitter:
             calls = [ToolCall(p["name"], _arguments(p.get("arguments")))
                      for p in parsed]  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError):
-            out.append(self.format.start + body + end)
+            out.append(self._content(self.format.start + body + end))
             return []
         self.calls += calls
         self.gap = ""
