@@ -201,8 +201,13 @@ def tool_format_of(name):
     from mlx_mtp.serve.tools import _FORCED
 
     module = {"json_tools": json_tools, "glm47": glm47}[name]
-    return ToolFormat(name, module.tool_call_start, module.tool_call_end,
-                      module.parse_tool_call, *_FORCED[name])  # fmt: skip
+    return ToolFormat(
+        name,
+        module.tool_call_start,
+        module.tool_call_end,
+        module.parse_tool_call,
+        *_FORCED[name],
+    )
 
 
 class _DeepSeekTokenizer:
@@ -232,8 +237,11 @@ def test_deepseek_template_gets_arguments_as_text():
         fmt,
     )
     assert named.prefix.endswith(f"function{DS_SEP}get_time\n```json\n")
-    call = {"id": "c1", "type": "function",
-            "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}  # fmt: skip
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+    }
     m = {"role": "assistant", "content": None, "tool_calls": [call]}
     turn = template_message(m, {"role": "assistant", "content": ""}, "messages[0]")
     assert turn["content"] is None
@@ -372,8 +380,11 @@ def test_forced_greedy_answers_equal_plain_decoding(client, loaded):
 
 def test_history_with_tool_calls_reaches_the_template(client, loaded):
     """An earlier call and its result are in the prompt (seen in usage)."""
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
@@ -409,8 +420,9 @@ def test_bad_tool_requests_get_400s(server, client):
 
 
 def test_a_model_without_tool_calls_refuses_tools(tiny_folders):
-    from mlx_mtp.serve.app import create_app
     from starlette.testclient import TestClient
+
+    from mlx_mtp.serve.app import create_app
 
     model, tokenizer = mlx_mtp.load(tiny_folders("deepseek_v3")[0])
     app = create_app(model, tokenizer, "plain", ServeConfig())

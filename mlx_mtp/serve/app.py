@@ -2,8 +2,9 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
 server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``
-and ``GET /health``. Request fields follow OpenAI's API; ``draft_max`` (drafts
-per round) is an extension, and ``usage`` carries the MTP counts under
+and ``GET /health``; Anthropic's ``POST /v1/messages`` (``anthropic.py``).
+Request fields follow OpenAI's API; ``draft_max`` (drafts per round) is an
+extension, and ``usage`` carries the MTP counts under
 ``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
 {"message", "type", "param", "code"}}``, and the server goes on serving.
 
@@ -485,6 +486,14 @@ def create_app(
     async def chat(http: HTTPRequest):
         return await complete(http, "chat")
 
+    from . import anthropic  # it imports this module
+
+    async def messages(http: HTTPRequest):
+        return await anthropic.messages(service, submit, http)
+
+    async def count_tokens(http: HTTPRequest):
+        return await anthropic.messages(service, submit, http, count=True)
+
     async def completions(http: HTTPRequest):
         return await complete(http, "text")
 
@@ -526,6 +535,8 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
