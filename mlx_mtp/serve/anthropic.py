@@ -189,7 +189,9 @@ class _Stops:
 
     def feed(self, text: str, final: bool) -> str:
         self.text += text
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s)) >= 0]
+        # what was sent holds no stop sequence, nor the start of one
+        found = ((self.text.find(s, self.sent), s) for s in self.stops)
+        hits = [(i, s) for i, s in found if i >= 0]
         if hits:
             end, self.matched = min(hits)
         elif final:
@@ -294,7 +296,7 @@ async def messages(service, submit, http: HTTPRequest, count: bool = False):
         stops, p.stop = _Stops(p.stop), []
         request, events = submit(tokens, p, "chat")
     except ToolError as e:
-        return error_response(_bad(f"{e.param}: {e}"))
+        return error_response(_bad(str(e)))
     except APIError as e:
         return error_response(e)
     message = {

@@ -373,6 +373,8 @@ def create_app(
     model, tokenizer, name: str, config: Optional[ServeConfig] = None
 ) -> Starlette:
     """The Starlette app serving ``model`` under the model id ``name``."""
+    from . import anthropic  # it imports this module
+
     config = config or ServeConfig()
     config.validate()
     service = Service(model, tokenizer, name, config)
@@ -485,8 +487,6 @@ def create_app(
 
     async def chat(http: HTTPRequest):
         return await complete(http, "chat")
-
-    from . import anthropic  # it imports this module
 
     async def messages(http: HTTPRequest):
         return await anthropic.messages(service, submit, http)
