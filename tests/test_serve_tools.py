@@ -432,3 +432,78 @@ def test_a_model_without_tool_calls_refuses_tools(tiny_folders):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         r = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
         assert r.status_code == 200
+
+
+# -- DeepSeek-V3's format, read here rather than by mlx-lm ---------------------------
+
+
+@pytest.fixture(scope="module")
+def ds_loaded(tiny_folders, tmp_path_factory):
+    folder = tiny_folders("deepseek_v3")[0]
+    target = tmp_path_factory.mktemp("ds-tools") / "model"
+    return mlx_mtp.load(tool_model.build(folder, target, "deepseek"))
+
+
+@pytest.fixture(scope="module")
+def ds_client(ds_loaded):
+    model, tokenizer = ds_loaded
+    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
+    yield live.client()
+    live.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_named_call(ds_client, stream):
+    bias = {str(tool_model.token_id(tool_model.DS_ARGS, "deepseek")): 100}
+    kwargs = dict(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stop=["DONE"],
+        extra_body={"logit_bias": bias},
+    )
+    if stream:
+        chunks = list(_chat(ds_client, stream=True, **kwargs))
+        calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = _chat(ds_client, **kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    assert finish == "tool_calls"
+
+
+def test_deepseek_forced_greedy_and_history(ds_client, ds_loaded):
+    """The forced start of DeepSeek-V3's call, then plain greedy decoding with
+    drafts or without; an earlier call reaches its template as JSON text."""
+    model, tokenizer = ds_loaded
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    turns = [
+        template_message(m, {**m, "content": m["content"] or ""}, "") for m in history
+    ]
+    fmt = tool_format(tokenizer)
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    prefix = tool_plan({"tools": TOOLS, "tool_choice": choice}, fmt).prefix
+    prompt = render(tokenizer, turns, TOOLS) + prefix
+    assert '```json\n{"city": "Oslo"}\n```' in prompt
+    out = stream_generate(model, tokenizer, prompt, 16, mtp=False)
+    plain = "".join(r.text for r in out)
+    for k in (0, 4):
+        r = ds_client.chat.completions.create(
+            model=NAME,
+            messages=history,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=16,
+            extra_body={"draft_max": k},
+        )
+        assert r.choices[0].message.content == prefix + plain
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))

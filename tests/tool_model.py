@@ -1,4 +1,5 @@
-"""A tiny DeepSeek-style model whose tokenizer has a Qwen-style tool template.
+"""A tiny DeepSeek-style model whose tokenizer has a tool template: Qwen's
+``<tool_call>`` JSON, or DeepSeek-V3's ``<｜tool▁calls▁begin｜>`` section.
 
 The byte-level tokenizer of ``tiny.py`` with the tool-call markers as added
 tokens, and whole scripted answers as added tokens too: a random model calls
@@ -42,25 +43,60 @@ Call a function as <tool_call>
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# DeepSeek-V3's way: the arguments are joined to the text as JSON strings
+DS_TEMPLATE = """\
+{%- if tools %}## Tools
+{{ tools | tojson }}
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<｜User｜>{{ m.content }}
+{%- elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>
+{%- elif m.role == 'assistant' and m.tool_calls %}<｜Assistant｜><｜tool▁calls▁begin｜>
+{%- for tc in m.tool_calls %}{{ '<｜tool▁call▁begin｜>' + tc.type + '<｜tool▁sep｜>'
+  + tc.function.name + '\n```json\n' + tc.function.arguments
+  + '\n```<｜tool▁call▁end｜>' }}{% endfor %}<｜tool▁calls▁end｜>
+{%- else %}{{ m.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"""
+
 # scripted answers (each one token), after the forced starts of a call
 ARGS = '{"city": "Paris"}}\n</tool_call>DONE'
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>DONE'
 AUTO = "Let me look.<tool_call>\n" + CALL
-ADDED = ["<tool_call>", "</tool_call>", ARGS, CALL, AUTO]
+DS_ARGS = '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>DONE'
+STYLES = {
+    "qwen": (TEMPLATE, ["<tool_call>", "</tool_call>", ARGS, CALL, AUTO]),
+    "deepseek": (
+        DS_TEMPLATE,
+        [
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>",
+            DS_ARGS,
+        ],
+    ),
+}
 
 
-def token_id(text: str) -> int:
-    return 256 + len(tiny.SPECIALS) + ADDED.index(text)
+def token_id(text: str, style: str = "qwen") -> int:
+    return 256 + len(tiny.SPECIALS) + STYLES[style][1].index(text)
 
 
-def build(folder: Path, target: Path) -> Path:
-    """``folder`` (a tiny model) copied to ``target`` with the tool tokenizer."""
+def build(folder: Path, target: Path, style: str = "qwen") -> Path:
+    """``folder`` (a tiny model) copied to ``target`` with a tool tokenizer."""
     from transformers import AutoTokenizer
 
+    template, added = STYLES[style]
     shutil.copytree(folder, target)
     tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.add_tokens(ADDED)
-    tok.chat_template = TEMPLATE
+    tok.add_tokens(added)
+    tok.chat_template = template
     tok.save_pretrained(str(target))
-    assert [tok.convert_tokens_to_ids(t) for t in ADDED] == list(map(token_id, ADDED))
+    ids = [tok.convert_tokens_to_ids(t) for t in added]
+    assert ids == [token_id(t, style) for t in added]
     return target
