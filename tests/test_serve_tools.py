@@ -169,6 +169,7 @@ def _plan(fmt, **body):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [TIME["function"]]}, "functions"),
     ],
 )
 def test_bad_tools_are_refused(body, param):

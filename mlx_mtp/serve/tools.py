@@ -143,6 +143,9 @@ def _tool(t, i: int) -> dict:
 
 def tool_plan(body: dict, fmt: Optional[ToolFormat]) -> ToolPlan:
     """Check ``tools`` and ``tool_choice``; what the prompt and parsing need."""
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise ToolError(f"'{old}' is not supported: use 'tools'", old)
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is not None and not isinstance(tools, list):
