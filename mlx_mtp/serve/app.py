@@ -3,10 +3,11 @@
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
 server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``
 and ``GET /health``; Anthropic's ``POST /v1/messages`` (``anthropic.py``).
-Request fields follow OpenAI's API; ``draft_max`` (drafts per round) is an
-extension, and ``usage`` carries the MTP counts under
-``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
-{"message", "type", "param", "code"}}``, and the server goes on serving.
+Request fields follow OpenAI's API, ``tools`` and ``tool_choice`` included
+(``tools.py``); ``draft_max`` (drafts per round) is an extension, and
+``usage`` carries the MTP counts under ``usage.mtp``. A bad request gets a
+4xx with OpenAI's error body, ``{"error": {"message", "type", "param",
+"code"}}``, and the server goes on serving.
 
 Requests are checked and tokenized here; the engine thread generates, and
 its events come back through an asyncio queue per request.
