@@ -2,10 +2,13 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
 server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``
-and ``GET /health``. Request fields follow OpenAI's API; ``draft_max`` (drafts
-per round) and ``draft_source`` ("mtp", "ngram" or "auto") are extensions, and
-``usage`` carries the MTP counts under ``usage.mtp``. A bad request gets a 4xx with OpenAI's error body, ``{"error":
-{"message", "type", "param", "code"}}``, and the server goes on serving.
+and ``GET /health``; Anthropic's ``POST /v1/messages`` (``anthropic.py``).
+Request fields follow OpenAI's API, ``tools`` and ``tool_choice`` included
+(``tools.py``); ``draft_max`` (drafts per round) and ``draft_source``
+("mtp", "ngram" or "auto") are extensions, and ``usage`` carries the MTP
+counts under ``usage.mtp``. A bad request gets a 4xx with OpenAI's error
+body, ``{"error": {"message", "type", "param", "code"}}``, and the server
+goes on serving. ``docs/serve.md`` lists every field and what it does.
 
 Requests are checked and tokenized here; the engine thread generates, and
 its events come back through an asyncio queue per request.
@@ -36,11 +39,21 @@ from ..config import default_draft_max
 from ..constrain import JSONConstraint, grammar_tokenizer, response_format_grammar
 from ..defaults import DRAFT_SOURCES, MAX_DRAFT_MAX
 from ..errors import MTPError
-from ..prompts import chat_text, context_length, encode, fit_context, has_chat_template
+from ..prompts import context_length, encode, fit_context, has_chat_template
 from ..sampling import SamplingConfig
-from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig
+from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic
 from .engine import Engine, Event, Request
 from .fim import fim_prompt, fim_tokens
+from .http import APIError, read_body, wait_disconnect
+from .tools import (
+    ToolError,
+    ToolPlan,
+    render,
+    split,
+    template_message,
+    tool_format,
+    tool_plan,
+)
 
 logger = logging.getLogger("mlx_mtp.serve")
 
@@ -49,21 +62,6 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
           dict: "an object", list: "an array"}  # fmt: skip
-
-
-class APIError(Exception):
-    """A request the server refuses, with OpenAI's error fields."""
-
-    def __init__(self, message, param=None, code=None, status=400,
-                 type="invalid_request_error"):  # fmt: skip
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-        self.status, self.type = status, type
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param,
-                "code": self.code}  # fmt: skip
-        return JSONResponse({"error": body}, status_code=self.status)
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, low=None, high=None):
@@ -122,6 +120,7 @@ class Service:
         self.on_start = None
         self.aliases = model_aliases(name)
         self._grammar_tokenizer = None
+        self.tool_format = tool_format(tokenizer)
 
     def constraint(self, grammar: str, prompt_len: int) -> JSONConstraint:
         """The logits processor holding an answer to ``grammar``."""
@@ -265,7 +264,7 @@ class Service:
             out[token] = float(max(-100.0, min(100.0, value)))
         return out
 
-    def chat_tokens(self, body: dict) -> List[int]:
+    def chat_tokens(self, body: dict, plan: Optional[ToolPlan] = None) -> List[int]:
         messages = body.get("messages")
         if messages is None:
             raise APIError(
@@ -285,14 +284,15 @@ class Service:
                 param="messages",
                 code="unsupported_value",
             )
+        plan = plan or ToolPlan()
         turns = [_message(m, i) for i, m in enumerate(messages)]
         try:
-            text = chat_text(self.tokenizer, turns)
+            text = render(self.tokenizer, turns, plan.tools)
         except Exception as e:  # the template refuses the conversation
             raise APIError(
                 f"the chat template refused the messages: {e}", param="messages"
             ) from None
-        return encode(self.tokenizer, text)
+        return encode(self.tokenizer, text + plan.prefix)
 
     def completion_tokens(self, body: dict) -> List[int]:
         prompt = body.get("prompt")
@@ -395,19 +395,20 @@ def _message(m: Any, i: int) -> dict:
             param=f"{where}.content",
             code="invalid_type",
         )
-    return {"role": role, "content": content}
+    return template_message(m, {"role": role, "content": content}, where)
 
 
 # -- the responses ---------------------------------------------------------------
 
 
-def _chunk(
-    kind: str, meta: dict, text: str, finish: Optional[str], first: bool, lp=None
-):
+def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool,
+           lp=None, calls=(), index: int = 0):  # fmt: skip
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [c.openai(index + i) for i, c in enumerate(calls)]
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
@@ -452,9 +453,13 @@ def _with_usage(chunk: dict, include_usage: bool) -> dict:
     return {**chunk, "usage": None} if include_usage else chunk
 
 
-def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict, lp=None) -> dict:
+def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict,
+           lp=None, calls=()) -> dict:  # fmt: skip
     if kind == "chat":
         message = {"role": "assistant", "content": text}
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [c.openai() for c in calls]
         choice = {
             "index": 0,
             "message": message,
@@ -518,26 +523,11 @@ def _internal(message: str) -> dict:
                       "code": "internal_error"}}  # fmt: skip
 
 
-async def _wait_disconnect(request: HTTPRequest) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _read_body(request: HTTPRequest) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON ({e})", code="invalid_json")
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object", code="invalid_json")
-    return body
-
-
 def create_app(
     model, tokenizer, name: str, config: Optional[ServeConfig] = None
 ) -> Starlette:
     """The Starlette app serving ``model`` under the model id ``name``."""
+
     config = config or ServeConfig()
     config.validate()
     service = Service(model, tokenizer, name, config)
@@ -571,10 +561,12 @@ def create_app(
 
     async def complete(http: HTTPRequest, kind: str):
         try:
-            body = await _read_body(http)
+            body = await read_body(http)
             p = service.params(body)
+            plan = ToolPlan()
             if kind == "chat":
-                tokens = service.chat_tokens(body)
+                plan = tool_plan(body, service.tool_format)
+                tokens = service.chat_tokens(body, plan)
             else:
                 tokens = service.completion_tokens(body)
             try:
@@ -582,6 +574,8 @@ def create_app(
             except ValueError as e:
                 raise APIError(str(e)) from None
             request, events = submit(tokens, p, kind)
+        except ToolError as e:
+            return APIError(str(e), param=e.param, code=e.code).response()
         except APIError as e:
             return e.response()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -589,18 +583,26 @@ def create_app(
                 "model": service.name}  # fmt: skip
         if p.stream:
             return StreamingResponse(
-                _stream(http, request, events, kind, meta, p.include_usage),
+                _stream(
+                    http,
+                    request,
+                    events,
+                    kind,
+                    meta,
+                    p.include_usage,
+                    plan.splitter(),
+                ),  # fmt: skip
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _collect(http, request, events, kind, meta)
+        return await _collect(http, request, events, kind, meta, plan.splitter())
 
     def logprobs(request: Request, kind: str, entries: list, offset: int = 0):
         if request.logprobs is None:
             return None
         return _logprobs(kind, entries, service.tokenizer, offset)
 
-    async def _stream(http, request, events, kind, meta, include_usage):
+    async def _stream(http, request, events, kind, meta, include_usage, splitter):
         done, sent = False, 0
         try:
             first = _chunk(kind, meta, "", None, first=True)
@@ -610,12 +612,12 @@ def create_app(
                 if event.error is not None:
                     yield _sse(_internal(event.error))
                     break
-                if event.text or event.finish_reason or event.logprobs:
+                text, calls, finish = split(splitter, event.text, event.finish_reason)
+                if text or finish or calls or event.logprobs:
+                    made = len(splitter.calls) - len(calls) if calls else 0
                     lp = logprobs(request, kind, event.logprobs, sent)
                     sent += len(event.text)
-                    chunk = _chunk(
-                        kind, meta, event.text, event.finish_reason, False, lp
-                    )
+                    chunk = _chunk(kind, meta, text, finish, False, lp, calls, made)
                     yield _sse(_with_usage(chunk, include_usage))
                 if event.finish_reason is not None:
                     _note(http, event.usage)
@@ -634,9 +636,9 @@ def create_app(
             if not done:  # the client went away: free its stream
                 service.engine.cancel(request)
 
-    async def _collect(http, request, events, kind, meta):
-        gone = asyncio.ensure_future(_wait_disconnect(http))
-        parts, entries = [], []
+    async def _collect(http, request, events, kind, meta, splitter):
+        gone = asyncio.ensure_future(wait_disconnect(http))
+        parts, calls, entries = [], [], []
         try:
             while True:
                 get = asyncio.ensure_future(events.get())
@@ -648,21 +650,27 @@ def create_app(
                 event = get.result()
                 if event.error is not None:
                     return JSONResponse(_internal(event.error), status_code=500)
-                parts.append(event.text)
+                text, made, finish = split(splitter, event.text, event.finish_reason)
+                parts.append(text)
+                calls += made
                 entries += event.logprobs
-                if event.finish_reason is not None:
+                if finish is not None:
                     _note(http, event.usage)
                     text = "".join(parts)
                     lp = logprobs(request, kind, entries)
-                    body = _whole(
-                        kind, meta, text, event.finish_reason, event.usage, lp
-                    )
+                    body = _whole(kind, meta, text, finish, event.usage, lp, calls)
                     return JSONResponse(body)
         finally:
             gone.cancel()
 
     async def chat(http: HTTPRequest):
         return await complete(http, "chat")
+
+    async def messages(http: HTTPRequest):
+        return await anthropic.messages(service, submit, http)
+
+    async def count_tokens(http: HTTPRequest):
+        return await anthropic.messages(service, submit, http, count=True)
 
     async def completions(http: HTTPRequest):
         return await complete(http, "text")
@@ -713,6 +721,8 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),

@@ -1,0 +1,411 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (and ``/count_tokens``).
+
+A request is translated into the chat completions request it means (system
+prompt, text, ``tool_use`` and ``tool_result`` blocks, tools and tool
+choice) and served by the same path; the answer comes back as a ``message``
+with text and ``tool_use`` blocks, or streamed as Anthropic's events
+(``message_start``, ``content_block_start``/``delta``/``stop``,
+``message_delta``, ``message_stop``). Errors have Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}``.
+
+``draft_max``, ``seed``, ``min_p``, ``logit_bias`` and
+``repetition_penalty`` are this server's extensions, as on the chat path.
+Any ``model`` name is served: coding agents send the names of the models they
+were set up for (and a second, smaller one for chores), not this server's.
+"""
+
+import asyncio
+import json
+import uuid
+from typing import List, Optional, Tuple
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from .http import APIError, read_body, wait_disconnect
+from .tools import ToolCall, ToolError, split, tool_plan
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+}
+# this server's fields, as on /v1/chat/completions
+EXTENSIONS = ("draft_max", "seed", "min_p", "logit_bias", "repetition_penalty")
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    kind = _ERROR_TYPES.get(e.status, "invalid_request_error")
+    body = {"type": "error", "error": {"type": kind, "message": e.message}}
+    return JSONResponse(body, status_code=e.status)
+
+
+def _bad(message: str) -> APIError:
+    return APIError(message, code="invalid_value")
+
+
+def _text(content, where: str) -> str:
+    """A string, or the text of a list of text blocks."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(
+        isinstance(b, dict)
+        and b.get("type") == "text"
+        and isinstance(b.get("text"), str)
+        for b in content
+    ):
+        return "".join(b["text"] for b in content)
+    raise _bad(f"{where}: must be a string or an array of text blocks")
+
+
+def _turns(m, i: int) -> List[dict]:
+    """One Anthropic message as chat messages: a user's tool results become
+    tool messages (before its text), an assistant's ``tool_use`` tool calls."""
+    where = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise _bad(f'{where}: must be an object with role "user" or "assistant"')
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content: must be a string or an array of blocks")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{j}"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and m["role"] == "assistant":
+            if not isinstance(block.get("name"), str):
+                raise _bad(f"{at}.name: must be a string")
+            args = block.get("input") or {}
+            function = {"name": block["name"], "arguments": json.dumps(args)}
+            calls.append(
+                {
+                    "id": str(block.get("id", "")),
+                    "type": "function",
+                    "function": function,
+                }
+            )
+        elif kind == "tool_result" and m["role"] == "user":
+            result = _text(block.get("content"), f"{at}.content")
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            results.append(
+                {
+                    "role": "tool",
+                    "content": result,
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # the model's own reasoning: chat templates drop it too
+        else:
+            raise _bad(f"{at}: blocks of type {json.dumps(kind)} are not supported")
+    text = "".join(texts)
+    if m["role"] == "assistant":
+        turn = {"role": "assistant", "content": text or (None if calls else "")}
+        return [dict(turn, tool_calls=calls) if calls else turn]
+    return results + ([{"role": "user", "content": text}] if texts else [])
+
+
+def _tools(body: dict) -> Tuple[Optional[list], object]:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools: must be an array")
+        out = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise _bad(
+                    f"tools.{i}: tools of type {json.dumps(kind)} are not "
+                    "supported (only client tools with an input_schema)"
+                )
+            function = {"name": t.get("name"), "parameters": t.get("input_schema", {})}
+            if "description" in t:
+                function["description"] = t["description"]
+            out.append({"type": "function", "function": function})
+        tools = out
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "tool":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        elif kind in ("auto", "none", "any"):
+            choice = "required" if kind == "any" else kind
+        else:
+            raise _bad('tool_choice: type must be "auto", "any", "tool" or "none"')
+    return tools, choice
+
+
+def chat_request(body: dict, count: bool = False) -> dict:
+    """The chat completions request that an Anthropic Messages request means
+    (``count``: one whose tokens are counted, with no ``max_tokens``)."""
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None and not count:
+        raise _bad("max_tokens: Field required")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages: must be a non-empty array")
+    chat = []
+    system = body.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _text(system, "system")})
+    for i, m in enumerate(messages):
+        chat += _turns(m, i)
+    stop = body.get("stop_sequences")
+    if stop is not None and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise _bad("stop_sequences: must be an array of strings")
+    tools, choice = _tools(body)
+    out = {
+        "messages": chat,
+        "max_tokens": max_tokens,
+        "stop": stop,
+        "tools": tools,
+        "tool_choice": choice,
+    }
+    for name in ("temperature", "top_p", "top_k", "stream", *EXTENSIONS):
+        out[name] = body.get(name)
+    return out
+
+
+class _Stops:
+    """Finds the stop sequences in the answer's text as it comes, holding back
+    what may begin one (the engine's own stop strings would cut the text with
+    no word of which one matched)."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.sent = 0
+        self.matched: Optional[str] = None
+
+    def feed(self, text: str, final: bool) -> str:
+        self.text += text
+        # what was sent holds no stop sequence, nor the start of one
+        found = ((self.text.find(s, self.sent), s) for s in self.stops)
+        hits = [(i, s) for i, s in found if i >= 0]
+        if hits:
+            end, self.matched = min(hits)
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - max(
+                (
+                    n
+                    for s in self.stops
+                    for n in range(len(s) - 1, 0, -1)
+                    if self.text.endswith(s[:n])
+                ),
+                default=0,
+            )
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+
+class _Blocks:
+    """The answer's content blocks, with the stream events that build them."""
+
+    def __init__(self):
+        self.blocks: List[dict] = []
+        self.text_open = False
+
+    def add(self, text: str, calls: List[ToolCall]) -> List[dict]:
+        events = []
+        if text:
+            if not self.text_open:
+                self.blocks.append({"type": "text", "text": ""})
+                events.append(
+                    self._event(
+                        "content_block_start",
+                        content_block={"type": "text", "text": ""},
+                    )
+                )
+                self.text_open = True
+            self.blocks[-1]["text"] += text
+            events.append(
+                self._event(
+                    "content_block_delta", delta={"type": "text_delta", "text": text}
+                )
+            )
+        for call in calls:
+            events += self.close()
+            block = {
+                "type": "tool_use",
+                "id": f"toolu_{call.id}",
+                "name": call.name,
+                "input": call.arguments,
+            }
+            self.blocks.append(block)
+            arguments = json.dumps(call.arguments, ensure_ascii=False)
+            events += [
+                self._event(
+                    "content_block_start", content_block={**block, "input": {}}
+                ),
+                self._event(
+                    "content_block_delta",
+                    delta={"type": "input_json_delta", "partial_json": arguments},
+                ),
+                self._event("content_block_stop"),
+            ]
+        return events
+
+    def close(self) -> List[dict]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [self._event("content_block_stop")]
+
+    def _event(self, kind: str, **fields) -> dict:
+        return {"type": kind, "index": len(self.blocks) - 1, **fields}
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def _stop(finish: str, stops: _Stops) -> dict:
+    # a call made is what the client must act on, whatever ended the answer
+    if stops.matched is not None and finish != "tool_calls":
+        return {"stop_reason": "stop_sequence", "stop_sequence": stops.matched}
+    return {"stop_reason": _STOP_REASONS.get(finish, finish), "stop_sequence": None}
+
+
+async def messages(service, submit, http: HTTPRequest, count: bool = False):
+    """``POST /v1/messages``; with ``count``, ``/v1/messages/count_tokens``."""
+    try:
+        body = await read_body(http)
+        chat = chat_request(body, count)
+        plan = tool_plan(chat, service.tool_format)
+        tokens = service.chat_tokens(chat, plan)
+        if count:
+            return JSONResponse({"input_tokens": len(tokens)})
+        p = service.params(chat)
+        try:
+            p.sampling.validate()
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        stops, p.stop = _Stops(p.stop), []
+        request, events = submit(tokens, p, "chat")
+    except ToolError as e:
+        return error_response(_bad(str(e)))
+    except APIError as e:
+        return error_response(e)
+    message = {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model") or service.name,
+    }
+    answer = _Answer(service, request, events, plan.splitter(), stops)
+    if p.stream:
+        usage = {"input_tokens": len(tokens), "output_tokens": 0}
+        start = {
+            **message,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        return StreamingResponse(
+            answer.stream(start),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    gone = asyncio.ensure_future(wait_disconnect(http))
+    try:
+        async for _ in answer.events(gone):
+            pass
+    finally:
+        gone.cancel()
+    if answer.error is not None:
+        return error_response(APIError(answer.error, status=500))
+    if answer.finish is None:
+        return JSONResponse({}, status_code=499)  # the client went away
+    usage = {"input_tokens": len(tokens), "output_tokens": answer.output_tokens}
+    return JSONResponse(
+        {
+            **message,
+            "content": answer.blocks.blocks,
+            **_stop(answer.finish, stops),
+            "usage": usage,
+        }
+    )
+
+
+class _Answer:
+    """The engine's events for one request, as content blocks."""
+
+    def __init__(self, service, request, events, splitter, stops: _Stops):
+        self.service, self.request, self.queue = service, request, events
+        self.splitter, self.stops = splitter, stops
+        self.blocks = _Blocks()
+        self.finish: Optional[str] = None
+        self.error: Optional[str] = None
+        self.output_tokens = 0
+
+    async def events(self, gone=None):
+        """Stream events as the blocks grow; ``finish`` is set at the end."""
+        engine = self.service.engine
+        while True:
+            get = asyncio.ensure_future(self.queue.get())
+            waits = {get} if gone is None else {get, gone}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                engine.cancel(self.request)
+                return
+            event = get.result()
+            if event.error is not None:
+                self.error = event.error
+                return
+            finish = event.finish_reason
+            text = self.stops.feed(event.text, final=finish is not None)
+            if self.stops.matched is not None and finish is None:
+                engine.cancel(self.request)  # it would not stop there itself
+                finish = "stop"
+                # the tokens up to the stop sequence, as the tokenizer reads them
+                self.output_tokens = len(
+                    self.service.tokenizer.encode(
+                        self.stops.text[: self.stops.sent] + self.stops.matched,
+                        add_special_tokens=False,
+                    )
+                )
+            elif finish is not None:
+                self.output_tokens = event.usage["completion_tokens"]
+            content, calls, finish = split(self.splitter, text, finish)
+            for e in self.blocks.add(content, calls):
+                yield e
+            if finish is not None:
+                self.finish = finish
+                for e in self.blocks.close():
+                    yield e
+                return
+
+    async def stream(self, start: dict):
+        done = False
+        try:
+            yield _sse({"type": "message_start", "message": start})
+            yield _sse({"type": "ping"})
+            async for event in self.events():
+                yield _sse(event)
+            if self.error is not None:
+                error = {"type": "api_error", "message": self.error}
+                yield _sse({"type": "error", "error": error})
+            else:
+                usage = {"output_tokens": self.output_tokens}
+                delta = _stop(self.finish, self.stops)
+                yield _sse({"type": "message_delta", "delta": delta, "usage": usage})
+                yield _sse({"type": "message_stop"})
+            done = True
+        finally:
+            if not done:  # the client went away: free its stream
+                self.service.engine.cancel(self.request)

@@ -1,0 +1,528 @@
+"""Tool calls in ``mlx-mtp serve``: the formats' parsing, the prompt, and the
+official ``openai`` client against a live server.
+
+A random model calls no tool on its own: the live tests force a call with
+``tool_choice`` (the forced start is in the prompt, the model writes the
+rest), and make the model finish it with ``logit_bias`` on a scripted answer
+token (``tool_model.py``).
+"""
+
+import json
+
+import mlx_lm.tool_parsers.glm47 as glm47
+import mlx_lm.tool_parsers.json_tools as json_tools
+import mlx_lm.tool_parsers.qwen3_coder as qwen3_coder
+import openai
+import pytest
+import tool_model
+from live_server import LiveServer
+
+import mlx_mtp
+from mlx_mtp.generate import stream_generate
+from mlx_mtp.serve import ServeConfig
+from mlx_mtp.serve.tools import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    ToolError,
+    ToolFormat,
+    ToolSplitter,
+    parse_deepseek,
+    render,
+    split,
+    template_message,
+    tool_format,
+    tool_plan,
+)
+
+NAME = "tiny-tools"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _format(module, name):
+    return ToolFormat(
+        name, module.tool_call_start, module.tool_call_end, module.parse_tool_call
+    )
+
+
+DEEPSEEK = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, parse_deepseek)
+
+# (format, an answer with content and two calls, in that format)
+ANSWERS = [
+    (
+        _format(json_tools, "json_tools"),
+        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        "{}}\n</tool_call>\n",
+    ),
+    (
+        _format(glm47, "glm47"),
+        "Let me look.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>"
+        "Paris</arg_value>\n</tool_call><tool_call>get_time</tool_call>",
+    ),
+    (
+        _format(qwen3_coder, "qwen3_coder"),
+        "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+        "</function>\n</tool_call>",
+    ),
+    (
+        DEEPSEEK,
+        f"Let me look.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n"
+        f'```json\n{{"city": "Paris"}}\n```{DS_CALL_END}\n{DS_CALL_BEGIN}function'
+        f"{DS_SEP}get_time\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}",
+    ),
+    (  # DeepSeek-V3.1
+        DEEPSEEK,
+        f'Let me look.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_weather{DS_SEP}{{"city": '
+        f'"Paris"}}{DS_CALL_END}{DS_CALL_BEGIN}get_time{DS_SEP}{{}}{DS_CALL_END}'
+        f"{DS_CALLS_END}",
+    ),
+]
+
+
+def _run(splitter, pieces):
+    content, calls = [], []
+    for piece in pieces:
+        text, new = splitter.feed(piece)
+        content.append(text)
+        calls += new
+    text, new = splitter.finish()
+    return "".join(content) + text, calls + new
+
+
+@pytest.mark.parametrize("fmt,answer", ANSWERS, ids=lambda a: getattr(a, "name", ""))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_splitter_reads_each_format(fmt, answer, step):
+    """Fed in pieces of any size: the content, then the calls, in order."""
+    pieces = [answer[i : i + step] for i in range(0, len(answer), step)]
+    splitter = ToolSplitter(fmt, TOOLS)
+    content, calls = _run(splitter, pieces)
+    assert content == "Let me look."
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert splitter.finish_reason("stop") == "tool_calls"
+    assert splitter.finish_reason("length") == "length"
+    call = calls[0].openai(0)
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_splitter_holds_back_only_what_may_be_a_marker():
+    splitter = ToolSplitter(_format(json_tools, "json_tools"), TOOLS)
+    assert splitter.feed("a < b <tool") == ("a < b ", [])
+    assert splitter.feed("box>") == ("<toolbox>", [])
+    assert splitter.finish() == ("", [])
+    assert splitter.finish_reason("stop") == "stop"
+
+
+def test_a_call_that_does_not_parse_stays_content():
+    fmt = _format(json_tools, "json_tools")
+    broken = 'x<tool_call>\n{"name": "get_weather", "argum</tool_call>y'
+    assert _run(ToolSplitter(fmt, TOOLS), [broken]) == (broken, [])
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert _run(ToolSplitter(fmt, TOOLS), [cut]) == (cut, [])
+
+
+def test_forced_start_is_read_back_before_parsing():
+    fmt = _format(json_tools, "json_tools")
+    prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
+    splitter = ToolSplitter(fmt, TOOLS, prefix)
+    content, calls = _run(splitter, ['{"city": "Paris"}}\n</tool_call>'])
+    assert content == "" and calls[0].arguments == {"city": "Paris"}
+
+
+def _plan(fmt, **body):
+    return tool_plan({"tools": TOOLS, **body}, fmt)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": {"a": 1}}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0]"),
+        ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [TIME["function"]]}, "functions"),
+    ],
+)
+def test_bad_tools_are_refused(body, param):
+    with pytest.raises(ToolError) as e:
+        tool_plan(body, _format(json_tools, "json_tools"))
+    assert e.value.param == param
+
+
+def test_tool_choice():
+    fmt = tool_format_of("json_tools")
+    assert _plan(fmt, tool_choice="none").tools is None
+    auto = _plan(fmt)
+    assert auto.tools == TOOLS and auto.prefix == ""
+    assert _plan(fmt, tool_choice="required").prefix == "<tool_call>\n"
+    named = _plan(
+        fmt, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert named.prefix == '<tool_call>\n{"name": "get_time", "arguments": '
+    # a format that cannot be forced, and a model with no format at all
+    kimi = ToolFormat("kimi_k2", "<|a|>", "<|b|>", json_tools.parse_tool_call)
+    with pytest.raises(ToolError, match="cannot be forced"):
+        _plan(kimi, tool_choice="required")
+    assert _plan(kimi).tools == TOOLS
+    with pytest.raises(ToolError, match="no tool-call format"):
+        _plan(None)
+    assert _plan(None, tool_choice="none").tools is None
+
+
+def tool_format_of(name):
+    from mlx_mtp.serve.tools import _FORCED
+
+    module = {"json_tools": json_tools, "glm47": glm47}[name]
+    return ToolFormat(
+        name,
+        module.tool_call_start,
+        module.tool_call_end,
+        module.parse_tool_call,
+        *_FORCED[name],
+    )
+
+
+class _DeepSeekTokenizer:
+    """The DeepSeek-V3 template's way with arguments: joined to text."""
+
+    chat_template = "... <｜tool▁calls▁begin｜> ... ```json ..."
+    has_tool_calling = False
+
+    def apply_chat_template(self, messages, tools=None, **kwargs):
+        out = []
+        for m in messages:
+            for c in m.get("tool_calls") or ():
+                out.append(c["function"]["name"] + "\n" + c["function"]["arguments"])
+            out.append(m["content"] or "")
+        return "|".join(out)
+
+
+def test_deepseek_template_gets_arguments_as_text():
+    tok = _DeepSeekTokenizer()
+    fmt = tool_format(tok)
+    assert fmt.name == "deepseek_v3" and fmt.start == DS_CALLS_BEGIN
+    named = tool_plan(
+        {
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+        fmt,
+    )
+    assert named.prefix.endswith(f"function{DS_SEP}get_time\n```json\n")
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+    }
+    m = {"role": "assistant", "content": None, "tool_calls": [call]}
+    turn = template_message(m, {"role": "assistant", "content": ""}, "messages[0]")
+    assert turn["content"] is None
+    assert turn["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    assert render(tok, [turn], TOOLS) == 'get_time\n{"tz": "UTC"}|'
+
+
+def test_history_arguments_must_be_json():
+    call = {"type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    with pytest.raises(ToolError, match="not JSON"):
+        template_message({"tool_calls": [call]}, {}, "messages[1]")
+
+
+# -- a live server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_folders, tmp_path_factory):
+    folder = tiny_folders("deepseek_v3")[0]
+    target = tmp_path_factory.mktemp("tools") / "model"
+    return mlx_mtp.load(tool_model.build(folder, target))
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    model, tokenizer = loaded
+    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def client(server):
+    server.wait_idle()
+    return server.client()
+
+
+def _bias(text):
+    return {"logit_bias": {str(tool_model.token_id(text)): 100}}
+
+
+def _chat(client, **kwargs):
+    kwargs.setdefault("max_tokens", 8)
+    return client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=TOOLS, **kwargs
+    )
+
+
+def test_named_tool_choice_makes_the_call(client):
+    r = _chat(
+        client,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stop=["DONE"],
+        extra_body=_bias(tool_model.ARGS),
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_makes_the_call(client, stream):
+    kwargs = dict(
+        tool_choice="required", stop=["DONE"], extra_body=_bias(tool_model.CALL)
+    )
+    if not stream:
+        calls = _chat(client, **kwargs).choices[0].message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            ("get_weather", '{"city": "Paris"}')
+        ]
+        return
+    chunks = list(_chat(client, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks]
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    assert calls[0].type == "function" and calls[0].id.startswith("call_")
+    assert not "".join(d.content or "" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_call_after_content(client, stream):
+    kwargs = dict(stop=["DONE"], extra_body=_bias(tool_model.AUTO))
+    if stream:
+        chunks = list(_chat(client, stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks]
+        content = "".join(d.content or "" for d in deltas)
+        calls = [t for d in deltas for t in d.tool_calls or ()]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = _chat(client, **kwargs).choices[0]
+        content, calls = choice.message.content, choice.message.tool_calls
+        finish = choice.finish_reason
+    assert content == "Let me look."
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert finish == "tool_calls"
+
+
+def test_tool_choice_none_renders_no_tools(client, loaded):
+    """Without tools in the template the answer is plain greedy decoding of
+    the plain conversation, and nothing is parsed."""
+    r = _chat(
+        client, tool_choice="none", max_tokens=12, extra_body=_bias(tool_model.AUTO)
+    )
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content.startswith(tool_model.AUTO)
+
+
+def test_forced_greedy_answers_equal_plain_decoding(client, loaded):
+    """A forced call the random model cannot finish comes back as content:
+    the forced start and then, with drafts or without, the tokens of plain
+    greedy decoding of the prompt that ends in it."""
+    model, tokenizer = loaded
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
+    messages = [template_message(m, dict(m), "") for m in MESSAGES]
+    prompt = render(tokenizer, messages, TOOLS) + prefix
+    out = stream_generate(model, tokenizer, prompt, 24, mtp=False)
+    plain = "".join(r.text for r in out)
+    answers = []
+    for k in (0, 1, 4):
+        r = _chat(
+            client, tool_choice=choice, max_tokens=24, extra_body={"draft_max": k}
+        )
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.tool_calls is None
+        answers.append(r.choices[0].message.content)
+    assert answers == [prefix + plain] * 3
+    assert r.usage.mtp["drafted"] > 0
+
+
+def test_history_with_tool_calls_reaches_the_template(client, loaded):
+    """An earlier call and its result are in the prompt (seen in usage)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(
+        model=NAME, messages=history, tools=TOOLS, max_tokens=1
+    )
+    tokenizer = loaded[1]
+    turns = [
+        template_message(m, {**m, "content": m["content"] or ""}, "") for m in history
+    ]
+    text = render(tokenizer, turns, TOOLS)
+    assert '"arguments": {"city": "Oslo"}' in text and "sunny, 21 C" in text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_bad_tool_requests_get_400s(server, client):
+    bad = [
+        dict(tools=[{"type": "function", "function": {}}]),
+        dict(
+            tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+        ),
+        dict(tools=TOOLS, tool_choice="sometimes"),
+    ]
+    for kwargs in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=NAME, messages=MESSAGES, max_tokens=4, **kwargs
+            )
+        assert e.value.body["param"].startswith("tool")
+    r = _chat(client, max_tokens=4)  # and the server goes on serving
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_a_model_without_tool_calls_refuses_tools(tiny_folders):
+    from starlette.testclient import TestClient
+
+    from mlx_mtp.serve.app import create_app
+
+    model, tokenizer = mlx_mtp.load(tiny_folders("deepseek_v3")[0])
+    app = create_app(model, tokenizer, "plain", ServeConfig())
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+    with TestClient(app) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        r = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert r.status_code == 200
+
+
+# -- DeepSeek-V3's format, read here rather than by mlx-lm ---------------------------
+
+
+@pytest.fixture(scope="module")
+def ds_loaded(tiny_folders, tmp_path_factory):
+    folder = tiny_folders("deepseek_v3")[0]
+    target = tmp_path_factory.mktemp("ds-tools") / "model"
+    return mlx_mtp.load(tool_model.build(folder, target, "deepseek"))
+
+
+@pytest.fixture(scope="module")
+def ds_client(ds_loaded):
+    model, tokenizer = ds_loaded
+    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
+    yield live.client()
+    live.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_named_call(ds_client, stream):
+    bias = {str(tool_model.token_id(tool_model.DS_ARGS, "deepseek")): 100}
+    kwargs = dict(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stop=["DONE"],
+        extra_body={"logit_bias": bias},
+    )
+    if stream:
+        chunks = list(_chat(ds_client, stream=True, **kwargs))
+        calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = _chat(ds_client, **kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    assert finish == "tool_calls"
+
+
+def test_deepseek_forced_greedy_and_history(ds_client, ds_loaded):
+    """The forced start of DeepSeek-V3's call, then plain greedy decoding with
+    drafts or without; an earlier call reaches its template as JSON text."""
+    model, tokenizer = ds_loaded
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    turns = [
+        template_message(m, {**m, "content": m["content"] or ""}, "") for m in history
+    ]
+    fmt = tool_format(tokenizer)
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    prefix = tool_plan({"tools": TOOLS, "tool_choice": choice}, fmt).prefix
+    prompt = render(tokenizer, turns, TOOLS) + prefix
+    assert '```json\n{"city": "Oslo"}\n```' in prompt
+    out = stream_generate(model, tokenizer, prompt, 16, mtp=False)
+    plain = "".join(r.text for r in out)
+    for k in (0, 4):
+        r = ds_client.chat.completions.create(
+            model=NAME,
+            messages=history,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=16,
+            extra_body={"draft_max": k},
+        )
+        assert r.choices[0].message.content == prefix + plain
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
+@pytest.mark.parametrize("parallel,expected", [(None, 2), (True, 2), (False, 1)])
+def test_parallel_tool_calls_false_passes_on_one_call(parallel, expected):
+    fmt, answer = ANSWERS[0]
+    body = {"tools": TOOLS, "parallel_tool_calls": parallel}
+    splitter = tool_plan(body, fmt).splitter()
+    calls = []
+    for piece in (answer[:10], answer[10:]):
+        calls += split(splitter, piece, None)[1]
+    calls += split(splitter, "", "stop")[1]
+    assert [c.name for c in calls] == ["get_weather", "get_time"][:expected]
+
+
+def test_parallel_tool_calls_must_be_a_boolean():
+    with pytest.raises(ToolError):
+        tool_plan({"tools": TOOLS, "parallel_tool_calls": "no"}, ANSWERS[0][0])
