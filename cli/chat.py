@@ -200,7 +200,9 @@ def chat(
     )
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
-        model, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
+        model, loaded, tokenizer = o.load_model(
+            model, mtp, hidden_tap, no_mtp, sharding
+        )
     finally:
         loading.stop()
     if not has_chat_template(tokenizer):

@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 # which puts the root first on sys.path), it finds them there, instead of
 # failing on a missing mlx_mtp.cli or mixing with an installed copy.
 _CHECKOUT = Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "cli" / "app.py").is_file():
+if (_CHECKOUT / "pyproject.toml").is_file() and (
+    _CHECKOUT / "cli" / "app.py"
+).is_file():
     __path__.append(str(_CHECKOUT))
 
 _EXPORTS = {

@@ -196,7 +196,9 @@ class AcceptanceEstimate:
                 rate = max(1.0 / self.tests[j], self.min_rate)
                 self.rates[j] = a + rate * (float(j < accepted) - a)
             else:  # back toward the prior, or the depth before where that is kept
-                target = self.prior[j] if j == 0 else max(self.prior[j], self.rates[j - 1])
+                target = (
+                    self.prior[j] if j == 0 else max(self.prior[j], self.rates[j - 1])
+                )
                 self.rates[j] = a + self.recover * (target - a)
 
 

@@ -205,7 +205,11 @@ def configurations(draft_max: int, has_head: bool = True) -> List[tuple]:
     if not has_head or draft_max == 0:
         return out + [lookup]
     out += [(f"mtp k={k}", k, False, "mtp") for k in range(1, draft_max + 1)]
-    return out + [(AUTO, draft_max, True, "mtp"), lookup, (BOTH, draft_max, True, "auto")]
+    return out + [
+        (AUTO, draft_max, True, "mtp"),
+        lookup,
+        (BOTH, draft_max, True, "auto"),
+    ]
 
 
 def run_bench(
@@ -234,7 +238,14 @@ def run_bench(
     seconds = 0.0
     for _, k, adaptive, source in configs:  # warm up: compile, allocate
         timing, _, _ = run_once(
-            model, tokenizer, k, encoded[0], WARMUP_TOKENS, draft_p_min, adaptive, source
+            model,
+            tokenizer,
+            k,
+            encoded[0],
+            WARMUP_TOKENS,
+            draft_p_min,
+            adaptive,
+            source,
         )
         tokens, t_prompt, first, t_gen = timing[:4]
         per_token = t_gen / max(len(tokens) - first, 1)
@@ -244,7 +255,9 @@ def run_bench(
             )
     timer = None
     if model.head is not None and draft_max > 0:
-        plain = run_once(model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min)
+        plain = run_once(
+            model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min
+        )
         tic = time.perf_counter()
         timer = CostTimer(model, encoded[0] + plain[0][0], draft_max)
         seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
@@ -263,7 +276,14 @@ def run_bench(
                     where = f"prompt {i + 1}/{len(encoded)}"
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
                 (tokens, t_prompt, first, t_gen, cpu), stats, peak = run_once(
-                    model, tokenizer, k, prompt, max_tokens, draft_p_min, adaptive, source
+                    model,
+                    tokenizer,
+                    k,
+                    prompt,
+                    max_tokens,
+                    draft_p_min,
+                    adaptive,
+                    source,
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(

@@ -158,7 +158,9 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
         _install(folder, target, tmp)
     except KeyboardInterrupt:
         if notify is not None:
-            notify("interrupted: the default model was not built (the next run builds it)")
+            notify(
+                "interrupted: the default model was not built (the next run builds it)"
+            )
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -113,7 +113,9 @@ def check_safetensors(path: Path) -> None:
             default=0,
         )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise MTPError(f"{path}: not a valid safetensors file ({first_line(e)})") from None
+        raise MTPError(
+            f"{path}: not a valid safetensors file ({first_line(e)})"
+        ) from None
     if 8 + n + end > size:
         raise MTPError(
             f"{path}: truncated ({size} bytes, the header promises {8 + n + end})"
@@ -225,7 +227,10 @@ def load_model(
             raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
         head_weights = read_safetensors(files)
     else:
-        head_weights = {**split, **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB)))}
+        head_weights = {
+            **split,
+            **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB))),
+        }
     head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
     head_config = read_head_config(head_dir)
     family = trained_head_family(head_config, head_dir) or family
@@ -239,7 +244,9 @@ def load_model(
     elif family is None:
         notice = f"{model_type}: no MTP support for this family, generating without MTP"
     elif not any(family.is_mtp_key(k, config) for k in head_weights):
-        notice = f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"
+        notice = (
+            f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"
+        )
     else:
         head = _build_head(model, trunk, family, config, head_weights)
         if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
@@ -252,7 +259,13 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     loaded = MTPModel(
-        trunk, head, config, notice, path=path, head_dir=head_dir, head_config=head_config
+        trunk,
+        head,
+        config,
+        notice,
+        path=path,
+        head_dir=head_dir,
+        head_config=head_config,
     )
     if head is not None and head_config.get("tuned"):
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``

@@ -96,7 +96,9 @@ class PromptLookup:
         n_min: int = DEFAULT_N_MIN,
     ):
         if mode not in ("ngram", "auto"):
-            raise ValueError(f"an n-gram draft source is 'ngram' or 'auto', not {mode!r}")
+            raise ValueError(
+                f"an n-gram draft source is 'ngram' or 'auto', not {mode!r}"
+            )
         self.mode = mode
         self.costs = costs or prior_costs()
         self.draft_max = draft_max

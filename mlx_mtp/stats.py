@@ -65,12 +65,24 @@ class MTPStats:
     def add(self, other: "MTPStats") -> None:
         """Add another generation's counts and times (totals over several runs)."""
         self.draft_max = other.draft_max
-        for name in ("prompt_tokens", "prompt_time", "generation_tokens",
-                     "generation_time", "rounds", "drafted", "accepted",
-                     "syncs", "sync_time", "lookup_drafted", "lookup_accepted"):
+        for name in (
+            "prompt_tokens",
+            "prompt_time",
+            "generation_tokens",
+            "generation_time",
+            "rounds",
+            "drafted",
+            "accepted",
+            "syncs",
+            "sync_time",
+            "lookup_drafted",
+            "lookup_accepted",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.drafted_at, other.drafted_at),
-                             (self.accepted_at, other.accepted_at)):
+        for mine, theirs in (
+            (self.drafted_at, other.drafted_at),
+            (self.accepted_at, other.accepted_at),
+        ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for j, v in enumerate(theirs):
                 mine[j] += v
@@ -107,7 +119,11 @@ class MTPStats:
 
     @property
     def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
+        return (
+            self.generation_tokens / self.generation_time
+            if self.generation_time
+            else 0.0
+        )
 
     def summary(self) -> str:
         """The stats line, in llama.cpp's words."""
@@ -140,8 +156,7 @@ class MTPStats:
         return (
             drafting + f"{prompt} | "
             f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "
-            f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB"
-            + sync
+            f"in {self.rounds} rounds | peak memory: {self.peak_memory:.3f} GB" + sync
         )
 
     def to_dict(self) -> dict:

@@ -61,19 +61,20 @@ def _closing_bias(tokenizer):
 
 def test_json_schema_answers_validate_with_and_without_drafts(client):
     texts, drafted = [], []
-    for k in (0, 1, 3):
+    # plain decoding, the head's drafts, and prompt-lookup drafts
+    for k, source in ((0, "mtp"), (1, "mtp"), (3, "mtp"), (3, "auto"), (0, "ngram")):
         r = client.chat.completions.create(
             model=NAME,
             messages=MESSAGES,
             max_tokens=200,
             response_format=SCHEMA_FORMAT,
-            extra_body={"draft_max": k},
+            extra_body={"draft_max": k, "draft_source": source},
         )
         assert r.choices[0].finish_reason == "stop"
         texts.append(r.choices[0].message.content)
         drafted.append(r.usage.mtp["drafted"])
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
-    assert texts[0] == texts[1] == texts[2]
+    assert all(t == texts[0] for t in texts)
     assert drafted[0] == 0 and drafted[2] > 0
 
 

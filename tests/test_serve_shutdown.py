@@ -99,7 +99,7 @@ def test_past_the_shutdown_timeout_streams_end_with_length(folder):
     tic = time.perf_counter()
     served.process.send_signal(signal.SIGINT)
     results = streams.join()
-    assert _exit_code(served, 60) == 0
+    assert _exit_code(served, 60) == 0, served.process.stderr.read()[-2000:]
     assert time.perf_counter() - tic < 30
     for r in results:
         assert not isinstance(r, Exception), r
@@ -115,5 +115,5 @@ def test_a_second_sigint_ends_the_streams_at_once(folder):
     time.sleep(0.5)
     served.process.send_signal(signal.SIGINT)
     results = streams.join()
-    assert _exit_code(served, 60) == 0
+    assert _exit_code(served, 60) == 0, served.process.stderr.read()[-2000:]
     assert all(r[1] == "length" for r in results), results

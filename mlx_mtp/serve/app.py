@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import mlx.core as mx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -816,3 +817,5 @@ def run(
         app, log_level="warning", timeout_graceful_shutdown=int(timeout) + 10
     )
     _Server(settings, app.state.service.engine, timeout).run(sockets=[sock])
+    mx.synchronize()
+    mx.clear_streams()  # this thread's, before the interpreter's teardown

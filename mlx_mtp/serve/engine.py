@@ -29,6 +29,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+import mlx.core as mx
+
 from ..adaptive import acceptance_prior, make_policy
 from ..chat import truncatable
 from ..ngram import make_lookup
@@ -292,6 +294,11 @@ class Engine:
             except Exception as e:  # a bug must not take the server down
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(f"{type(e).__name__}: {e}")
+        # MLX leaves a thread's streams to the thread (ml-explore/mlx#4327): left
+        # to the process's exit, their teardown aborts it now and then
+        # ("terminate called without an active exception", exit 134)
+        mx.synchronize()
+        mx.clear_streams()
 
     def _take(self, block: bool) -> None:
         """Move new requests to ``waiting``; when idle, wait for one, then
