@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import openai
 import pytest
@@ -109,20 +110,36 @@ def test_streamed_chunks_say_usage_null_until_the_usage_chunk(server):
     assert all("usage" not in c for c in _events(server, body))
 
 
+def _logged(caplog, count):
+    """The server's access lines once there are ``count`` of them: a line is
+    written after its response is sent, so the client may read it first."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "mlx_mtp.serve"]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
+
+
 def test_one_access_log_line_per_request(server, client, caplog):
     caplog.set_level(logging.INFO, logger="mlx_mtp.serve")
     client.completions.create(
         model=NAME, prompt="abc", max_tokens=8, extra_body={"draft_max": 3}
     )
+    _logged(caplog, 1)
     list(
         client.chat.completions.create(
             model=NAME, messages=MESSAGES, max_tokens=5, stream=True
         )
     )
+    _logged(caplog, 2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="abc", best_of=3)
+    _logged(caplog, 3)
     server.get("/v1/models")
-    lines = [r.getMessage() for r in caplog.records if r.name == "mlx_mtp.serve"]
+    _logged(caplog, 4)
+    time.sleep(0.1)  # and no more come
+    lines = _logged(caplog, 4)
     assert len(lines) == 4, lines
     assert '"POST /v1/completions" 200, 3 + 8 tokens, MTP acceptance' in lines[0]
     assert '"POST /v1/chat/completions" 200, ' in lines[1]
