@@ -12,9 +12,10 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
+from mlx_mtp.config import HEAD_CONFIG_FILE
 from mlx_mtp.errors import MTPError, first_line
-from mlx_mtp.heads import family_for
-from mlx_mtp.loader import read_config, read_safetensors
+from mlx_mtp.heads import family_for, gemma4_assistant
+from mlx_mtp.loader import is_assistant, read_assistant, read_config, read_safetensors
 
 from .gguf_source import read_gguf
 from .hub import fetch_mtp_shards, is_repo_id
@@ -66,10 +67,15 @@ def read_head_source(src: PathLike):
             raise MTPError(f"{src}: no such file or folder")
 
         def is_mtp(key, config):
+            if config.get("model_type") == gemma4_assistant.ASSISTANT_TYPE:
+                return True  # a drafter checkpoint: all of it
             family = family_for(config)
             return family is not None and family.is_mtp_key(key, config)
 
         path = fetch_mtp_shards(str(src), is_mtp)
+    if path.is_dir() and is_assistant(path):
+        head_config, weights = read_assistant(path)
+        return head_config["assistant"], weights
     config = read_config(path)
     family = family_for(config)
     if family is None:
@@ -113,6 +119,8 @@ def add_mtp(
     if target.exists() and not force:
         raise MTPError(f"{target} exists (use --force to replace it)")
     head_cfg, mtp = read_head_source(src)
+    if head_cfg.get("model_type") == gemma4_assistant.ASSISTANT_TYPE:
+        return _add_assistant(head_cfg, mtp, into, trunk_cfg, precision)
     check_agreement(head_cfg, trunk_cfg, into)
     if not mtp:
         raise MTPError(f"{src}: no MTP tensors")
@@ -152,6 +160,49 @@ def add_mtp(
                 str(p), tensors, metadata={"format": "mlx"}
             ),
             into / "config.json": lambda p: write_config(config, p),
+        }
+    )
+    return target
+
+
+def _add_assistant(
+    config: Dict[str, Any],
+    tensors: Dict[str, mx.array],
+    into: Path,
+    trunk_cfg: Dict[str, Any],
+    precision: Precision,
+) -> Path:
+    """A Gemma 4 assistant kept beside its target: ``mtp.safetensors`` (its
+    tensors, unquantized) and ``mtp_config.json`` naming it, with its config."""
+    model_type = trunk_cfg.get("model_type")
+    if model_type not in gemma4_assistant.TARGET_TYPES:
+        raise MTPError(
+            f"{into} is a {model_type} model: a Gemma 4 assistant drafts for Gemma 4"
+        )
+    text = trunk_cfg.get("text_config") or {}
+    width = trunk_cfg.get("hidden_size", text.get("hidden_size"))
+    if config.get("backbone_hidden_size") != width:
+        raise MTPError(
+            f"the assistant does not fit {into}: it drafts for a "
+            f"{config.get('backbone_hidden_size')}-wide Gemma 4, this one is {width}"
+        )
+    if precision.dtype is not None:
+        dtype = getattr(mx, precision.dtype)
+        tensors = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in tensors.items()
+        }
+    head_config = {"family": "gemma4_assistant", "assistant": config}
+    target = into / HEAD_FILE
+    mx.eval(list(tensors.values()))
+    atomic_write_files(
+        {
+            target: lambda p: mx.save_safetensors(
+                str(p), tensors, metadata={"format": "mlx"}
+            ),
+            into / HEAD_CONFIG_FILE: lambda p: p.write_text(
+                json.dumps(head_config, indent=2) + "\n"
+            ),
         }
     )
     return target

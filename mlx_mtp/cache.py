@@ -161,6 +161,12 @@ class MTPCache:
     pending: List[Pending] = field(default_factory=lambda: [Pending()])
     start: List[int] = field(default_factory=lambda: [0])
 
+    def __post_init__(self):
+        # a head that reads the trunk's caches (a Gemma 4 assistant) gets them
+        for c in self.head:
+            if hasattr(c, "link"):
+                c.link(self.trunk)
+
     @property
     def offset(self) -> int:
         """Tokens the trunk has processed."""

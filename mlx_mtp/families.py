@@ -24,6 +24,8 @@ RELEASED = {
     "kimi_k3": ("Kimi-K3", 1, ""),
     "bailing_hybrid": ("Ling hybrid (Ling-2.5)", 1, ""),
     "bailing_moe_v3": ("Ling-3 (bailing_hybrid)", 1, ""),
+    "gemma4": ("Gemma 4 + assistant drafter", 1, ""),
+    "gemma4_text": ("Gemma 4 (text) + assistant drafter", 1, ""),
 }
 
 

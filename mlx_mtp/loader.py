@@ -26,6 +26,7 @@ from .heads import (
     FAMILY_MODULES,
     MTPHead,
     family_for,
+    gemma4_assistant,
     load_head_weights,
     norms,
     not_yet,
@@ -133,6 +134,29 @@ def read_safetensors(files) -> Dict[str, mx.array]:
     return weights
 
 
+def is_assistant(folder: Path) -> bool:
+    """Whether ``folder`` holds a drafter checkpoint of its own (a Gemma 4
+    assistant) rather than MTP layers."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type == gemma4_assistant.ASSISTANT_TYPE
+
+
+def read_assistant(folder: Path) -> Tuple[Dict[str, Any], Dict[str, mx.array]]:
+    """(the MTP config naming it, its tensors as the head loads them) of a
+    Gemma 4 assistant's folder."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    files = glob.glob(str(folder / "*.safetensors"))
+    if not files:
+        raise MTPError(f"{folder}: no *.safetensors in the assistant's folder")
+    weights = gemma4_assistant.sanitize(config, read_safetensors(files))
+    return {"family": "gemma4_assistant", "assistant": config}, weights
+
+
 def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
     """mlx-lm's model classes, with MTP tensors moved into ``sink`` on sanitize."""
     from mlx_lm.utils import _get_classes
@@ -218,22 +242,29 @@ def load_model(
 
     tap = hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post")
     trunk = Trunk(model, tap)
+    head_config = None
     if mtp is not None:
         mtp = Path(mtp)
         if not mtp.exists():
             raise MTPError(f"--mtp {mtp}: no such file or folder")
-        files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
-        if not files:
-            raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
-        head_weights = read_safetensors(files)
+        if mtp.is_dir() and is_assistant(mtp):
+            head_config, head_weights = read_assistant(mtp)
+        else:
+            files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
+            if not files:
+                raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
+            head_weights = read_safetensors(files)
     else:
         head_weights = {
             **split,
             **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB))),
         }
     head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
-    head_config = read_head_config(head_dir)
+    if head_config is None:
+        head_config = read_head_config(head_dir)
     family = trained_head_family(head_config, head_dir) or family
+    if "assistant" in head_config:  # a drafter with a config of its own
+        config = {**config, "assistant": head_config["assistant"]}
 
     head, notice = None, None
     if family is None and not_yet(config):
@@ -244,9 +275,8 @@ def load_model(
     elif family is None:
         notice = f"{model_type}: no MTP support for this family, generating without MTP"
     elif not any(family.is_mtp_key(k, config) for k in head_weights):
-        notice = (
-            f"{path.name}: no MTP tensors in this checkpoint, generating without MTP"
-        )
+        missing = getattr(family, "NO_HEAD_NOTICE", "no MTP tensors in this checkpoint")
+        notice = f"{path.name}: {missing}, generating without MTP"
     else:
         head = _build_head(model, trunk, family, config, head_weights)
         if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
@@ -258,6 +288,13 @@ def load_model(
         shard(model, head, config)
     if not lazy:
         mx.eval(model.parameters())
+    # arrays a module keeps outside its parameters (mlx-lm's ProportionalRoPE of
+    # Gemma 4 computes ``_freqs`` when built) are evaluated here: an array left
+    # unevaluated by this thread cannot be evaluated by another (the server's
+    # engine thread: "There is no Stream(cpu, 0) in current thread")
+    mx.eval(
+        _private_arrays(model) + (_private_arrays(head) if head is not None else [])
+    )
     loaded = MTPModel(
         trunk,
         head,
@@ -270,6 +307,15 @@ def load_model(
     if head is not None and head_config.get("tuned"):
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
     return loaded
+
+
+def _private_arrays(module: nn.Module) -> list:
+    return [
+        v
+        for _, m in module.named_modules()
+        for k, v in m.items()
+        if k.startswith("_") and isinstance(v, mx.array)
+    ]
 
 
 def trained_head_family(config: Dict[str, Any], folder: Path):
@@ -285,7 +331,10 @@ def trained_head_family(config: Dict[str, Any], folder: Path):
 
 def _build_head(model, trunk, family, config, weights) -> MTPHead:
     args = model.args if hasattr(model, "args") else None
-    head = family.build(args, config, trunk.backbone, weights)
+    try:
+        head = family.build(args, config, trunk.backbone, weights)
+    except ValueError as e:
+        raise MTPError(f"MTP head does not match the model ({first_line(e)})") from None
     # A family whose block tensors the trunk's sanitize cannot take brings its own.
     sanitize = getattr(family, "sanitize_block", None)
     try:

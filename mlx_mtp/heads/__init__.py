@@ -42,6 +42,7 @@ FAMILY_MODULES = (
     "kimi_k3",
     "bailing_hybrid",
     "bailing_moe_v3",
+    "gemma4_assistant",
 )
 
 
