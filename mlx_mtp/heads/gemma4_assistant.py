@@ -266,7 +266,7 @@ def build(
             f"a Gemma 4 assistant drafts for Gemma 4, not {config.get('model_type')!r}"
         )
     assistant = config["assistant"]
-    width = backbone.embed_tokens.weight.shape[-1]
+    width = backbone.norm.weight.shape[0]  # (a quantized embedding is packed)
     if int(assistant["backbone_hidden_size"]) != width:
         raise ValueError(
             f"the assistant is for a {assistant['backbone_hidden_size']}-wide "
