@@ -414,7 +414,8 @@ def tune(
     vocab = model.trunk.embed_tokens.weight.shape[0]
     if vocab_sizes is None:
         vocab_sizes = [n for n in DRAFT_VOCAB_SIZES if 2 * n <= vocab]
-    if vocab_sizes and "draft_vocab" not in model.head.layer(0):
+    takes_vocab = getattr(model.head, "takes_draft_vocab", True)
+    if vocab_sizes and takes_vocab and "draft_vocab" not in model.head.layer(0):
         say(f"draft vocabulary: {', '.join(map(str, vocab_sizes))} tokens")
         trials = draft_vocab_trial(
             model,

@@ -247,6 +247,11 @@ def test_convert_keeps_the_assistant_beside_the_model(folders, reference, tmp_pa
     assert isinstance(model.head, Gemma4Assistant)
     got, stats = run(model, PROMPT, 24, FixedDraft(2))
     assert got == greedy(reference, PROMPT, 24) and stats.accepted > 0
+    tuned = _cli("tune", "--model", into)  # no draft vocabulary trial for it
+    assert tuned.returncode == 0, tuned.stderr
+    head_config = json.loads((into / "mtp_config.json").read_text())
+    assert head_config["family"] == "gemma4_assistant" and head_config["tuned"]
+    assert isinstance(mlx_mtp.load_model(into).head, Gemma4Assistant)
     again = _cli("convert", folders["agreeable"], "--mtp-only", "--into", into)
     assert again.returncode != 0 and "--force" in again.stderr
     assert "Traceback" not in again.stderr

@@ -32,6 +32,8 @@ class MTPHead(nn.Module):
     # The hidden state a chained draft feeds back: "post" the closing norm's
     # output (DeepSeek, vLLM), "pre" the block's output before it (Step-3.5).
     chain_hidden: str = "post"
+    # whether ``tune`` may try drafting from a subset of the vocabulary
+    takes_draft_vocab: bool = True
 
     def __init__(self):
         super().__init__()

@@ -151,6 +151,7 @@ def text_args(config: Dict[str, Any]):
 class Gemma4Assistant(MTPHead):
     OWN = ("model", "pre_projection", "post_projection", "masked_embedding", "lm_head")
     zero_first_embedding = False
+    takes_draft_vocab = False  # its output head is its own (E2B/E4B: clustered)
 
     def __init__(self, config: Dict[str, Any], kv_layers: Dict[str, int]):
         super().__init__()
