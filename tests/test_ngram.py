@@ -10,9 +10,8 @@ import pytest
 import tiny_recurrent
 from conftest import DRAFT_FAMILIES, MULTI_LAYER_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import apply_top_k
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from test_sampling import tv, tv_bound
+from test_sampling import first_two_tokens, tv, tv_bound
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
@@ -168,14 +167,7 @@ def test_sampling_with_lookup_drafts_is_exact(tiny_folders):
     full, trunk = tiny_folders("deepseek_v3")
     model, reference = mlx_mtp.load_model(full), mlx_lm_load_model(trunk)[0]
     prompt, temp, top_k, n = REPEATING, 0.5, 4, 300
-
-    def p_next(tokens):
-        logits = reference(mx.array(tokens)[None])[0, -1:]
-        logprobs = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), top_k)
-        return np.array(mx.softmax(logprobs / temp, axis=-1))[0].astype(np.float64)
-
-    p0 = p_next(prompt)
-    p1 = sum(p0[t] * p_next(prompt + [int(t)]) for t in np.flatnonzero(p0))
+    p0, p1 = first_two_tokens(reference, prompt, temp, top_k)
     for draft_sampling in ("greedy", "sample"):
         firsts, seconds, looked = [], [], 0
         for seed in range(n):

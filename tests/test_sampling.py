@@ -53,6 +53,21 @@ def tv(samples: np.ndarray, p: np.ndarray) -> float:
     return 0.5 * np.abs(counts - p).sum()
 
 
+def first_two_tokens(reference, prompt, temp: float, top_k: int):
+    """The distributions of the first and second token that mlx-lm's model
+    ``reference`` samples alone after ``prompt`` (its top-k filter and
+    temperature, exactly): ``p1`` sums over every first token."""
+
+    def p_next(tokens):
+        logits = reference(mx.array(tokens)[None])[0, -1:]
+        logprobs = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), top_k)
+        return np.array(mx.softmax(logprobs / temp, axis=-1))[0].astype(np.float64)
+
+    p0 = p_next(prompt)
+    p1 = sum(p0[t] * p_next(prompt + [int(t)]) for t in np.flatnonzero(p0))
+    return p0, p1
+
+
 @pytest.fixture(scope="module")
 def models(tiny_folders):
     full, trunk_only = tiny_folders("deepseek_v3")
@@ -234,14 +249,7 @@ def test_end_to_end_distribution_with_sampled_drafts(models):
     """Seeded generations: the first two tokens follow mlx-lm's model sampled alone."""
     model, reference = models
     prompt, temp, top_k, n = list(range(10, 30)), 0.3, 4, 300
-
-    def p_next(tokens):  # mlx-lm's model and filters, exactly
-        logits = reference(mx.array(tokens)[None])[0, -1:]
-        logprobs = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), top_k)
-        return np.array(mx.softmax(logprobs / temp, axis=-1))[0].astype(np.float64)
-
-    p0 = p_next(prompt)
-    p1 = sum(p0[t] * p_next(prompt + [int(t)]) for t in np.flatnonzero(p0))
+    p0, p1 = first_two_tokens(reference, prompt, temp, top_k)
     firsts, seconds, accepted = [], [], 0
     for seed in range(n):
         out, stats = run(model, prompt, 2, temp=temp, top_k=top_k, seed=seed,
