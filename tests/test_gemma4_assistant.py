@@ -14,14 +14,13 @@ import pytest
 import tiny_gemma4
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
-from mlx_lm.sample_utils import apply_top_k
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from test_sampling import tv, tv_bound
+from test_sampling import first_two_tokens, tv, tv_bound
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
 from mlx_mtp.errors import MTPError
-from mlx_mtp.heads.gemma4_assistant import Gemma4Assistant, SharedKV
+from mlx_mtp.heads.gemma4_assistant import Gemma4Assistant, SharedKV, kv_layers
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
@@ -109,14 +108,7 @@ def test_sampling_is_exact(folders, reference):
     heads), for both ways of drafting."""
     model = mlx_mtp.load_model(folders["target"], mtp=folders["agreeable"])
     prompt, temp, top_k, n = PROMPT[:30], 1.0, 4, 300
-
-    def p_next(tokens):
-        logits = reference(mx.array(tokens)[None])[0, -1:]
-        logprobs = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), top_k)
-        return np.array(mx.softmax(logprobs / temp, axis=-1))[0].astype(np.float64)
-
-    p0 = p_next(prompt)
-    p1 = sum(p0[t] * p_next(prompt + [int(t)]) for t in np.flatnonzero(p0))
+    p0, p1 = first_two_tokens(reference, prompt, temp, top_k)
     for draft_sampling in ("greedy", "sample"):
         firsts, seconds, drafted = [], [], 0
         for seed in range(n):
@@ -190,7 +182,7 @@ def test_a_draft_step_matches_the_reference(folders):
     head, cache = model.head, model.make_cache()
     n = len(PROMPT) - 1  # the trunk reads all but the last token
     logits, hidden = model.trunk(mx.array(PROMPT[:n])[None], cache.trunk)
-    kinds = {t: i for t, i in head._kv_layers.items()}
+    kinds = kv_layers(model.trunk.backbone)
     # plain caches: every key of every layer, in order (the trunk's are swapped)
     assert all(type(cache.trunk[i]) is KVCache for i in kinds.values())
     kv = {

@@ -18,7 +18,8 @@ Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0;
 or a function of the trunk model naming a trunk layer of the block's kind),
 ``sanitize_block(weights)`` (replaces the trunk's sanitize for the block) and
 ``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
-caches that roll back).
+caches that roll back) and ``NO_HEAD_NOTICE`` (what the loader says of a model
+of the family found without its head).
 """
 
 import importlib

@@ -276,10 +276,6 @@ def build(
     return Gemma4Assistant(assistant, kv_layers(backbone))
 
 
-def sanitize_block(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    return weights  # every tensor is the assistant's own (``OWN``)
-
-
 def sanitize(
     config: Dict[str, Any], weights: Dict[str, mx.array]
 ) -> Dict[str, mx.array]:
