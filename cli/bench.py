@@ -18,6 +18,15 @@ from mlx_mtp.stats import MTPStats
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
 
+# the table shows the first depths' acceptance (lookup drafts reach 8, the head
+# up to 16; the full list is in --json), so the other columns keep their width
+PER_POSITION_SHOWN = 4
+
+
+def first_positions(rates) -> str:
+    shown = ", ".join(f"{a:.2f}" for a in rates[:PER_POSITION_SHOWN])
+    return (shown + ", ..." if len(rates) > PER_POSITION_SHOWN else shown) or "-"
+
 
 def regime_line(regime: dict) -> str:
     return (
@@ -62,7 +71,7 @@ def table(result):
         )
     for c in result.configs:
         acc = "-" if c.acceptance_rate is None else f"{c.acceptance_rate:.2f}"
-        per_pos = ", ".join(f"{a:.2f}" for a in c.per_position_acceptance) or "-"
+        per_pos = first_positions(c.per_position_acceptance)
         t.add_row(
             c.config,
             f"{c.generation_tps:.1f}",

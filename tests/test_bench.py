@@ -6,6 +6,7 @@ import statistics
 import pytest
 from mlx_mtp.cli import app
 from mlx_mtp.cli.app import run_app
+from mlx_mtp.cli.bench import first_positions
 from typer.testing import CliRunner
 
 from mlx_mtp.bench import AUTO, BASELINE, NO_MTP
@@ -138,6 +139,13 @@ def test_bench_table(tiny_folders, tmp_path):
         "by prompt kind",
     ):
         assert name in result.stdout
+
+
+def test_table_shows_the_first_depths_only():
+    # lookup drafts reach 8 depths: the column stays narrow, --json has them all
+    assert first_positions([]) == "-"
+    assert first_positions([0.5, 0.25]) == "0.50, 0.25"
+    assert first_positions([0.5] * 8) == "0.50, 0.50, 0.50, 0.50, ..."
 
 
 def test_shipped_prompts_cover_the_kinds():

@@ -15,7 +15,7 @@ from test_sampling import first_two_tokens, tv, tv_bound
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
-from mlx_mtp.ngram import NgramIndex, PromptLookup
+from mlx_mtp.ngram import MATCH_CAP, MATCH_PRIORS, NgramIndex, PromptLookup
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
@@ -50,6 +50,32 @@ def test_appends_move_the_proposal():
     assert x.propose(3) == [4, 1, 2]
     x.append(8)
     assert x.propose(3) == []
+
+
+def test_match_counts_how_far_the_context_agrees_with_the_source():
+    # [1, 2, 3] matches; the token before differs (8 vs 9): agreement 3
+    assert index([9, 1, 2, 3, 4, 5, 8, 1, 2, 3]).match(2) == ([4, 5], 3)
+    run = list(range(20))
+    assert index(run + [99] + run).match(1) == ([99], 20)  # past n_max
+    assert index(list(range(40)) * 2).match(1) == ([0], MATCH_CAP)
+    assert index(list(range(40)) * 2).match(1, cap=6) == ([0], 6)
+    assert index([1, 2, 3, 4]).match(3) == ([], 0)
+
+
+def test_a_longer_agreement_drafts_more():
+    # fresh estimates: a proposal after a 2-token agreement starts at
+    # MATCH_PRIORS[0], one after 16 or more at MATCH_PRIORS[-1]
+    short = PromptLookup("ngram", prior_costs())
+    short.sync([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 6, 1, 2])
+    long = PromptLookup("ngram", prior_costs())
+    run = list(range(100, 120))
+    long.sync(run + list(range(20)) + [99] + run)
+    assert len(short.drafts(8)) == 1
+    assert len(long.drafts(8)) >= 4
+    assert long.estimate is long.estimates[-1]
+    long.update(6, 0)  # learning in one class leaves the others alone
+    assert long.estimates[-1].rates[0] < MATCH_PRIORS[-1]
+    assert short.estimates[-1].rates[0] == MATCH_PRIORS[-1]
 
 
 def test_a_long_history_stays_fast():
