@@ -9,7 +9,7 @@ occurrences the most recent one.
 
 ``NgramIndex`` keeps, per n-gram, the position after its latest occurrence
 that has a continuation, updated as tokens arrive: appending a token costs
-O(n_max), proposing O(n_max + k), with no scan of the history.
+O(n_max), proposing O(n_max + k + MATCH_CAP), with no scan of the history.
 
 ``PromptLookup`` is the draft source the speculative loop asks each round: it
 keeps the index in step with the history and decides, from its own running
@@ -18,8 +18,9 @@ proposal beats the alternative it is compared with (a plain step or the MTP
 head's round), and how many of its tokens to check. How far the context
 agrees with the earlier passage a proposal comes from predicts how long the
 copy goes on, so each agreement class (2, 3, 4-7, 8-15, 16+ tokens) keeps its
-own estimate, starting higher for longer agreements. A proposal is a deterministic draft: for rejection sampling
-its distribution is one-hot, so the verify stays lossless at any temperature.
+own estimate, starting higher for longer agreements. A proposal is a
+deterministic draft: for rejection sampling its distribution is one-hot, so
+the verify stays lossless at any temperature.
 """
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -45,7 +46,7 @@ DEFAULT_LOOKUP_MAX = 8
 # prompts (code edits, summaries, code, prose, chat; 128 tokens each) kept a
 # proposal's first token 46-55% of the time after a 2-token agreement, 60-73%
 # after 3, 67-73% after 4-7, 80-91% after 8-15 and 89-97% after 16 or more;
-# the priors are round numbers below those.
+# the priors are round numbers at or under those.
 MATCH_CLASSES = (2, 3, 4, 8, 16)
 MATCH_PRIORS = (0.5, 0.6, 0.7, 0.8, 0.9)
 MATCH_CAP = 32
