@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 import uvicorn
 
 from mlx_mtp.serve import ServeConfig, create_app
@@ -74,3 +75,23 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def module_fixtures(name: str):
+    """A test module's ``server`` fixture (its own ``loaded`` fixture, the
+    model it tests, served as ``name`` with fixed draft counts, closed after the
+    module) and ``client`` fixture (the OpenAI client once the server is idle):
+    ``server, client = module_fixtures(NAME)``."""
+
+    @pytest.fixture(scope="module")
+    def server(loaded):
+        live = LiveServer(*loaded, name, ServeConfig(adaptive_draft=False))
+        yield live
+        live.close()
+
+    @pytest.fixture
+    def client(server):
+        server.wait_idle()
+        return server.client()
+
+    return server, client

@@ -12,11 +12,10 @@ import time
 
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import module_fixtures
 
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
-from mlx_mtp.serve import ServeConfig
 
 NAME = "tiny-ds"
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
@@ -27,18 +26,7 @@ def loaded(tiny_folders):
     return mlx_mtp.load(tiny_folders("deepseek_v3")[0])
 
 
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
-    yield live
-    live.close()
-
-
-@pytest.fixture
-def client(server):
-    server.wait_idle()
-    return server.client()
+server, client = module_fixtures(NAME)
 
 
 def api_answer(loaded, prompt, max_tokens, **kwargs):

@@ -10,11 +10,10 @@ import json
 import anthropic
 import pytest
 import tool_model
-from live_server import LiveServer
+from live_server import module_fixtures
 
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
-from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.tools import render, template_message
 
 MODEL = "some-agents-model"  # any name is served
@@ -45,12 +44,7 @@ def loaded(tiny_folders, tmp_path_factory):
     return mlx_mtp.load(tool_model.build(folder, target))
 
 
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    live = LiveServer(model, tokenizer, "tiny", ServeConfig(adaptive_draft=False))
-    yield live
-    live.close()
+server = module_fixtures("tiny")[0]
 
 
 @pytest.fixture

@@ -10,11 +10,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import module_fixtures
 
 import mlx_mtp
 import mlx_mtp.serve.app as app_module
-from mlx_mtp.serve import ServeConfig
 
 NAME = "tiny-ds"
 MESSAGES = [{"role": "user", "content": "Describe the sea as JSON."}]
@@ -40,18 +39,7 @@ def loaded(tiny_folders):
     return mlx_mtp.load(tiny_folders("deepseek_v3")[0])
 
 
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
-    yield live
-    live.close()
-
-
-@pytest.fixture
-def client(server):
-    server.wait_idle()
-    return server.client()
+server, client = module_fixtures(NAME)
 
 
 def _closing_bias(tokenizer):

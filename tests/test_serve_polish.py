@@ -13,10 +13,9 @@ import time
 
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import module_fixtures
 
 import mlx_mtp
-from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.app import model_aliases
 
 NAME = "tiny-ds-mtp-89ea8eb6719b"
@@ -24,17 +23,11 @@ MESSAGES = [{"role": "user", "content": "Hello."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folders):
-    model, tokenizer = mlx_mtp.load(tiny_folders("deepseek_v3")[0])
-    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
-    yield live
-    live.close()
+def loaded(tiny_folders):
+    return mlx_mtp.load(tiny_folders("deepseek_v3")[0])
 
 
-@pytest.fixture
-def client(server):
-    server.wait_idle()
-    return server.client()
+server, client = module_fixtures(NAME)
 
 
 def test_aliases():

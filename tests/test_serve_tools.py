@@ -15,7 +15,7 @@ import mlx_lm.tool_parsers.qwen3_coder as qwen3_coder
 import openai
 import pytest
 import tool_model
-from live_server import LiveServer
+from live_server import LiveServer, module_fixtures
 
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
@@ -267,18 +267,7 @@ def loaded(tiny_folders, tmp_path_factory):
     return mlx_mtp.load(tool_model.build(folder, target))
 
 
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
-    yield live
-    live.close()
-
-
-@pytest.fixture
-def client(server):
-    server.wait_idle()
-    return server.client()
+server, client = module_fixtures(NAME)
 
 
 def _bias(text):
