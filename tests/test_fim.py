@@ -8,34 +8,12 @@ import openai
 import pytest
 from live_server import LiveServer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from tiny import CHAT_TEMPLATE, SPECIALS
+from tiny import CHAT_TEMPLATE, SPECIALS, byte_tokenizer
 
 import mlx_mtp
 from mlx_mtp.errors import MTPError
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.fim import STYLES, fim_prompt, fim_tokens
-
-
-def byte_tokenizer(specials, bos=None):
-    """A byte-level tokenizer with ``specials`` after the 256 bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in specials:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(specials))
-    if bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, vocab[bos])]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=bos
-    )
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -197,23 +197,33 @@ def build_weights(
     return config, trunk_w, mtp_w
 
 
-def write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def byte_tokenizer(specials=SPECIALS, bos=None, **roles):
+    """A byte-level tokenizer: the 256 bytes, then ``specials``; ``<|im_end|>``
+    ends a turn, ``bos`` (one of ``specials``) starts every encoding, ``roles``
+    name more special tokens (``pad_token=...``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in SPECIALS:
+    for s in specials:
         vocab[s] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+    tok.add_special_tokens(list(specials))
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, vocab[bos])]
+        )
+        roles["bos_token"] = bos
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", **roles
     )
+
+
+def write_tokenizer(path: Path) -> None:
+    fast = byte_tokenizer(pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
