@@ -143,18 +143,30 @@ class FixedDraft:
     """Every round drafts ``k`` (for benchmarks at a fixed depth).
 
     ``draft_max`` (default ``k``) is the most a round may draft: with it above
-    0 the head keeps up with the trunk even while ``k`` is 0.
+    0 the head keeps up with the trunk even while ``k`` is 0. The running
+    acceptance (from ``prior``) is kept all the same: a served batch chooses
+    its draft length from it, and "auto" weighs lookups against it.
     """
 
-    def __init__(self, k: int, draft_max: Optional[int] = None):
+    def __init__(
+        self,
+        k: int,
+        draft_max: Optional[int] = None,
+        prior: Optional[Sequence[float]] = None,
+    ):
         self.k = k
         self.draft_max = k if draft_max is None else draft_max
+        self.estimate = AcceptanceEstimate(self.draft_max, prior)
+
+    @property
+    def acceptance(self) -> List[float]:
+        return self.estimate.rates
 
     def __call__(self) -> int:
         return self.k
 
     def update(self, drafted: int, accepted: int) -> None:
-        pass
+        self.estimate.update(drafted, accepted)
 
 
 class AcceptanceEstimate:

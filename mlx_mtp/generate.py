@@ -5,22 +5,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adaptive import make_policy
 from .cache import MTPCache
-from .config import default_draft_max
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SOURCE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
-    MAX_DRAFT_MAX,
 )
 from .distributed import sync_verifier
 from .errors import MTPError
 from .loader import MTPModel
-from .ngram import make_lookup
 from .prompts import context_length, encode, fit_context
-from .sampling import LogitsProcessor, Sampler, SamplingConfig, make_verifier
+from .request import DraftSettings, GenerationRequest
+from .sampling import LogitsProcessor, Sampler, SamplingConfig
 from .speculative import speculative_generate_step
 from .stats import MTPStats
 
@@ -52,44 +49,41 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = DEFAULT_MAX_TOKENS,
     *,
-    draft_max: Optional[int] = None,
-    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
-    mtp: bool = True,
-    sampling: Optional[SamplingConfig] = None,
+    request: Optional[GenerationRequest] = None,
     sampler: Optional[Sampler] = None,
-    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
     verifier: Optional[Any] = None,
     prompt_cache: Optional[MTPCache] = None,
     cached_tokens: Sequence[int] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
-    truncate_prompt: bool = False,
     trace: bool = False,
-    adaptive_draft: bool = True,
-    draft_source: str = DEFAULT_DRAFT_SOURCE,
-    **sampling_kwargs,
+    **kwargs,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
+
+    What to generate is a ``GenerationRequest`` (``request=``), or its fields
+    as keyword arguments (see ``request_from``): sampling as mlx-lm takes it
+    (``temp=``, ``top_p=``, .., ``logit_bias=``, ``seed=``, or a whole
+    ``sampling=SamplingConfig``), ``draft_max=``, ``draft_p_min=``,
+    ``draft_source=``, ``adaptive_draft=``, ``mtp=``, ``logits_processors=``,
+    ``truncate_prompt=``.
 
     ``mtp=False`` (or ``draft_max=0``) generates plainly through the same loop.
     ``trace=True`` records every round's drafts in ``response.stats.trace``.
     With a ``prompt_cache`` from an earlier call, ``prompt`` holds only the new
     tokens and ``cached_tokens`` those already in the cache.
 
-    Sampling takes a ``SamplingConfig`` (``sampling=``), or its fields as
-    keyword arguments as mlx-lm's take them (``temp=``, ``top_p=``, ..,
-    ``logit_bias=``, ``seed=``, ``draft_sampling=``; penalties over the last
-    20 tokens), and is lossless: the output has the main model's
-    distribution. ``seed`` fixes the run; with greedy drafts the tokens are the
-    same with and without MTP. ``draft_sampling="sample"`` samples drafts
-    through the same chain (accepted with min(1, p/q)). A custom
-    ``sampler=`` is exact-matched instead; ``verifier=`` replaces all of these.
+    Sampling is lossless: the output has the main model's distribution.
+    ``seed`` fixes the run; with greedy drafts the tokens are the same with
+    and without MTP. ``draft_sampling="sample"`` samples drafts through the
+    same chain (accepted with min(1, p/q)). A custom ``sampler=`` is
+    exact-matched instead; ``verifier=`` replaces all of these.
 
     ``draft_source``: "mtp" drafts with the head alone, "ngram" with prompt
     lookup alone (what followed the last earlier occurrence of the latest
     tokens), "auto" (the default) with whichever is expected to keep more per
     unit of time each round; every draft goes through the same verify.
-    ``draft_max`` bounds the drafts per round (default: the head's
+    ``draft_max`` bounds the head's drafts per round (default: the head's
     ``recommended_draft_max``, else ``DEFAULT_DRAFT_MAX``); each round drafts
     as many as pay for themselves by the costs ``mlx-mtp tune`` measured here
     and the acceptance so far (``adaptive_draft=False``: always ``draft_max``).
@@ -99,34 +93,24 @@ def stream_generate(
     the context. ``prefill_progress(done, total)`` hears how many prompt
     tokens the trunk has read, before the first chunk and after each.
     """
-    if draft_max is not None and not 0 <= draft_max <= MAX_DRAFT_MAX:
-        raise MTPError(f"draft_max must be 0 to {MAX_DRAFT_MAX}, not {draft_max}")
-    if sampling is not None and sampling_kwargs:
-        names = ", ".join(sorted(sampling_kwargs))
-        raise TypeError(f"pass either sampling= or its fields ({names}), not both")
+    if request is not None and kwargs:
+        names = ", ".join(sorted(kwargs))
+        raise TypeError(f"pass either request= or its fields ({names}), not both")
+    if request is None:
+        request = request_from(max_tokens, **kwargs)
+    request.validate()
     tokens = encode(tokenizer, prompt)
     if not tokens or (isinstance(prompt, str) and not prompt.strip()):
         raise MTPError("the prompt is empty")
     tokens, max_tokens = fit_context(
         tokens,
         len(cached_tokens),
-        max_tokens,
+        request.max_tokens,
         context_length(model),
-        truncate_prompt,
+        request.truncate_prompt,
         getattr(tokenizer, "bos_token_id", None),
     )
-    if verifier is None:
-        if sampling is None:
-            sampling = SamplingConfig(**sampling_kwargs)
-        verifier = make_verifier(sampling, sampler, logits_processors)
-    if draft_max is None:
-        draft_max = default_draft_max(model)
-    # lookups are free to make: their own bound (DEFAULT_LOOKUP_MAX), and the
-    # costs and their running acceptance decide how many a round checks
-    lookup = make_lookup(model, draft_source) if mtp else None
-    if not mtp or draft_source == "ngram":  # no drafts / prompt lookup alone
-        draft_max = 0
-    policy = make_policy(model, draft_max, adaptive_draft)
+    verifier = verifier or request.verifier(sampler)
     stats = MTPStats(trace=[] if trace else None)
     verifier = sync_verifier(model, verifier, stats)  # over processes: one decision
     detokenizer = tokenizer.detokenizer
@@ -136,16 +120,15 @@ def stream_generate(
         tokens,
         model,
         max_tokens=max_tokens,
-        draft_p_min=draft_p_min,
+        draft_p_min=request.drafts.p_min,
         verifier=verifier,
-        draft_policy=policy,
+        drafts=request.drafts.make(model),
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
         prefill_progress=prefill_progress,
         stats=stats,
         cached_tokens=cached_tokens,
-        lookup=lookup,
     )
     n = 0
     for token, from_draft in steps:
@@ -171,6 +154,34 @@ def stream_generate(
             stats=stats,
             finish_reason=finish,
         )
+
+
+def request_from(
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    *,
+    draft_max: Optional[int] = None,
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+    draft_source: str = DEFAULT_DRAFT_SOURCE,
+    adaptive_draft: bool = True,
+    mtp: bool = True,
+    sampling: Optional[SamplingConfig] = None,
+    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
+    truncate_prompt: bool = False,
+    **sampling_kwargs,
+) -> GenerationRequest:
+    """The ``GenerationRequest`` of ``stream_generate``'s keyword arguments;
+    sampling as a ``SamplingConfig`` (``sampling=``) or its fields."""
+    if sampling is not None and sampling_kwargs:
+        names = ", ".join(sorted(sampling_kwargs))
+        raise TypeError(f"pass either sampling= or its fields ({names}), not both")
+    drafts = DraftSettings(draft_source, draft_max, draft_p_min, adaptive_draft, mtp)
+    return GenerationRequest(
+        max_tokens=max_tokens,
+        sampling=sampling or SamplingConfig(**sampling_kwargs),
+        drafts=drafts,
+        logits_processors=list(logits_processors or []),
+        truncate_prompt=truncate_prompt,
+    )
 
 
 def generate(

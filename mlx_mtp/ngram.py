@@ -25,15 +25,7 @@ the verify stays lossless at any temperature.
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .adaptive import (
-    AcceptanceEstimate,
-    Costs,
-    expected_tokens,
-    machine_costs,
-    prior_costs,
-)
-from .defaults import DRAFT_SOURCES
-from .errors import MTPError
+from .adaptive import AcceptanceEstimate, Costs, expected_tokens, prior_costs
 
 DEFAULT_N_MAX = 4
 DEFAULT_N_MIN = 2
@@ -179,17 +171,3 @@ class PromptLookup:
         """Learn from the round that checked the latest drafts."""
         self.estimate.update(drafted, accepted)
 
-
-def make_lookup(model, source: str) -> Optional[PromptLookup]:
-    """The prompt-lookup source for ``--draft-source`` (None for "mtp")."""
-    if source not in DRAFT_SOURCES:
-        raise MTPError(
-            f"draft source must be one of {', '.join(DRAFT_SOURCES)}, not {source!r}"
-        )
-    if source == "mtp":
-        return None
-    lookup = PromptLookup(source, machine_costs(model))
-    # where even drafts that are always kept cannot beat a plain step (a CPU
-    # with MLX's bundled BLAS: a verify over t tokens costs t steps), none is
-    # drafted; leaving the source out also keeps plain steps running ahead
-    return lookup if lookup.can_pay() else None

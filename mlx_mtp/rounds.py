@@ -1,8 +1,8 @@
 """One speculative round, for one stream or several at once.
 
 A round has three steps, each written once here and used by the single-stream
-loop (``speculative.py``, a batch of one), by the server's batched rounds
-(``serve/batch.py``) and by ``tune``'s timings:
+loop (``speculative.py``, a batch of one), by the decoding engine's batched
+rounds (``decoder.py``) and by ``tune``'s timings:
 
 1) ``draft``: each stream's MTP head catches up on the hidden states it has
    not seen (paired with their successor tokens) in ONE call per head layer,
@@ -16,7 +16,7 @@ loop (``speculative.py``, a batch of one), by the server's batched rounds
    and the new true hidden states wait for the head's next catch-up.
 
 The caches are reached through a ``RoundCaches``: ``OneStream`` for the caches
-of one stream, ``serve.batch.BatchDecoder`` for batch caches, which pad each
+of one stream, ``decoder.Decoder`` for batch caches, which pad each
 head call's rows to one length and roll the padding back at once.
 """
 
@@ -82,6 +82,7 @@ class Stream:
     generated: int = 0
     done: bool = False
     logprobs: Optional[Logprobs] = None  # kept tokens' log-probabilities, if asked
+    source: Any = None  # its ``drafts.DraftSource`` (None: the head's drafts alone)
 
     @property
     def remaining(self) -> int:
@@ -278,12 +279,11 @@ def kept_count(emitted: List[int], stop_tokens, limit: int) -> int:
 
 
 def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> None:
-    """Record a round that kept ``m`` of its ``accepted + 1`` tokens (drafts with
-    no logits are a prompt-lookup proposal)."""
+    """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
         drafts, accepted = drafts[: m - 1], m - 1
     stats.record_round([d.token.item() for d in drafts], accepted)
-    if drafts and drafts[0].logits is None:
+    if drafts and drafts[0].source == "lookup":
         stats.lookup_drafted += len(drafts)
         stats.lookup_accepted += accepted
 

@@ -55,6 +55,9 @@ class Draft:
     # [1, V] the filtered distribution it was sampled from; None for a greedy
     # draft, whose q is one-hot at ``token``
     q: Optional[mx.array] = None
+    # where it came from: "mtp" (the head, whose logits it has) or "lookup"
+    # (a proposal with no distribution of its own: one-hot for rejection sampling)
+    source: str = "mtp"
 
     @property
     def p(self) -> mx.array:

@@ -2,12 +2,13 @@
 
 Positions: the trunk has read every token before ``y``; ``y`` is the last
 token chosen and not yet read. Each round (``rounds``: draft, verify, settle)
-drafts ``[d_1..d_k]`` with the head (or takes a prompt-lookup proposal),
+asks the stream's draft source (``drafts.py``) for a plan: ``[d_1..d_k]``
+from the head, or a ready proposal such as a prompt lookup; it
 verifies ``[y, d_1..d_k]`` in ONE forward of the trunk, keeps the agreeing
 prefix plus one token of the main model, and rolls the caches back to it.
-This loop is the single stream's: the prompt's prefill, how many drafts
-each round takes (the draft policy, the lookup source), and plain steps that
-run one ahead, as mlx-lm's do, while no round drafts.
+This loop is the single stream's fast path (a batch goes through
+``decoder.Decoder``, the same rounds): the prompt's prefill, and plain steps
+that run one ahead, as mlx-lm's do, while no round drafts.
 
 After the prompt there is no other decode step: every token comes from a
 round; a round with no drafts is exactly a plain decode step.
@@ -18,10 +19,9 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .adaptive import FixedDraft, expected_tokens
-from .cache import MTPCache, can_rollback
-from .defaults import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
-from .ngram import PromptLookup
+from .cache import MTPCache
+from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
+from .drafts import Plan, as_source
 from .rounds import Logprobs, OneStream, Stream, catch_up, settle, verify
 from .rounds import draft as draft_round
 from .sampling import Draft, ExactMatchVerifier
@@ -67,18 +67,6 @@ def draft(
     return drafts[0], tentative[0]
 
 
-def _head_value(lookup: PromptLookup, policy, k: int) -> float:
-    """What a lookup round must beat, in expected tokens per plain step: a plain
-    step (1), or in "auto" the round the head's policy chose."""
-    if lookup.mode != "auto" or k == 0 or not hasattr(policy, "costs"):
-        return 1.0
-    return expected_tokens(policy.acceptance, k) / policy.costs.round(k)
-
-
-def _may_look(lookup: Optional[PromptLookup], last: int) -> bool:
-    return lookup is not None and lookup.may_propose_next(last)
-
-
 class _PlainStep:
     """One plain decode step, its token sampled but not read.
 
@@ -110,7 +98,7 @@ def speculative_generate_step(
     model,
     *,
     max_tokens: int = 256,
-    draft_policy: Optional[Callable[[], int]] = None,
+    drafts: Optional[Any] = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     verifier: Optional[Any] = None,
     stop_tokens: Sequence[int] = (),
@@ -119,25 +107,21 @@ def speculative_generate_step(
     stats: Optional[MTPStats] = None,
     cached_tokens: Sequence[int] = (),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
-    lookup: Optional[PromptLookup] = None,
     logprobs: Optional[Logprobs] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
     when the cache is new). ``stats`` is updated in place as tokens are yielded.
-    ``draft_policy`` (``FixedDraft(k)``, ``CostAwareDraft``) is the one source
-    of the draft count: each round asks it how many to draft (at most its
-    ``draft_max``; 0 turns MTP off) and tells it ``update(drafted, accepted)``;
-    without one every round drafts ``DEFAULT_DRAFT_MAX``. ``cached_tokens`` are the
-    tokens already in ``prompt_cache``: the sampler sees them as history
-    (penalty window, noise positions) as if the whole sequence had been the
-    prompt. ``prefill_progress`` goes to ``prefill``. ``lookup`` (a
-    ``PromptLookup``) adds prompt-lookup drafts: a round checks its proposal
-    instead of the head's drafts when that is expected to pay more (it is
-    verified, accepted and rolled back as any draft). ``logprobs`` (a
-    ``rounds.Logprobs``) receives each token's log-probability before the token
-    is yielded.
+    ``drafts`` is the stream's draft source (``drafts.make_source``; a bare
+    count policy, ``FixedDraft(k)`` or ``CostAwareDraft``, means the head's
+    drafts it counts; None: ``DEFAULT_DRAFT_MAX`` head drafts a round). Each
+    round asks it what to check and tells it what was kept. ``cached_tokens``
+    are the tokens already in ``prompt_cache``: the sampler sees them as
+    history (penalty window, noise positions) as if the whole sequence had
+    been the prompt. ``prefill_progress`` goes to ``prefill``. ``logprobs`` (a
+    ``rounds.Logprobs``) receives each token's log-probability before the
+    token is yielded.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -145,16 +129,11 @@ def speculative_generate_step(
     verifier = verifier or ExactMatchVerifier()
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
     stats = stats if stats is not None else MTPStats()
-    policy = draft_policy or FixedDraft(DEFAULT_DRAFT_MAX)
-    stats.draft_max = policy.draft_max
-    use_mtp = policy.draft_max > 0 and model.head is not None
-    stop_tokens = set(stop_tokens)
+    source = as_source(drafts)
+    stats.draft_max = source.draft_max
+    use_mtp = source.draft_max > 0 and model.head is not None
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
-    if lookup is not None and not can_rollback(cache.trunk):
-        lookup = None  # a trunk that cannot drop rejected drafts checks none
-    if lookup is not None:
-        lookup.sync(history)
 
     tic = time.perf_counter()
     prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
@@ -162,62 +141,57 @@ def speculative_generate_step(
     stats.prompt_time += time.perf_counter() - tic
     tic = time.perf_counter()
 
-    stream = Stream(history, cache, verifier, max_tokens, stop_tokens, stats)
-    stream.logprobs = logprobs
+    stream = Stream(history, cache, verifier, max_tokens, set(stop_tokens), stats)
+    stream.logprobs, stream.source = logprobs, source
     one, caches = [stream], OneStream(model, cache)
     ahead = None
-    k = policy() if use_mtp else 0
+    k = source.count() if use_mtp else 0
     try:
         while not stream.done:
+            # 1) the plan: a ready proposal, the head's drafts, or a plain step
             remaining, y = stream.remaining, history[-1]
             k = min(k, remaining - 1) if cache.pending[0].hidden is not None else 0
-            drafts, tentative, looked = [], None, []
-            if lookup is not None and ahead is None and remaining > 1:
-                looked = lookup.drafts(remaining - 1, _head_value(lookup, policy, k))
-            if k == 0 and lazy and not looked:
-                # a plain step; the next one starts before this token is read
+            plan = Plan()
+            if ahead is None:
+                plan = source.plan(history, remaining - 1, k)
+            drafts, tentative = [], None
+            if not plan.tokens and not plan.head and lazy:
+                # 2a) a plain step; the next one starts before this token is read
                 step = ahead or _PlainStep(model, cache, verifier, y, history)
-                k, ahead = (policy() if use_mtp else 0), None
-                if k == 0 and remaining > 1 and not _may_look(lookup, y):
+                k, ahead = (source.count() if use_mtp else 0), None
+                if k == 0 and remaining > 1 and not source.may_propose_after(history):
                     ahead = step.next(model, cache, verifier, history)
                 emitted = [step.token.item()]
                 logits, hidden = step.logits, step.hidden
-                if emitted[0] in stop_tokens and ahead is not None:
+                if emitted[0] in stream.stop_tokens and ahead is not None:
                     ahead.undo(cache)
                     ahead = None
             else:
-                # a round: a lookup proposal or the head's drafts, one verify
-                if looked:
-                    drafts = [Draft(mx.array([t]), None) for t in looked]
-                elif k > 0:
+                # 2b) a round: draft (or take the proposal), one verify
+                if plan.tokens:
+                    drafts = [
+                        Draft(mx.array([t]), None, source=plan.source)
+                        for t in plan.tokens
+                    ]
+                elif plan.head:
                     drafted, tentative = draft_round(
-                        model, caches, one, [k], draft_p_min
+                        model, caches, one, [plan.head], draft_p_min
                     )
                     drafts = drafted[0]
                 (emitted,), logits, hidden = verify(model, caches, one, [drafts])
-                if looked:
-                    lookup.update(len(drafts), len(emitted) - 1)
-                elif drafts:
-                    policy.update(len(drafts), len(emitted) - 1)
-                k = policy() if use_mtp else 0
+                if drafts:
+                    source.update(drafts[0].source, len(drafts), len(emitted) - 1)
+                k = source.count() if use_mtp else 0
+            # 3) keep the agreeing tokens, roll the rest back
             accepted = len(emitted) - 1
             (m,) = settle(
-                model,
-                caches,
-                one,
-                [drafts],
-                tentative,
-                [emitted],
-                logits,
-                hidden,
+                model, caches, one, [drafts], tentative, [emitted], logits, hidden,
                 use_mtp,
-            )
+            )  # fmt: skip
             stats.generation_time = time.perf_counter() - tic
             stats.peak_memory = mx.get_peak_memory() / 1e9
             for i, t in enumerate(emitted[:m]):
                 yield t, i < accepted
-            if lookup is not None:
-                lookup.sync(history)
     finally:
         if ahead is not None:  # the consumer stopped reading: unread its step
             ahead.undo(cache)

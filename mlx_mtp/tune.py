@@ -212,7 +212,7 @@ def measure_acceptance(
                 prompt,
                 model,
                 max_tokens=max_tokens,
-                draft_policy=FixedDraft(k),
+                drafts=FixedDraft(k),
                 stop_tokens=stop_tokens,
                 stats=one,
             )

@@ -275,7 +275,7 @@ def check_greedy(label: str, make_model, op, max_tokens: int) -> list:
         got = [
             t
             for t, _ in speculative_generate_step(
-                prompt, model, max_tokens=max_tokens, draft_policy=FixedDraft(3), stats=stats
+                prompt, model, max_tokens=max_tokens, drafts=FixedDraft(3), stats=stats
             )
         ]
     finally:

@@ -67,7 +67,7 @@ def run(model, prompt, max_tokens, policy, stop=(), config=None):
     stats = MTPStats()
     verifier = make_verifier(config) if config is not None else None
     steps = speculative_generate_step(
-        prompt, model, max_tokens=max_tokens, draft_policy=policy,
+        prompt, model, max_tokens=max_tokens, drafts=policy,
         stop_tokens=stop, stats=stats, verifier=verifier,
     )  # fmt: skip
     return [t for t, _ in steps], stats

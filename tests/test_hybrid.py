@@ -82,7 +82,7 @@ def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
         prompt,
         model,
         max_tokens=max_tokens,
-        draft_policy=FixedDraft(draft_max),
+        drafts=FixedDraft(draft_max),
         stop_tokens=stop,
         prompt_cache=cache,
         prefill_step_size=PREFILL,

@@ -99,9 +99,7 @@ def test_no_imports_of_private_names():
         for t, n, _ in imports(m)
         if n is not None and n.startswith("_") and not n.startswith("__")
     ]
-    # speculative's round helper, shared with the batched server's round (the
-    # one round both will run is under way)
-    assert set(private) <= {("mlx_mtp.serve.batch", "mlx_mtp.speculative", "_cut")}
+    assert private == []
 
 
 def test_imports_inside_functions_only_where_laziness_pays():

@@ -142,7 +142,7 @@ def test_truncate_then_continue(multi, keep):
     out = [
         t
         for t, _ in mlx_mtp.speculative_generate_step(
-            prompt, model, max_tokens=3, draft_policy=FixedDraft(3), prompt_cache=cache
+            prompt, model, max_tokens=3, drafts=FixedDraft(3), prompt_cache=cache
         )
     ]
     seq = prompt + out
@@ -152,13 +152,13 @@ def test_truncate_then_continue(multi, keep):
     more = [
         t
         for t, _ in mlx_mtp.speculative_generate_step(
-            seq[kept:keep] + [7, 8], model, max_tokens=8, draft_policy=FixedDraft(3), prompt_cache=cache
+            seq[kept:keep] + [7, 8], model, max_tokens=8, drafts=FixedDraft(3), prompt_cache=cache
         )
     ]
     ref = [
         t
         for t, _ in mlx_mtp.speculative_generate_step(
-            seq[:keep] + [7, 8], model, max_tokens=8, draft_policy=FixedDraft(0)
+            seq[:keep] + [7, 8], model, max_tokens=8, drafts=FixedDraft(0)
         )
     ]
     assert more == ref

@@ -15,6 +15,7 @@ from test_sampling import first_two_tokens, seeded_first_two
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
+from mlx_mtp.drafts import AutoDrafts, HeadDrafts, LookupDrafts
 from mlx_mtp.ngram import MATCH_CAP, MATCH_PRIORS, NgramIndex, PromptLookup
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
@@ -125,10 +126,13 @@ def reference_greedy(reference, prompt, max_tokens, stop=()):
 def run(model, prompt, max_tokens, policy, mode="ngram", stop=(), config=None):
     stats = MTPStats()
     lookup = PromptLookup(mode, prior_costs(), prior=[0.9])
+    source = (
+        AutoDrafts(HeadDrafts(policy), lookup) if mode == "auto" else LookupDrafts(lookup)
+    )
     verifier = make_verifier(config) if config is not None else None
     steps = speculative_generate_step(
-        prompt, model, max_tokens=max_tokens, draft_policy=policy,
-        stop_tokens=stop, stats=stats, lookup=lookup, verifier=verifier,
+        prompt, model, max_tokens=max_tokens, drafts=source,
+        stop_tokens=stop, stats=stats, verifier=verifier,
     )  # fmt: skip
     return [t for t, _ in steps], stats
 
@@ -211,9 +215,11 @@ def test_no_lookup_source_where_it_cannot_pay(tiny_folders, monkeypatch):
     """On a compute-bound machine the source is left out altogether, so plain
     steps keep running one ahead (a lookup that may come disables that)."""
     from mlx_mtp import config
-    from mlx_mtp.ngram import make_lookup
+    from mlx_mtp.drafts import NoDrafts, make_source
 
     model = mlx_mtp.load_model(tiny_folders("mimo")[0])
-    assert make_lookup(model, "auto") is not None  # the pinned memory-bound guess
+    # the pinned memory-bound guess
+    assert isinstance(make_source(model, "auto", 0), LookupDrafts)
+    assert isinstance(make_source(model, "mtp", 0), NoDrafts)
     monkeypatch.setattr(config, "compute_bound", lambda: True)
-    assert make_lookup(model, "auto") is None and make_lookup(model, "mtp") is None
+    assert isinstance(make_source(model, "auto", 0), NoDrafts)

@@ -144,7 +144,7 @@ def run(model, prompt, max_tokens, policy, stop=()):
             prompt,
             model,
             max_tokens=max_tokens,
-            draft_policy=policy,
+            drafts=policy,
             stop_tokens=stop,
             prompt_cache=cache,
             prefill_step_size=16,
@@ -208,7 +208,7 @@ def test_a_consumer_that_stops_reading_leaves_the_cache_exact(models):
     prompt = list(range(100, 130))
     cache = model.make_cache()
     steps = speculative_generate_step(
-        prompt, model, max_tokens=30, draft_policy=FixedDraft(0), prompt_cache=cache
+        prompt, model, max_tokens=30, drafts=FixedDraft(0), prompt_cache=cache
     )
     got = [next(steps)[0] for _ in range(5)]
     steps.close()  # the next step had started ahead

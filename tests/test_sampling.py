@@ -216,7 +216,7 @@ def run(model, prompt, max_tokens=24, draft_max=K, policy=None, **config):
     verifier = make_verifier(SamplingConfig(**config))
     steps = speculative_generate_step(
         prompt, model, max_tokens=max_tokens,
-        verifier=verifier, draft_policy=policy or FixedDraft(draft_max), stats=stats,
+        verifier=verifier, drafts=policy or FixedDraft(draft_max), stats=stats,
     )
     return [t for t, _ in steps], stats
 

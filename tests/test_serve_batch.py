@@ -28,8 +28,10 @@ from mlx_mtp.rounds import OneStream, catch_up
 from mlx_mtp.rounds import Stream as OneStreamState
 from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.serve import ServeConfig
-from mlx_mtp.serve.batch import BatchDecoder, Stream
-from mlx_mtp.serve.policy import BatchDraftLength, expected_tokens
+from mlx_mtp.decoder import Decoder as BatchDecoder
+from mlx_mtp.drafts import HeadDrafts
+from mlx_mtp.rounds import Stream
+from mlx_mtp.batch_policy import BatchDraftLength, expected_tokens
 from mlx_mtp.speculative import prefill, speculative_generate_step
 
 PREFILL = 16
@@ -194,13 +196,14 @@ def test_caches_without_a_batch_form_are_served_one_token_at_a_time(folders):
 def _stream(model, prompt, max_tokens, draft_max):
     cache = model.make_cache()
     prefill(model, cache, prompt, PREFILL, True)
-    return Stream(
+    stream = Stream(
         history=list(prompt),
         cache=cache,
         verifier=ExactMatchVerifier(),
         max_tokens=max_tokens,
-        draft_max=draft_max,
     )
+    stream.source = HeadDrafts(FixedDraft(draft_max))
+    return stream
 
 
 def _layer_arrays(c):
@@ -247,7 +250,7 @@ def test_streams_join_and_leave_between_rounds(folders, family):
                 prompts[i],
                 model,
                 max_tokens=limits[i],
-                draft_policy=FixedDraft(drafts[i]),
+                drafts=FixedDraft(drafts[i]),
                 prefill_step_size=PREFILL,
                 prompt_cache=alone,
             )

@@ -61,7 +61,7 @@ def mtp_greedy(model, prompt, max_tokens, draft_max, stop=(), cache=None):
             prompt,
             model,
             max_tokens=max_tokens,
-            draft_policy=FixedDraft(draft_max),
+            drafts=FixedDraft(draft_max),
             stop_tokens=stop,
             prompt_cache=cache,
             prefill_step_size=PREFILL,
@@ -201,15 +201,15 @@ def test_snapshot_brings_trunk_and_head_back(tiny_folders, family):
     prompt = list(range(3, 30))
     steps = speculative_generate_step
     first = [t for t, _ in steps(prompt, model, max_tokens=8, prompt_cache=cache,
-                                 draft_policy=FixedDraft(2))]  # fmt: skip
+                                 drafts=FixedDraft(2))]  # fmt: skip
     snap = cache.snapshot()
     offset, pending = cache.offset, [q.size for q in cache.pending]
     again = [t for t, _ in steps([first[-1]], model, max_tokens=8, prompt_cache=cache,
-                                 draft_policy=FixedDraft(2))]  # fmt: skip
+                                 drafts=FixedDraft(2))]  # fmt: skip
     cache.restore(snap)
     assert cache.offset == offset and [q.size for q in cache.pending] == pending
     redo = [t for t, _ in steps([first[-1]], model, max_tokens=8, prompt_cache=cache,
-                                draft_policy=FixedDraft(2))]  # fmt: skip
+                                drafts=FixedDraft(2))]  # fmt: skip
     assert redo == again
     trunk = cache.snapshot(trunk_only=True)
     assert trunk.pending is None and len(trunk.marks) == len(cache.trunk)

@@ -2,7 +2,7 @@
 
 ``run(model, tokenizer, ...)`` serves a loaded model with uvicorn;
 ``create_app`` builds the Starlette app over an ``Engine`` (``engine.py``),
-which batches the requests (``batch.py``); both live in ``app.py``.
+which batches the requests (``mlx_mtp.decoder``); both live in ``app.py``.
 
 This module itself imports neither MLX nor the web stack (``create_app`` and
 ``run`` are imported from ``app.py`` on first use), so the command line can
@@ -52,8 +52,6 @@ class ServeConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def validate(self) -> None:
-        if self.draft_source not in ("mtp", "ngram", "auto"):
-            raise ValueError("draft_source must be 'mtp', 'ngram' or 'auto'")
         for name in ("max_tokens", "max_batch", "prefill_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -36,11 +36,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..config import default_draft_max
 from ..constrain import JSONConstraint, grammar_tokenizer, response_format_grammar
-from ..defaults import DRAFT_SOURCES, MAX_DRAFT_MAX
+from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import context_length, encode, fit_context, has_chat_template
+from ..request import DraftSettings, GenerationRequest
 from ..sampling import SamplingConfig
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic
 from .engine import Engine, Event, Request
@@ -88,16 +88,13 @@ _NUMBER = (int, float)
 
 
 @dataclass
-class Params:
-    max_tokens: int
-    sampling: SamplingConfig
-    draft_max: int
-    stop: List[str]
-    stream: bool
-    include_usage: bool
+class Params(GenerationRequest):
+    """A request as both APIs take it: the generation, built once here and
+    handed to the engine whole, and how to answer it."""
+
+    stream: bool = False
+    include_usage: bool = False
     grammar: Optional[str] = None  # what ``response_format`` holds answers to
-    logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
-    draft_source: Optional[str] = None  # None: the server's
 
 
 class Service:
@@ -197,18 +194,17 @@ class Service:
             seed=_get(body, "seed", (int,)),
             **penalty,
         )
-        default_draft = self.config.draft_max
-        if default_draft is None:
-            default_draft = default_draft_max(self.model)
-        draft_max = _get(body, "draft_max", (int,), default_draft, 0, MAX_DRAFT_MAX)
-        draft_source = _get(body, "draft_source", (str,))
-        if draft_source is not None and draft_source not in DRAFT_SOURCES:
-            raise APIError(
-                f"'draft_source' must be one of {', '.join(DRAFT_SOURCES)}, "
-                f"got {json.dumps(draft_source)}",
-                param="draft_source",
-                code="invalid_value",
-            )
+        c = self.config
+        drafts = DraftSettings(
+            source=_get(body, "draft_source", (str,), c.draft_source),
+            draft_max=_get(body, "draft_max", (int,), c.draft_max, 0, MAX_DRAFT_MAX),
+            adaptive=c.adaptive_draft,
+            mtp=c.mtp,
+        )
+        try:
+            drafts.validate()
+        except MTPError as e:
+            raise APIError(str(e), param="draft_source", code="invalid_value") from None
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -230,13 +226,12 @@ class Service:
         return Params(
             max_tokens=max_tokens,
             sampling=sampling,
-            draft_max=draft_max,
+            drafts=drafts,
             stop=stop,
+            logprobs=logprobs,
             stream=_get(body, "stream", (bool,), False),
             include_usage=_get(options, "include_usage", (bool,), False),
             grammar=grammar,
-            logprobs=logprobs,
-            draft_source=draft_source,
         )
 
     def _logit_bias(self, body: dict) -> Optional[Dict[int, float]]:
@@ -543,20 +538,11 @@ def create_app(
             except RuntimeError:  # the event loop is gone (shutting down)
                 pass
 
-        request = Request(
-            prompt=tokens,
-            max_tokens=service.fit(
-                tokens, p.max_tokens, "messages" if kind == "chat" else "prompt"
-            ),
-            sampling=p.sampling,
-            draft_max=p.draft_max,
-            emit=emit,
-            stop=p.stop,
-            logprobs=p.logprobs,
-            draft_source=p.draft_source,
-        )
+        param = "messages" if kind == "chat" else "prompt"
+        p.max_tokens = service.fit(tokens, p.max_tokens, param)
         if p.grammar is not None:
-            request.logits_processors = [service.constraint(p.grammar, len(tokens))]
+            p.logits_processors = [service.constraint(p.grammar, len(tokens))]
+        request = Request(prompt=tokens, params=p, emit=emit)
         service.engine.submit(request)
         return request, events
 
@@ -599,7 +585,7 @@ def create_app(
         return await _collect(http, request, events, kind, meta, plan.splitter())
 
     def logprobs(request: Request, kind: str, entries: list, offset: int = 0):
-        if request.logprobs is None:
+        if request.params.logprobs is None:
             return None
         return _logprobs(kind, entries, service.tokenizer, offset)
 

@@ -14,8 +14,8 @@ Each turn of its loop
    stop strings finish a stream, which leaves the batch and leaves its cache
    to the prompt cache.
 
-Models whose caches have no batch form here are served one token at a time
-per stream, each through the single-stream loop (no batching).
+Models whose caches have no batch form here are served one stream at a time,
+through the same decoder (a batch of one).
 
 Events reach the HTTP side through each request's ``emit`` callback, called
 on the engine thread.
@@ -31,16 +31,12 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..adaptive import acceptance_prior, make_policy
 from ..chat import truncatable
-from ..ngram import make_lookup
-from ..rounds import Logprobs
-from ..sampling import SamplingConfig, make_verifier
-from ..speculative import speculative_generate_step
+from ..decoder import Decoder
+from ..request import GenerationRequest
+from ..rounds import Logprobs, Stream
 from ..stats import MTPStats
 from . import ServeConfig
-from .batch import BatchDecoder, Stream
-from .batch_cache import batchable
 from .prompt_cache import PromptCache, copy_cache
 
 # When idle, how long the first request waits for others sent with it.
@@ -61,18 +57,12 @@ class Event:
 
 @dataclass
 class Request:
-    """A generation as the engine sees it: tokens in, events out."""
+    """A generation as the engine sees it: tokens in, events out; what to
+    generate is the API's ``GenerationRequest``, as it was built."""
 
     prompt: List[int]
-    max_tokens: int
-    sampling: SamplingConfig
-    draft_max: int
+    params: GenerationRequest
     emit: Callable[[Event], None]
-    stop: List[str] = field(default_factory=list)
-    # applied after the sampling settings' own, at every position (drafts too)
-    logits_processors: List[Callable] = field(default_factory=list)
-    logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
-    draft_source: Optional[str] = None  # None: the server's
     cancelled: bool = False
 
 
@@ -146,11 +136,10 @@ class _Job:
 
     def __init__(self, request: Request, tokenizer):
         self.request = request
-        self.text = _Text(tokenizer, request.stop)
+        self.text = _Text(tokenizer, request.params.stop)
         self.stream: Optional[Stream] = None
         self.read = 0  # prompt tokens the stream's caches hold
         self.reused = 0
-        self.steps = None  # the single-stream loop, where there is no batch
         self.logprobs_sent = 0
 
     def logprobs(self) -> list:
@@ -189,11 +178,9 @@ class Engine:
     def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or ServeConfig()
-        cache = model.make_cache()
-        self.batched = batchable(cache.trunk) and batchable(cache.head)
-        self.decoder = BatchDecoder(model, adaptive=config.adaptive_draft)
-        self.reader = BatchDecoder(model)  # streams whose prompts are being read
-        self.prior = acceptance_prior(model)  # where each stream's rates start
+        self.decoder = Decoder(model, adaptive=config.adaptive_draft)
+        self.reader = Decoder(model)  # streams whose prompts are being read
+        self.batched = self.decoder.batched
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
@@ -201,7 +188,6 @@ class Engine:
         self.waiting: List[Request] = []
         self.reading: Dict[int, _Job] = {}  # prompts being read, by id of their stream
         self.jobs: Dict[int, _Job] = {}  # decoding, by id of their stream
-        self.serial: List[_Job] = []  # decoding without a batch
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
@@ -219,7 +205,7 @@ class Engine:
     def counts(self) -> Dict[str, int]:
         """Streams decoding, prompts being read, requests waiting."""
         return {
-            "decoding": len(self.jobs) + len(self.serial),
+            "decoding": len(self.jobs),
             "reading": len(self.reading),
             "waiting": len(self.waiting) + self.inbox.qsize(),
             "peak_batch": self.decoder.peak if self.batched else 1,
@@ -271,7 +257,7 @@ class Engine:
     # -- the loop ----------------------------------------------------------------
 
     def _busy(self) -> bool:
-        return bool(self.waiting or self.reading or self.jobs or self.serial)
+        return bool(self.waiting or self.reading or self.jobs)
 
     def _run(self) -> None:
         while not (self._stopping and not self._busy()):
@@ -287,8 +273,6 @@ class Engine:
                 # 4) one round
                 if self.jobs:
                     self._round()
-                for job in list(self.serial):
-                    self._serial_step(job)
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._end_all()
             except Exception as e:  # a bug must not take the server down
@@ -327,12 +311,9 @@ class Engine:
         gone = [j for j in self.jobs.values() if j.request.cancelled]
         if gone:
             self._leave(gone)
-        for job in [j for j in self.serial if j.request.cancelled]:
-            self.serial.remove(job)
-            job.steps.close()
 
     def _room(self) -> int:
-        active = len(self.reading) + len(self.jobs) + len(self.serial)
+        active = len(self.reading) + len(self.jobs)
         limit = self.config.max_batch if self.batched else 1
         return limit - active
 
@@ -342,35 +323,29 @@ class Engine:
             job = _Job(request, self.tokenizer)
             cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
             job.reused = job.read
-            verifier = make_verifier(
-                request.sampling, logits_processors=request.logits_processors
-            )
-            use_mtp = self.model.head is not None and self.config.mtp
-            source = request.draft_source or self.config.draft_source
-            lookup = make_lookup(self.model, source) if self.config.mtp else None
-            draft_max = request.draft_max if use_mtp and source != "ngram" else 0
-            job.stream = Stream(
-                history=list(request.prompt),
-                cache=cache,
-                verifier=verifier,
-                max_tokens=request.max_tokens,
-                draft_max=draft_max,
-                stop_tokens=set(self.text_eos()),
-                prior=self.prior,
-            )
-            if request.logprobs is not None:
-                job.stream.logprobs = Logprobs(request.logprobs)
-            if lookup is not None:
-                lookup.sync(job.stream.history)
-                job.stream.lookup = lookup
+            job.stream = self._stream(request, cache)
             job.stream.stats.prompt_tokens = len(request.prompt) - job.read
-            if not self.batched:
-                self._start_serial(job, cache)
-            elif job.read < len(request.prompt) - 1:
+            if job.read < len(request.prompt) - 1:
                 self.reader.add([job.stream])
                 self.reading[id(job.stream)] = job
             else:  # all but the last token came from the prompt cache
                 self._join([job])
+
+    def _stream(self, request: Request, cache) -> Stream:
+        """A request's stream: its verifier and draft source, on ``cache``."""
+        params = request.params
+        stream = Stream(
+            history=list(request.prompt),
+            cache=cache,
+            verifier=params.verifier(),
+            max_tokens=params.max_tokens,
+            stop_tokens=set(self.text_eos()),
+        )
+        stream.source = params.drafts.make(self.model, batched=True)
+        stream.stats.draft_max = stream.source.draft_max
+        if params.logprobs is not None:
+            stream.logprobs = Logprobs(params.logprobs)
+        return stream
 
     def text_eos(self):
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
@@ -408,7 +383,7 @@ class Engine:
         finished, last = [], []
         for s, tokens in zip(self.decoder.streams, out):
             job = self.jobs[id(s)]
-            text = job.text.feed(tokens, job.request.max_tokens)
+            text = job.text.feed(tokens, job.request.params.max_tokens)
             if job.text.finish is not None or s.done:
                 finished.append(job)
                 last.append(text)
@@ -446,10 +421,6 @@ class Engine:
         if self.jobs:
             jobs = list(self.jobs.values())
             self._leave(jobs, [job.text.flush() for job in jobs])
-        for job in list(self.serial):
-            self.serial.remove(job)
-            job.steps.close()
-            self._finish(job, job.text.flush())
         for request in self.waiting:
             info = usage(len(request.prompt), 0, 0, MTPStats())
             request.emit(Event(finish_reason="length", usage=info))
@@ -457,54 +428,11 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         """After an internal error: every request gets it, the batch starts afresh."""
-        jobs = list(self.jobs.values()) + list(self.reading.values()) + self.serial
+        jobs = list(self.jobs.values()) + list(self.reading.values())
         for job in jobs:
             job.request.emit(Event(error=message))
         for request in self.waiting:
             request.emit(Event(error=message))
-        self.waiting, self.reading, self.jobs, self.serial = [], {}, {}, []
-        self.decoder = BatchDecoder(self.model, adaptive=self.config.adaptive_draft)
-        self.reader = BatchDecoder(self.model)
-
-    # -- without a batch ---------------------------------------------------------
-
-    def _start_serial(self, job: _Job, cache) -> None:
-        s, request = job.stream, job.request
-        job.steps = speculative_generate_step(
-            request.prompt[job.read :],
-            self.model,
-            max_tokens=request.max_tokens,
-            verifier=s.verifier,
-            draft_policy=make_policy(
-                self.model, s.draft_max, self.config.adaptive_draft
-            ),
-            stop_tokens=s.stop_tokens,
-            prompt_cache=cache,
-            prefill_step_size=self.config.prefill_step,
-            stats=s.stats,
-            cached_tokens=request.prompt[: job.read],
-            logprobs=s.logprobs,
-            lookup=s.lookup,
-        )
-        self.serial.append(job)
-
-    def _serial_step(self, job: _Job) -> None:
-        s = job.stream
-        token = next(job.steps, None)
-        if token is not None:
-            s.history.append(token[0])
-            s.generated += 1
-        text = job.text.feed([token[0]] if token else [], job.request.max_tokens)
-        if token is not None and job.text.finish is None:
-            if text:
-                job.request.emit(Event(text, logprobs=job.logprobs()))
-            return
-        # the round's remaining tokens: the trunk has read all but the last
-        while s.generated < s.stats.generation_tokens:
-            s.history.append(next(job.steps)[0])
-            s.generated += 1
-        job.steps.close()
-        self.serial.remove(job)
-        if self.prompt_cache.enabled:
-            self.prompt_cache.insert(s.history[:-1], s.cache)
-        self._finish(job, text)
+        self.waiting, self.reading, self.jobs = [], {}, {}
+        self.decoder = Decoder(self.model, adaptive=self.config.adaptive_draft)
+        self.reader = Decoder(self.model)

@@ -102,7 +102,7 @@ def run_ours(args):
                 p,
                 model,
                 max_tokens=args.tokens,
-                draft_policy=FixedDraft(d),
+                drafts=FixedDraft(d),
                 verifier=make_verifier(),
             )
         ]

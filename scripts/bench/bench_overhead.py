@@ -91,7 +91,7 @@ def main():
             model,
             max_tokens=args.tokens,
             verifier=verifier,
-            draft_policy=policy or FixedDraft(k),
+            drafts=policy or FixedDraft(k),
         )
 
     # the verifier users get by default (the full sampler chain, at temp 0)

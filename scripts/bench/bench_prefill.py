@@ -57,10 +57,10 @@ def main():
             # MTP on: the head catches up in prefill; the first step drafts
             # nothing, so that both sides time the prefill and one plain step
             "mlx-mtp, MTP on": lambda: speculative_generate_step(
-                prompt, model, max_tokens=1, draft_policy=FixedDraft(0, draft_max=3)
+                prompt, model, max_tokens=1, drafts=FixedDraft(0, draft_max=3)
             ),
             "mlx-mtp, no MTP": lambda: speculative_generate_step(
-                prompt, model, max_tokens=1, draft_policy=FixedDraft(0)
+                prompt, model, max_tokens=1, drafts=FixedDraft(0)
             ),
         }
         names = list(configs)

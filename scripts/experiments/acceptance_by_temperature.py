@@ -59,7 +59,7 @@ def run(model, prompts, tokens, draft_max, adaptive=False, **sampling):
         policy = CostAwareDraft(draft_max, prior_costs()) if adaptive else None
         for _ in speculative_generate_step(
             prompt, model, max_tokens=tokens,
-            verifier=verifier, draft_policy=policy, stats=stats,
+            verifier=verifier, drafts=policy, stats=stats,
         ):
             pass
     return stats, time.perf_counter() - tic

@@ -1,44 +1,37 @@
-"""Speculative rounds for several streams at once.
+"""The decoding engine: speculative rounds for a batch of streams.
 
 One trunk forward verifies every stream's drafts, and each stream keeps its
-own number of tokens. The round is ``rounds``' (the single-stream loop's,
-step by step, per stream); the streams only share the forward passes. Here
-are the batch caches it works on (``BatchDecoder``): each head call's rows
-are right-padded to one length and the padding is rolled back at once;
-padding always sits after a stream's real tokens, where its causal mask
-hides it, and is gone before the next round, so each stream's tokens are
-those it would get alone. The caches are ``batch_cache``'s.
+own number of tokens. The round is ``rounds``' (draft, verify, settle, per
+stream); the streams only share the forward passes. Each stream's draft
+source (``drafts.py``) plans its part of the round; the round's draft length
+comes from one policy (``batch_policy.BatchDraftLength``: expected tokens per
+measured second at this batch size).
+
+The caches: where the model's caches have batch forms (``batch_cache``),
+each head call's rows are right-padded to one length and the padding is
+rolled back at once; padding always sits after a stream's real tokens, where
+its causal mask hides it, and is gone before the next round, so each stream's
+tokens are those it would get alone. Models whose caches have no batch form
+here (a Gemma 4 assistant reads the target's caches) decode as a batch of
+one on the stream's own caches, through the same rounds.
+
+The Python API's single-stream generator (``speculative.py``) is the fast
+path for one stream: the same rounds and sources, plus plain steps that run
+one ahead while no round drafts.
 """
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import rounds
-from ..adaptive import AcceptanceEstimate, expected_tokens
-from ..ngram import PromptLookup
-from ..rounds import Item
-from ..sampling import Draft
-from .batch_cache import RaggedKVCache, merge, rollback
-from .policy import BatchDraftLength
-
-
-@dataclass
-class Stream(rounds.Stream):
-    """A served stream: a round's ``Stream`` with its draft cap and its
-    running acceptance. Until it joins a batch ``cache`` holds the stream's
-    own caches; in the batch it keeps only the head's pending inputs."""
-
-    draft_max: int = 0
-    prior: Optional[List[float]] = None  # the head's measured acceptance per depth
-    rates: AcceptanceEstimate = field(init=False)  # running acceptance per depth
-    lookup: Optional[PromptLookup] = None  # prompt-lookup drafts, where asked for
-
-    def __post_init__(self):
-        self.rates = AcceptanceEstimate(self.draft_max, self.prior)
-        self.stats.draft_max = self.draft_max
+from . import rounds
+from .batch_cache import RaggedKVCache, batchable, merge
+from .batch_cache import rollback as batch_rollback
+from .batch_policy import BatchDraftLength
+from .cache import rollback as own_rollback
+from .rounds import Item, Stream
+from .sampling import Draft
 
 
 def _extract(cache, b: int, kind: type):
@@ -47,7 +40,7 @@ def _extract(cache, b: int, kind: type):
     return cache.extract(b, kind)  # a recurrent layer's own cache class
 
 
-class BatchDecoder:
+class Decoder:
     """Streams decoded together, one speculative round at a time."""
 
     def __init__(self, model, draft_p_min: float = 0.0, adaptive: bool = True):
@@ -61,12 +54,25 @@ class BatchDecoder:
         self.kinds: List[type] = []  # the trunk's single-stream cache classes
         self.policy = BatchDraftLength() if adaptive else None
         self.peak = 0  # the most streams a round has decoded
+        cache = model.make_cache()
+        self.batched = batchable(cache.trunk) and batchable(cache.head)
 
     def __len__(self) -> int:
         return len(self.streams)
 
+    @property
+    def capacity(self) -> int:
+        """The most streams this model's caches let one batch hold (0: any)."""
+        return 0 if self.batched else 1
+
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
+        if not self.batched:  # a batch of one, on the stream's own caches
+            if len(self.streams) + len(streams) > 1:
+                raise ValueError("this model's caches decode one stream at a time")
+            self.trunk, self.head = streams[0].cache.trunk, streams[0].cache.head
+            self.streams += streams
+            return
         trunk = [merge(layer) for layer in zip(*(s.cache.trunk for s in streams))]
         head = [merge(layer) for layer in zip(*(s.cache.head for s in streams))]
         if self.streams:
@@ -81,6 +87,12 @@ class BatchDecoder:
 
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
         """Let ``streams`` leave; with ``extract`` each gets its caches back."""
+        if not self.batched:  # its caches never left it
+            gone = {id(s) for s in streams}
+            self.streams = [s for s in self.streams if id(s) not in gone]
+            if not self.streams:
+                self.trunk, self.head = [], []
+            return
         index = {id(s): b for b, s in enumerate(self.streams)}
         gone = [index[id(s)] for s in streams]
         if extract:
@@ -117,13 +129,22 @@ class BatchDecoder:
         logits, out = head.layer(j)(
             mx.concatenate(hidden), mx.stack(tokens), layer_caches
         )
-        rollback(layer_caches, [L - n for n in lengths])
-        last = [logits[b : b + 1, n - 1] if n else None for b, n in enumerate(lengths)]
+        if L > min(lengths):
+            self.rollback(layer_caches, [L - n for n in lengths])
+        # a head may return logits for its last inputs only (a Gemma 4 assistant)
+        skip = L - logits.shape[1]
+        last = [
+            logits[b : b + 1, n - 1 - skip] if n else None
+            for b, n in enumerate(lengths)
+        ]
         outs = [out[b : b + 1, :n] if n else None for b, n in enumerate(lengths)]
         return last, outs
 
     def rollback(self, caches: List[Any], counts: List[int]) -> None:
-        rollback(caches, counts)
+        if self.batched:
+            batch_rollback(caches, counts)
+        else:
+            own_rollback(caches, counts[0])
 
     # -- rounds --------------------------------------------------------------
 
@@ -142,61 +163,51 @@ class BatchDecoder:
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
     def _cap(self, s: Stream) -> int:
-        """The most drafts stream ``s`` may take this round."""
+        """The most head drafts stream ``s`` may take this round."""
         if self.model.head is None:
             return 0
-        return max(0, min(s.draft_max, s.max_tokens - s.generated - 1))
+        return max(0, min(s.source.draft_max, s.remaining - 1))
 
-    def _looked(self, s: Stream, cap: int, k: int) -> List[int]:
-        """Stream ``s``'s prompt-lookup drafts this round, where checking them
-        is expected to pay more than a plain step, or (in "auto") than the
-        head's ``min(cap, k)`` drafts, by the single-stream costs.
-
-        With other streams in the batch, a proposal rides within the round's
-        width ``k``, which the batch's draft length found worth its cost:
-        a wider one would widen every stream's verify (and ``k`` 0, a batch
-        where drafts do not pay, takes none).
-        """
-        if s.lookup is None or s.remaining < 2:
-            return []
-        limit = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
-        if limit < 1:
-            return []
-        against, kb = 1.0, min(cap, k)
-        if s.lookup.mode == "auto" and kb > 0:
-            against = expected_tokens(s.rates.rates, kb) / s.lookup.costs.round(kb)
-        return s.lookup.drafts(limit, against)
+    def _plan(self, s: Stream, cap: int, k: int) -> List[Draft]:
+        """Stream ``s``'s ready proposal this round, or [] (then the head
+        drafts ``min(cap, k)``). With other streams in the batch, a proposal
+        rides within the round's width ``k``, which the batch's draft length
+        found worth its cost: a wider one would widen every stream's verify
+        (and ``k`` 0, a batch where drafts do not pay, takes none)."""
+        room = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
+        plan = s.source.plan(s.history, room, min(cap, k))
+        return [Draft(mx.array([t]), None, source=plan.source) for t in plan.tokens]
 
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""
         model, streams = self.model, self.streams
         tic = time.perf_counter()
         self.peak = max(self.peak, len(streams))
+        # 1) the round's draft length, and each stream's plan
         caps = [self._cap(s) for s in streams]
         k = max(caps)
         if self.policy is not None:
-            k = self.policy.choose(len(streams), [s.rates.rates for s in streams], caps)
-        looked = [self._looked(s, c, k) for s, c in zip(streams, caps)]
-        drafts, tentative = [[] for _ in streams], None
-        ks = [0 if lk else min(c, k) for c, lk in zip(caps, looked)]
+            k = self.policy.choose(
+                len(streams), [s.source.rates() for s in streams], caps
+            )
+        ready = [self._plan(s, c, k) for s, c in zip(streams, caps)]
+        # 2) the head drafts for the streams without a proposal; one verify
+        drafts, tentative = [list(r) for r in ready], None
+        ks = [0 if r else min(c, k) for c, r in zip(caps, ready)]
         if max(ks) > 0:
-            drafts, tentative = rounds.draft(model, self, streams, ks, self.draft_p_min)
-        for b, lk in enumerate(looked):
-            if lk:
-                drafts[b] = [Draft(mx.array([t]), None) for t in lk]
+            drafted, tentative = rounds.draft(
+                model, self, streams, ks, self.draft_p_min
+            )
+            drafts = [r or d for r, d in zip(ready, drafted)]
         emitted, logits, hidden = rounds.verify(model, self, streams, drafts)
-        for s, d, e, cap, lk in zip(streams, drafts, emitted, caps, looked):
-            if lk:
-                s.lookup.update(len(d), len(e) - 1)
-            elif cap:  # undrafted positions drift back up: a low rate is retried
-                s.rates.update(len(d), len(e) - 1)
+        for s, d, e, cap in zip(streams, drafts, emitted, caps):
+            if d or cap:  # undrafted positions drift back up: a low rate is retried
+                s.source.update(d[0].source if d else "mtp", len(d), len(e) - 1)
+        # 3) each stream keeps its tokens; the rest rolls back
         feed = model.head is not None
         kept = rounds.settle(
             model, self, streams, drafts, tentative, emitted, logits, hidden, feed
         )
-        for s in streams:
-            if s.lookup is not None:
-                s.lookup.sync(s.history)
         seconds = time.perf_counter() - tic
         # a round widened by lookup drafts is no sample of the head's K
         if self.policy is not None and max(map(len, drafts)) <= k:

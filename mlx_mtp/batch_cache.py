@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from ..recurrent.keep_states import KeepStatesCache
+from .recurrent.keep_states import KeepStatesCache
 
 Counts = Union[int, Sequence[int]]
 

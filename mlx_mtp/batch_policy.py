@@ -26,7 +26,7 @@ import statistics
 from collections import deque
 from typing import Deque, Dict, List, Sequence
 
-from ..adaptive import expected_tokens
+from .adaptive import expected_tokens
 
 DEFAULT_EXPLORE = 16
 DEFAULT_WINDOW = 8
