@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
+from mlx_mtp.defaults import DEFAULT_MAX_TOKENS
 from mlx_mtp.errors import MTPError
 
 from . import options as o
@@ -144,6 +144,7 @@ def _read(console) -> Optional[str]:
 
 
 @app.command()
+@o.generation_options
 def chat(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -157,27 +158,12 @@ def chat(
         min=1,
         help="Tokens per answer at most.",
     ),
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 0.0,
-    top_k: o.TopK = 0,
-    min_p: o.MinP = 0.0,
-    repetition_penalty: o.RepetitionPenalty = None,
-    presence_penalty: o.PresencePenalty = None,
-    frequency_penalty: o.FrequencyPenalty = None,
-    logit_bias: o.LogitBias = None,
-    seed: o.Seed = None,
-    draft_max: o.DraftMax = None,
-    draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
-    draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
-    adaptive_draft: o.AdaptiveDraft = True,
-    draft_source: o.DraftSourceOption = o.DraftSource.auto,
-    no_mtp: o.NoMTP = False,
     show_drafts: bool = typer.Option(
         False,
         "--show-drafts",
         help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).",
         rich_help_panel=OUTPUT,
-    ),
+    ),    request=None,  # the generation options (o.generation_options)
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
     from rich.console import Console
@@ -186,28 +172,17 @@ def chat(
     from mlx_mtp.prompts import has_chat_template
 
     o.processes()
-    sampling = o.sampling_config(
-        temp,
-        top_p,
-        top_k,
-        min_p,
-        repetition_penalty,
-        presence_penalty,
-        frequency_penalty,
-        logit_bias,
-        seed,
-        draft_sampling,
-    )
+    request.max_tokens = max_tokens
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(
-            model, mtp, hidden_tap, no_mtp, sharding
+            model, mtp, hidden_tap, not request.drafts.mtp, sharding
         )
     finally:
         loading.stop()
     if not has_chat_template(tokenizer):
         raise fail(f"{model}: the tokenizer has no chat template")
-    notice = o.speed_notice(loaded, no_mtp, draft_max)
+    notice = o.speed_notice(loaded, request)
     if notice is not None:
         print(notice, file=sys.stderr)
     session = ChatSession(
@@ -215,12 +190,7 @@ def chat(
         tokenizer,
         system=system,
         max_tokens=max_tokens,
-        draft_max=draft_max,
-        draft_p_min=draft_p_min,
-        mtp=not no_mtp,
-        sampling=sampling,
-        adaptive_draft=adaptive_draft,
-        draft_source=o.DraftSource(draft_source).value,
+        request=request,
     )
     console = Console(highlight=False)
     line_editing()

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from mlx_mtp.defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_MAX_TOKENS
+from mlx_mtp.defaults import DEFAULT_MAX_TOKENS
 
 from . import options as o
 from .app import OUTPUT, app, fail
@@ -101,6 +101,7 @@ def dropped_notice(tokenizer, text: str, kept: int) -> None:
 
 
 @app.command()
+@o.generation_options
 def generate(
     model: o.ModelPath = None,
     prompt: str = typer.Option(
@@ -129,68 +130,37 @@ def generate(
         help="Drop the oldest tokens of a prompt longer than the model's context "
         "(keeping a leading BOS) instead of refusing it.",
     ),
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 0.0,
-    top_k: o.TopK = 0,
-    min_p: o.MinP = 0.0,
-    repetition_penalty: o.RepetitionPenalty = None,
-    presence_penalty: o.PresencePenalty = None,
-    frequency_penalty: o.FrequencyPenalty = None,
-    logit_bias: o.LogitBias = None,
-    seed: o.Seed = None,
-    draft_max: o.DraftMax = None,
-    draft_p_min: o.DraftPMin = DEFAULT_DRAFT_P_MIN,
-    draft_sampling: o.DraftSamplingOption = o.DraftSampling.greedy,
-    adaptive_draft: o.AdaptiveDraft = True,
-    draft_source: o.DraftSourceOption = o.DraftSource.auto,
-    no_mtp: o.NoMTP = False,
     as_json: bool = typer.Option(
         False,
         "--json",
         help="Print one JSON object (text, tokens, stats) instead of streaming.",
         rich_help_panel=OUTPUT,
-    ),
+    ),    request=None,  # the generation options (o.generation_options)
 ):
     """Generate text with MTP speculative decoding."""
     from mlx_mtp.generate import stream_generate
     from mlx_mtp.prompts import user_prompt
 
     group = o.processes()
-    sampling = o.sampling_config(
-        temp,
-        top_p,
-        top_k,
-        min_p,
-        repetition_penalty,
-        presence_penalty,
-        frequency_penalty,
-        logit_bias,
-        seed,
-        draft_sampling,
-    )
+    request.max_tokens, request.truncate_prompt = max_tokens, truncate_prompt
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
         raise fail("under mlx.launch the prompt cannot come from stdin: pass it")
     text = read_prompt(prompt)
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, sharding)
+    _, loaded, tokenizer = o.load_model(
+        model, mtp, hidden_tap, not request.drafts.mtp, sharding
+    )
     if not no_chat_template:
         text = user_prompt(tokenizer, text, system)
     tokens, pieces, response, finish = [], [], None, None
-    bar = PrefillBar(o.speed_notice(loaded, no_mtp, draft_max))
+    bar = PrefillBar(o.speed_notice(loaded, request))
     try:
         for response in stream_generate(
             loaded,
             tokenizer,
             text,
-            max_tokens,
-            draft_max=draft_max,
-            draft_p_min=draft_p_min,
-            mtp=not no_mtp,
+            request=request,
             prefill_progress=bar,
-            truncate_prompt=truncate_prompt,
-            sampling=sampling,
-            adaptive_draft=adaptive_draft,
-            draft_source=o.DraftSource(draft_source).value,
         ):
             if truncate_prompt and not tokens:
                 dropped_notice(tokenizer, text, response.prompt_tokens)

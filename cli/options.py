@@ -1,11 +1,15 @@
 """Sampling and drafting options shared by the commands that generate.
 
-A command declares them as parameters (``temp: Temp = 0.0``) and hands the
-sampling ones to the API as one ``SamplingConfig`` built by
-``sampling_config(...)``, so every command spells, documents and forwards them
-the same way.
+Each option is declared once here (``Temp``, ``DraftMax``, ...). The commands
+that generate take the whole group through ``generation_options``: it adds
+the options to the command's signature and hands the command ONE
+``GenerationRequest`` built from them (``request``), so every command spells,
+documents and forwards them the same way, and a new option is one entry in
+``GENERATION_OPTIONS`` and the field it fills.
 """
 
+import functools
+import inspect
 import signal
 import sys
 from enum import Enum
@@ -14,7 +18,12 @@ from typing import Annotated, Dict, List, Optional
 
 import typer
 
-from mlx_mtp.defaults import MAX_DRAFT_MAX
+from mlx_mtp.defaults import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_SOURCE,
+    DRAFT_SOURCES,
+    MAX_DRAFT_MAX,
+)
 from mlx_mtp.trunk import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
@@ -25,10 +34,8 @@ class DraftSampling(str, Enum):
     sample = "sample"
 
 
-class DraftSource(str, Enum):  # defaults.DRAFT_SOURCES
-    mtp = "mtp"
-    ngram = "ngram"
-    auto = "auto"
+# the names ``drafts.make_source`` takes (and validates)
+DraftSource = Enum("DraftSource", {name: name for name in DRAFT_SOURCES}, type=str)
 
 
 class Sharding(str, Enum):  # distributed.SHARDINGS
@@ -248,11 +255,11 @@ def load_model(
     return model, loaded, tokenizer
 
 
-def speed_notice(loaded, no_mtp: bool, draft_max: Optional[int]) -> Optional[str]:
-    """The notice line when drafting will run where MTP cannot gain speed."""
+def speed_notice(loaded, request) -> Optional[str]:
+    """The notice line when ``request`` will draft where MTP cannot gain speed."""
     from mlx_mtp.config import cannot_gain_notice
 
-    if loaded.head is None or no_mtp or draft_max == 0:
+    if loaded.head is None or not request.drafts.head_drafts(loaded):
         return None
     notice = cannot_gain_notice()
     return None if notice is None else f"notice: {notice}"
@@ -286,8 +293,7 @@ def sampling_config(
     seed: Optional[int],
     draft_sampling: DraftSampling,
 ):
-    """The ``SamplingConfig`` of the options above (``stream_generate``'s
-    ``sampling=``)."""
+    """The ``SamplingConfig`` of the sampling options."""
     from mlx_mtp.sampling import SamplingConfig  # loads MLX: not for --help
 
     if seed is not None and temp == 0:
@@ -308,3 +314,67 @@ def sampling_config(
         seed=seed,
         draft_sampling=DraftSampling(draft_sampling).value,
     )
+
+
+# (parameter, annotation, default) of every generation option, in --help order
+GENERATION_OPTIONS = (
+    ("temp", Temp, 0.0),
+    ("top_p", TopP, 0.0),
+    ("top_k", TopK, 0),
+    ("min_p", MinP, 0.0),
+    ("repetition_penalty", RepetitionPenalty, None),
+    ("presence_penalty", PresencePenalty, None),
+    ("frequency_penalty", FrequencyPenalty, None),
+    ("logit_bias", LogitBias, None),
+    ("seed", Seed, None),
+    ("draft_max", DraftMax, None),
+    ("draft_p_min", DraftPMin, DEFAULT_DRAFT_P_MIN),
+    ("draft_sampling", DraftSamplingOption, DraftSampling.greedy),
+    ("adaptive_draft", AdaptiveDraft, True),
+    ("draft_source", DraftSourceOption, DraftSource(DEFAULT_DRAFT_SOURCE)),
+    ("no_mtp", NoMTP, False),
+)
+
+
+def generation_options(command):
+    """Give ``command`` the generation options; it takes ``request`` (a
+    ``GenerationRequest`` of them, ``max_tokens`` filled in by the command)
+    instead of one parameter per option."""
+    names = [name for name, _, _ in GENERATION_OPTIONS]
+    signature = inspect.signature(command)
+    params = [p for p in signature.parameters.values() if p.name != "request"]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                          annotation=annotation)
+        for name, annotation, default in GENERATION_OPTIONS
+    ]  # fmt: skip
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        options = {name: kwargs.pop(name) for name in names}
+        return command(request=generation_request(**options), **kwargs)
+
+    run.__signature__ = signature.replace(parameters=params)
+    return run
+
+
+def generation_request(
+    *,
+    draft_max: Optional[int],
+    draft_p_min: float,
+    adaptive_draft: bool,
+    draft_source: DraftSource,
+    no_mtp: bool,
+    **sampling,
+):
+    """The ``GenerationRequest`` of the generation options."""
+    from mlx_mtp.request import DraftSettings, GenerationRequest  # loads MLX
+
+    drafts = DraftSettings(
+        source=DraftSource(draft_source).value,
+        draft_max=draft_max,
+        p_min=draft_p_min,
+        adaptive=adaptive_draft,
+        mtp=not no_mtp,
+    )
+    return GenerationRequest(sampling=sampling_config(**sampling), drafts=drafts)

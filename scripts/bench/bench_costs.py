@@ -81,9 +81,12 @@ def snapshot(cache):
 
 def fixed(k):
     """The loop's arguments for a fixed ``k`` drafts every round."""
-    if "draft_max" in inspect.signature(speculative_generate_step).parameters:
+    params = inspect.signature(speculative_generate_step).parameters
+    if "draft_max" in params:
         return {"draft_max": k}  # a checkout from before the policy carried it
-    return {"draft_policy": FixedDraft(k)}
+    if "draft_policy" in params:  # before draft sources
+        return {"draft_policy": FixedDraft(k)}
+    return {"drafts": FixedDraft(k)}
 
 
 def prompts_for(path, vocab):
@@ -173,7 +176,7 @@ def main():
         def ours(p, k, stats, policy=None):  # with the verifier users get
             how = fixed(k if policy is None else K)
             if policy is not None:
-                how["draft_policy"] = policy
+                how[next(iter(how))] = policy
             return speculative_generate_step(
                 p,
                 model,

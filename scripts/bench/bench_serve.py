@@ -49,15 +49,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, args) -> subprocess.Popen:
+def start_server(model: Path, port: int, args, checkout=None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model.resolve())]
     cmd += ["--port", str(port), "--max-batch", str(max(args.streams))]
     cmd += ["--prompt-cache-entries", "0", "--draft-max", str(args.draft_max)]
     if args.fixed_draft:
         cmd.append("--fixed-draft")
     # not from a checkout, whose mlx_mtp/ would shadow the installed package
+    # (or the one ``checkout`` names)
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = str(Path(checkout).resolve())
     server = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
+        cmd, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), env=env
     )
     for _ in range(1200):
         try:
@@ -135,6 +139,12 @@ def main():
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--fixed-draft", action="store_true", help="serve --fixed-draft")
     ap.add_argument("--json", type=Path, help="write every run here")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of mlx-mtp: its server runs too, interleaved, "
+        "and a second table compares the two",
+    )
     args = ap.parse_args()
 
     import mlx_mtp
@@ -156,12 +166,18 @@ def main():
 
     port = free_port()
     server = start_server(path, port, args)
+    old = old_port = None
+    if args.baseline is not None:
+        old_port = free_port()
+        old = start_server(path, old_port, args, args.baseline)
     runs = []
     try:
         # warm both sides up (kernels, allocator, the server's draft timings)
         run_mlx_lm(model, tokenizer, prompts[:2], 8)
         for n in args.streams:
             run_server(server, port, prompts[:n], 8, args.draft_max)
+            if old is not None:
+                run_server(old, old_port, prompts[:n], 8, args.draft_max)
         for rep in range(args.repeats):
             for n in args.streams:
                 sub = prompts[:n]
@@ -179,6 +195,13 @@ def main():
                                  serve_plain_cpu=plain_cpu, serve_mtp_cpu=mtp_cpu,
                                  drafted=drafted, accepted=accepted, tokens=tokens,
                                  rounds=rounds))  # fmt: skip
+                if old is not None:
+                    runs[-1]["old_plain"], runs[-1]["old_plain_cpu"], _ = run_server(
+                        old, old_port, sub, args.max_tokens, 0
+                    )
+                    runs[-1]["old_mtp"], runs[-1]["old_mtp_cpu"], _ = run_server(
+                        old, old_port, sub, args.max_tokens, args.draft_max
+                    )
                 print(
                     f"rep {rep} streams {n}: mlx-lm {base:.1f}, serve k=0 {plain:.1f}, "
                     f"serve MTP {mtp:.1f} tok/s; per CPU-second {base_cpu:.1f}, "
@@ -190,8 +213,10 @@ def main():
             lengths = json.loads(r.read())["draft_lengths"]
         print(f"server rounds per draft length: {lengths}", file=sys.stderr)
     finally:
-        server.terminate()
-        server.wait()
+        for s in (server, old):
+            if s is not None:
+                s.terminate()
+                s.wait()
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
 
@@ -223,6 +248,28 @@ def main():
               f"{med('serve_mtp'):.1f} | {ratio:.2f} | {med('mlx_lm_cpu'):.1f} | "
               f"{med('serve_plain_cpu'):.1f} | {med('serve_mtp_cpu'):.1f} | "
               f"{cpu_ratio:.2f} | {acc:.2f} | {per_round:.2f} |")  # fmt: skip
+    if args.baseline is not None:
+        compare(runs, args.streams, args.baseline)
+
+
+def compare(runs, streams, baseline):
+    """This checkout's server against the baseline's, medians of paired ratios."""
+    print(f"\nthis checkout against {baseline} (paired within each repetition)")
+    print("| streams | no drafts: before | after | after / before | "
+          "MTP: before | after | after / before | per CPU-s, MTP: after / before |")
+    print("|" + " --- |" * 8)
+    for n in streams:
+        rs = [r for r in runs if r["streams"] == n]
+
+        def med(f):
+            return statistics.median(f(r) for r in rs)
+
+        print(f"| {n} | {med(lambda r: r['old_plain']):.1f} | "
+              f"{med(lambda r: r['serve_plain']):.1f} | "
+              f"{med(lambda r: r['serve_plain'] / r['old_plain']):.3f} | "
+              f"{med(lambda r: r['old_mtp']):.1f} | {med(lambda r: r['serve_mtp']):.1f} | "
+              f"{med(lambda r: r['serve_mtp'] / r['old_mtp']):.3f} | "
+              f"{med(lambda r: r['serve_mtp_cpu'] / max(r['old_mtp_cpu'], 1e-9)):.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
