@@ -26,7 +26,7 @@ from . import deepseek
 from .base import MTPHead
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("bailing_hybrid",)
+MODEL_TYPES = {"bailing_hybrid": "Ling hybrid (Ling-2.5)"}
 
 num_layers = deepseek.num_layers
 prefix = deepseek.prefix

@@ -32,13 +32,13 @@ from .common import OffsetCacheList
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .wiring import FusedHead
 
-MODEL_TYPES = (
-    "deepseek_v3",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "deepseek_v32",
-    "glm_moe_dsa",
-)
+MODEL_TYPES = {
+    "deepseek_v3": "DeepSeek-V3/R1",
+    "deepseek_v32": "DeepSeek-V3.2",
+    "glm4_moe": "GLM-4.5/4.6/4.7",
+    "glm4_moe_lite": "GLM-4.7-Flash",
+    "glm_moe_dsa": "GLM-5",
+}
 
 
 class DeepSeekMTP(FusedHead):

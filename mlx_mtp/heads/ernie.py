@@ -30,7 +30,7 @@ import mlx.nn as nn
 from .base import MTPHead
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("ernie4_5_moe",)
+MODEL_TYPES = {"ernie4_5_moe": "ERNIE-4.5 MoE"}
 PREFIX = "model."
 _OWN = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")
 

@@ -28,7 +28,7 @@ from .common import Depth, windowed
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("exaone_moe",)
+MODEL_TYPES = {"exaone_moe": "EXAONE-MoE, K-EXAONE"}
 PREFIX = "mtp."
 # config keys of the MTP layers, brought along by --mtp-only
 HEAD_CONFIG_KEYS = ("mtp_layer_types", "mtp_sliding_windows")

@@ -25,7 +25,7 @@ from .base import MTPHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("longcat_flash",)
+MODEL_TYPES = {"longcat_flash": "LongCat-Flash"}
 PREFIX = "model.mtp."
 
 

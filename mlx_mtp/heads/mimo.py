@@ -18,7 +18,7 @@ import mlx.nn as nn
 from .base import MTPHead
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("mimo",)
+MODEL_TYPES = {"mimo": "MiMo-7B"}
 
 
 class MiMoMTP(FusedHead):

@@ -30,7 +30,8 @@ from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .common import windowed
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("mimo_v2_flash",)
+MODEL_TYPES = {"mimo_v2_flash": "MiMo-V2-Flash"}
+RELEASED_LAYERS = 3
 PREFIX = "model.mtp.layers."
 
 

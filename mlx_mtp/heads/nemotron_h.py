@@ -29,7 +29,7 @@ from ..recurrent.mamba_cache import patch_trunk  # noqa: F401  (the loader's hoo
 from .base import MTPHead
 from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("nemotron_h",)
+MODEL_TYPES = {"nemotron_h": "Nemotron-H / Nemotron 3"}
 PREFIX = "mtp."
 DEFAULT_PATTERN = "*E"
 

@@ -31,7 +31,11 @@ from .base import MTPHead, MultiLayerHead
 from .common import Depth
 from .wiring import FusedHead, Wiring, ZeroCentredRMSNorm
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MODEL_TYPES = {
+    "qwen3_next": "Qwen3-Next",
+    "qwen3_5": "Qwen3.5/3.6",
+    "qwen3_5_moe": "Qwen3.5/3.6 MoE",
+}
 PREFIX = "mtp."
 _LAYERS = "mtp.layers."
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")

@@ -38,7 +38,8 @@ from .common import windowed
 from .deepseek import is_mtp_key, num_layers, prefix  # noqa: F401  (loader hooks)
 from .wiring import FusedHead, Wiring, ZeroCentredRMSNorm
 
-MODEL_TYPES = ("step3p5",)
+MODEL_TYPES = {"step3p5": "Step-3.5/3.7-Flash"}
+RELEASED_LAYERS = 3
 DEFAULT_HIDDEN_TAP = "pre"
 # per-layer config lists that reach past the trunk into the MTP layers: a head
 # added to a trunk converted without it (--mtp-only) brings them along
