@@ -9,7 +9,6 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 """
 
 import glob
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -23,9 +22,9 @@ from .cache import MTPCache, Pending, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .errors import MTPError, first_line
 from .heads import (
-    FAMILY_MODULES,
     MTPHead,
     family_for,
+    family_named,
     gemma4_assistant,
     load_head_weights,
     norms,
@@ -323,10 +322,11 @@ def trained_head_family(config: Dict[str, Any], folder: Path):
     name = config.get("family")
     if name is None:
         return None
-    if name not in FAMILY_MODULES:
+    family = family_named(name)
+    if family is None:
         file = folder / HEAD_CONFIG_FILE
         raise MTPError(f"{file}: unknown MTP head family {name!r}")
-    return importlib.import_module(f"mlx_mtp.heads.{name}")
+    return family
 
 
 def _build_head(model, trunk, family, config, weights) -> MTPHead:

@@ -4,15 +4,20 @@ A config resolves as mlx-lm picks the trunk's module: Ling-3 is
 ``model_type`` ``bailing_hybrid`` with the architecture
 ``BailingMoeV3ForCausalLM``, which mlx-lm loads as ``bailing_moe_v3``.
 
-A family module provides:
+A family is one module here (``mlx_mtp.families`` finds it: no list to
+keep). It provides:
 
-- ``MODEL_TYPES``: the ``model_type`` values it serves;
+- ``MODEL_TYPES``: a dict literal, each ``model_type`` it serves -> the
+  released models of that type (what ``mlx-mtp info`` lists), and
+  ``RELEASED_LAYERS`` where those checkpoints have more than one MTP layer;
 - ``num_layers(config)``: MTP layers the config declares;
 - ``prefix(config, j)``: where layer ``j``'s tensors live in a checkpoint;
 - ``is_mtp_key(key, config)``: whether a checkpoint tensor belongs to the head;
 - ``build(args, config, backbone, weights)``: an unloaded ``MTPHead`` (a
   ``MultiLayerHead`` when its layers draft successive depths); the loader
-  loads ``prefix(config, j)`` into ``head.layer(j)``.
+  loads ``prefix(config, j)`` into ``head.layer(j)``. A head wired as
+  DeepSeek's (enorm, hnorm, eh_proj, a closing norm) is a ``wiring.FusedHead``
+  with its ``Wiring``.
 
 Optional: ``TRUNK_LAYER_PREFIX`` (where the trunk's sanitize expects layer 0;
 or a function of the trunk model naming a trunk layer of the block's kind),
@@ -24,27 +29,11 @@ of the family found without its head).
 
 import importlib
 from types import ModuleType
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
-from ..families import NOT_YET, RELEASED  # noqa: F401  (the families' names)
+from .. import families
+from ..families import NOT_YET
 from .base import MTPHead, MultiLayerHead, load_head_weights
-
-FAMILY_MODULES = (
-    "deepseek",
-    "mimo",
-    "qwen3_next",
-    "ernie",
-    "exaone_moe",
-    "longcat",
-    "step3p5",
-    "mimo_v2_flash",
-    "nemotron_h",
-    "kimi_linear",
-    "kimi_k3",
-    "bailing_hybrid",
-    "bailing_moe_v3",
-    "gemma4_assistant",
-)
 
 
 def not_yet(config: Dict[str, Any]) -> Optional[str]:
@@ -75,11 +64,14 @@ def family_for(model_type: Union[str, Dict[str, Any]]) -> Optional[ModuleType]:
     or None when MTP is unsupported."""
     if isinstance(model_type, dict):
         model_type = module_type(model_type)
-    for name in FAMILY_MODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        if model_type in module.MODEL_TYPES:
-            return module
-    return None
+    return family_named(families.module_for(model_type))
+
+
+def family_named(name: Any) -> Optional[ModuleType]:
+    """The family module ``name`` (as a trained head's config names it), or None."""
+    if not isinstance(name, str) or name not in {d.module for d in families.declared()}:
+        return None
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def layers_present(family: ModuleType, config, names) -> int:
@@ -95,22 +87,18 @@ def layers_present(family: ModuleType, config, names) -> int:
     return n
 
 
-def supported_model_types():
-    return [
-        t
-        for name in FAMILY_MODULES
-        for t in importlib.import_module(f"{__name__}.{name}").MODEL_TYPES
-    ]
+def supported_model_types() -> List[str]:
+    return families.model_types()
 
 
 __all__ = [
     "MTPHead",
     "MultiLayerHead",
     "family_for",
+    "family_named",
     "layers_present",
     "module_type",
     "not_yet",
-    "RELEASED",
     "load_head_weights",
     "supported_model_types",
 ]

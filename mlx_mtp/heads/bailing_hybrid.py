@@ -24,40 +24,25 @@ import mlx.nn as nn
 from ..recurrent.lightning_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from . import deepseek
 from .base import MTPHead
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("bailing_hybrid",)
+MODEL_TYPES = {"bailing_hybrid": "Ling hybrid (Ling-2.5)"}
 
 num_layers = deepseek.num_layers
 prefix = deepseek.prefix
 is_mtp_key = deepseek.is_mtp_key
 
 
-class SharedHead(nn.Module):
-    def __init__(self, dims: int, vocab_size: int):
-        super().__init__()
-        self.head = nn.Linear(dims, vocab_size, bias=False)
-
-
-class BailingMTP(MTPHead):
+class BailingMTP(FusedHead):
     OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm", "shared_head")
+    WIRING = Wiring(final_norm="final_layernorm")
 
     def __init__(self, args: Any, block: nn.Module, has_head: bool):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = nn.RMSNorm(dims, eps=eps)
-        self.hnorm = nn.RMSNorm(dims, eps=eps)
-        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.final_layernorm = nn.RMSNorm(dims, eps=eps)
+        dims = args.hidden_size
+        super().__init__(block, self.WIRING.modules(dims, args.rms_norm_eps))
         if has_head:
-            self.shared_head = SharedHead(dims, args.vocab_size)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
-        return self.eh_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.final_layernorm(x)
+            self.shared_head = nn.Module()
+            self.shared_head.head = nn.Linear(dims, args.vocab_size, bias=False)
 
     def output(self):
         if "shared_head" in self:

@@ -41,7 +41,7 @@ from . import deepseek
 from .bailing_hybrid import BailingMTP
 from .base import MTPHead
 
-MODEL_TYPES = ("bailing_moe_v3",)
+MODEL_TYPES = {"bailing_moe_v3": "Ling-3 (bailing_hybrid)"}
 
 num_layers = deepseek.num_layers
 prefix = deepseek.prefix

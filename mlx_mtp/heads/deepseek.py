@@ -30,25 +30,18 @@ from mlx_lm.models.cache import KVCache
 from .base import MTPHead, MultiLayerHead
 from .common import OffsetCacheList
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
+from .wiring import FusedHead
 
-MODEL_TYPES = (
-    "deepseek_v3",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "deepseek_v32",
-    "glm_moe_dsa",
-)
-
-
-class SharedHead(nn.Module):
-    def __init__(self, dims: int, vocab_size: int, eps: float, has_head: bool):
-        super().__init__()
-        self.norm = nn.RMSNorm(dims, eps=eps)
-        if has_head:
-            self.head = nn.Linear(dims, vocab_size, bias=False)
+MODEL_TYPES = {
+    "deepseek_v3": "DeepSeek-V3/R1",
+    "deepseek_v32": "DeepSeek-V3.2",
+    "glm4_moe": "GLM-4.5/4.6/4.7",
+    "glm4_moe_lite": "GLM-4.7-Flash",
+    "glm_moe_dsa": "GLM-5",
+}
 
 
-class DeepSeekMTP(MTPHead):
+class DeepSeekMTP(FusedHead):
     OWN = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head", "draft_vocab")
 
     def __init__(
@@ -59,15 +52,12 @@ class DeepSeekMTP(MTPHead):
         has_head: bool,
         draft_vocab: int = 0,
     ):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = nn.RMSNorm(dims, eps=eps)
-        self.hnorm = nn.RMSNorm(dims, eps=eps)
-        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.shared_head = SharedHead(dims, args.vocab_size, eps, has_head)
+        dims = args.hidden_size
+        super().__init__(block, self.WIRING.modules(dims, args.rms_norm_eps))
+        if has_head:
+            self.shared_head.head = nn.Linear(dims, args.vocab_size, bias=False)
         if has_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, dims)
-        self.block = block
         if draft_vocab:  # a head trained by train-head drafts from its subset
             self.draft_vocab = mx.zeros((draft_vocab,), mx.int32)
 
@@ -75,13 +65,6 @@ class DeepSeekMTP(MTPHead):
         if "indexer" in self.block.self_attn:  # DSA: [MLA latent, indexer keys]
             return [OffsetCacheList(KVCache(), KVCache())]
         return [KVCache()]
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
-        return self.eh_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.shared_head.norm(x)
 
     def embed(self, tokens: mx.array) -> mx.array:
         if "embed_tokens" in self:

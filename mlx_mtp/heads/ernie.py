@@ -28,8 +28,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import MTPHead
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("ernie4_5_moe",)
+MODEL_TYPES = {"ernie4_5_moe": "ERNIE-4.5 MoE"}
 PREFIX = "model."
 _OWN = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")
 
@@ -45,24 +46,18 @@ class _Block(nn.Module):
         return self.mtp_block[0](x, mask, cache)
 
 
-class ErnieMTP(MTPHead):
+class ErnieMTP(FusedHead):
     OWN = _OWN
+    WIRING = Wiring(
+        "mtp_emb_norm.0", "mtp_hidden_norm.0", "mtp_linear_proj.0", final_norm=None
+    )
     zero_first_embedding = False  # FastDeploy keeps position 0
 
     def __init__(self, args: Any, block: nn.Module, trunk_norm: nn.Module):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.mtp_emb_norm = [nn.RMSNorm(dims, eps=eps)]
-        self.mtp_hidden_norm = [nn.RMSNorm(dims, eps=eps)]
-        self.mtp_linear_proj = [nn.Linear(2 * dims, dims, bias=False)]
-        self.block = _Block(block)
+        modules = self.WIRING.modules(args.hidden_size, args.rms_norm_eps)
+        super().__init__(_Block(block), modules)
         # the trunk's final norm, not a parameter of the head
         self._trunk = SimpleNamespace(norm=trunk_norm)
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        e = self.mtp_emb_norm[0](embedded)
-        h = self.mtp_hidden_norm[0](hidden)
-        return self.mtp_linear_proj[0](mx.concatenate([e, h], axis=-1))
 
     def final_norm(self, x: mx.array) -> mx.array:
         norm = self._trunk.norm

@@ -26,29 +26,18 @@ import mlx.nn as nn
 from .base import MTPHead, MultiLayerHead
 from .common import Depth, windowed
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("exaone_moe",)
+MODEL_TYPES = {"exaone_moe": "EXAONE-MoE, K-EXAONE"}
 PREFIX = "mtp."
 # config keys of the MTP layers, brought along by --mtp-only
 HEAD_CONFIG_KEYS = ("mtp_layer_types", "mtp_sliding_windows")
 
 
-class ExaoneMoeMTP(MTPHead):
+class ExaoneMoeMTP(FusedHead):
     OWN = ("fc", "norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+    WIRING = Wiring("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
     zero_first_embedding = False  # vLLM's exaone_moe_mtp keeps position 0
-
-    def __init__(self, shared: Dict[str, nn.Module], block: nn.Module):
-        super().__init__()
-        for name, module in shared.items():
-            setattr(self, name, module)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)]
-        return self.fc(mx.concatenate(x, axis=-1))
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.norm(x)
 
 
 def num_layers(config: Dict[str, Any]) -> int:
@@ -96,12 +85,6 @@ def build(
     n = max(1, layers_present(weights, config))
     layer_class = type(backbone.layers[0])
     layers = [_mtp_layer(args, config, layer_class, j) for j in range(n)]
-    dims, eps = args.hidden_size, args.rms_norm_eps
-    shared = {
-        "pre_fc_norm_embedding": nn.RMSNorm(dims, eps=eps),
-        "pre_fc_norm_hidden": nn.RMSNorm(dims, eps=eps),
-        "fc": nn.Linear(2 * dims, dims, bias=False),
-        "norm": nn.RMSNorm(dims, eps=eps),
-    }
-    heads = [ExaoneMoeMTP(shared, Depth(layers, j)) for j in range(n)]
+    shared = ExaoneMoeMTP.WIRING.modules(args.hidden_size, args.rms_norm_eps)
+    heads = [ExaoneMoeMTP(Depth(layers, j), shared) for j in range(n)]
     return heads[0] if n == 1 else MultiLayerHead(heads)

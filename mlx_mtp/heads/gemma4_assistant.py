@@ -61,8 +61,11 @@ from .base import MTPHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 
 ASSISTANT_TYPE = "gemma4_assistant"
-TARGET_TYPES = ("gemma4", "gemma4_text")
-MODEL_TYPES = TARGET_TYPES
+MODEL_TYPES = {
+    "gemma4": "Gemma 4 + assistant drafter",
+    "gemma4_text": "Gemma 4 (text) + assistant drafter",
+}
+TARGET_TYPES = tuple(MODEL_TYPES)
 # what the loader says of a Gemma 4 without its assistant
 NO_HEAD_NOTICE = "no assistant drafter beside it (--mtp ASSISTANT_FOLDER)"
 PREFIX = "assistant."

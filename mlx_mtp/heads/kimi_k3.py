@@ -43,7 +43,7 @@ from ..recurrent.kda_cache import patch_k3_trunk as patch_trunk  # noqa: F401  (
 from .base import MTPHead, MultiLayerHead
 from .deepseek import DeepSeekMTP
 
-MODEL_TYPES = ("kimi_k3",)
+MODEL_TYPES = {"kimi_k3": "Kimi-K3"}
 DEFAULT_HIDDEN_TAP = "pre"
 PREFIX = "language_model.model.layers."
 

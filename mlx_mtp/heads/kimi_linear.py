@@ -33,7 +33,7 @@ from ..recurrent.kda_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from . import deepseek
 from .base import MTPHead
 
-MODEL_TYPES = ("kimi_linear",)
+MODEL_TYPES = {"kimi_linear": "Kimi-Linear"}
 DEFAULT_HIDDEN_TAP = "pre"
 
 num_layers = deepseek.num_layers

@@ -23,30 +23,23 @@ from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
 
 from .base import MTPHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("longcat_flash",)
+MODEL_TYPES = {"longcat_flash": "LongCat-Flash"}
 PREFIX = "model.mtp."
 
 
-class _Wrapped(nn.Module):
-    """``enorm.m`` / ``transformer_layer.mlp``: a module one level down, by name."""
-
-    def __init__(self, name: str, module: nn.Module):
-        super().__init__()
-        setattr(self, name, module)
-
-
 class _Layer(nn.Module):
+    """The block; the fuse's modules sit in it too (``enorm.m``, ``eh_proj``)."""
+
     def __init__(self, args: Any):
         super().__init__()
         dims, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = _Wrapped("m", nn.RMSNorm(dims, eps=eps))
-        self.hnorm = _Wrapped("m", nn.RMSNorm(dims, eps=eps))
-        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
         self.input_layernorm = nn.RMSNorm(dims, eps=eps)
         self.self_attn = LongcatFlashMLA(args)
         self.post_attention_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.transformer_layer = _Wrapped("mlp", LongcatFlashMLP(args))
+        self.transformer_layer = nn.Module()
+        self.transformer_layer.mlp = LongcatFlashMLP(args)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -62,25 +55,21 @@ class _Layers(nn.Module):
         return self.layers[0](x, mask, cache)
 
 
-class LongcatMTP(MTPHead):
+class LongcatMTP(FusedHead):
     OWN = ("embed_tokens", "norm")
+    WIRING = Wiring(
+        "block.layers.0.enorm.m",
+        "block.layers.0.hnorm.m",
+        "block.layers.0.eh_proj",
+        "norm",
+    )
     zero_first_embedding = False  # vLLM's longcat_flash_mtp keeps position 0
 
     def __init__(self, args: Any):
-        super().__init__()
-        dims = args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, dims)
-        self.norm = nn.RMSNorm(dims, eps=args.rms_norm_eps)
-        self.block = _Layers(_Layer(args))
+        modules = self.WIRING.modules(args.hidden_size, args.rms_norm_eps)
+        super().__init__(_Layers(_Layer(args)), modules)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self._dims = (args.num_attention_heads, args.qk_nope_head_dim)
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        layer = self.block.layers[0]
-        x = [layer.enorm.m(embedded), layer.hnorm.m(hidden)]
-        return layer.eh_proj(mx.concatenate(x, axis=-1))
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.norm(x)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)

@@ -16,30 +16,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import MTPHead
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("mimo",)
+MODEL_TYPES = {"mimo": "MiMo-7B"}
 
 
-class MiMoMTP(MTPHead):
+class MiMoMTP(FusedHead):
     OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
-
-    def __init__(self, args: Any, block: nn.Module):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.token_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.hidden_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.input_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.final_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = mx.concatenate(
-            [self.hidden_layernorm(hidden), self.token_layernorm(embedded)], axis=-1
-        )
-        return self.input_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.final_layernorm(x)
+    WIRING = Wiring(
+        "token_layernorm",
+        "hidden_layernorm",
+        "input_proj",
+        "final_layernorm",
+        hidden_first=True,
+    )
 
 
 def num_layers(config: Dict[str, Any]) -> int:
@@ -57,4 +47,5 @@ def is_mtp_key(key: str, config: Dict[str, Any]) -> bool:
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
-    return MiMoMTP(args, type(backbone.layers[0])(args))
+    block = type(backbone.layers[0])(args)
+    return MiMoMTP(block, MiMoMTP.WIRING.modules(args.hidden_size, args.rms_norm_eps))

@@ -28,30 +28,17 @@ import mlx.nn as nn
 from .base import MTPHead, MultiLayerHead
 from .common import rollback_caches as patch_trunk  # noqa: F401  (loader hook)
 from .common import windowed
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("mimo_v2_flash",)
+MODEL_TYPES = {"mimo_v2_flash": "MiMo-V2-Flash"}
+RELEASED_LAYERS = 3
 PREFIX = "model.mtp.layers."
 
 
-class MiMoV2MTP(MTPHead):
+class MiMoV2MTP(FusedHead):
     OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+    WIRING = Wiring(final_norm="final_layernorm")
     zero_first_embedding = False
-
-    def __init__(self, args: Any, block: nn.Module):
-        super().__init__()
-        dims, eps = args.hidden_size, args.layernorm_epsilon
-        self.enorm = nn.RMSNorm(dims, eps=eps)
-        self.hnorm = nn.RMSNorm(dims, eps=eps)
-        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.final_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
-        return self.eh_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.final_layernorm(x)
 
 
 def layers_present(names, config: Dict[str, Any]) -> int:
@@ -79,19 +66,15 @@ def sanitize_block(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
     }
 
 
+def _layer(args: Any, layer_class: type) -> MiMoV2MTP:
+    block = layer_class(args, is_moe=False, is_sliding_window=True)
+    modules = MiMoV2MTP.WIRING.modules(args.hidden_size, args.layernorm_epsilon)
+    return MiMoV2MTP(windowed(block, args.sliding_window_size), modules)
+
+
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
     n = max(1, layers_present(weights, config))
-    layer_class = type(backbone.layers[0])
-    layers = [
-        MiMoV2MTP(
-            args,
-            windowed(
-                layer_class(args, is_moe=False, is_sliding_window=True),
-                args.sliding_window_size,
-            ),
-        )
-        for _ in range(n)
-    ]
+    layers = [_layer(args, type(backbone.layers[0])) for _ in range(n)]
     return layers[0] if n == 1 else MultiLayerHead(layers)

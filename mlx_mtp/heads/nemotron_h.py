@@ -27,8 +27,9 @@ from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 from ..errors import MTPError
 from ..recurrent.mamba_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead
+from .wiring import FusedHead, Wiring
 
-MODEL_TYPES = ("nemotron_h",)
+MODEL_TYPES = {"nemotron_h": "Nemotron-H / Nemotron 3"}
 PREFIX = "mtp."
 DEFAULT_PATTERN = "*E"
 
@@ -46,26 +47,20 @@ class SubLayers(nn.Module):
         return x
 
 
-class NemotronHMTP(MTPHead):
+class NemotronHMTP(FusedHead):
+    # the fuse in the first sub-layer, the closing norm in the last
+    WIRING = Wiring(
+        "block.layers.0.enorm",
+        "block.layers.0.hnorm",
+        "block.layers.0.eh_proj",
+        "block.layers.-1.final_layernorm",
+    )
     zero_first_embedding = False  # vLLM's nemotron_h_mtp keeps position 0
 
     def __init__(self, args: Any, pattern: str):
-        super().__init__()
-        dims, eps = args.hidden_size, args.layer_norm_epsilon
-        layers = [NemotronHBlock(args, c) for c in pattern]
-        layers[0].enorm = nn.RMSNorm(dims, eps=eps)
-        layers[0].hnorm = nn.RMSNorm(dims, eps=eps)
-        layers[0].eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        layers[-1].final_layernorm = nn.RMSNorm(dims, eps=eps)
-        self.block = SubLayers(layers)
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        first = self.block.layers[0]
-        x = mx.concatenate([first.enorm(embedded), first.hnorm(hidden)], axis=-1)
-        return first.eh_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.block.layers[-1].final_layernorm(x)
+        block = SubLayers([NemotronHBlock(args, c) for c in pattern])
+        modules = self.WIRING.modules(args.hidden_size, args.layer_norm_epsilon)
+        super().__init__(block, modules)
 
 
 def pattern(config: Dict[str, Any]) -> str:

@@ -11,8 +11,7 @@ MoE where the checkpoint has experts (stored per expert or fused as
 ``experts.gate_up_proj``). Embedding and output head are the trunk's.
 
 Qwen's RMSNorms are zero-centred, ``x * (1 + w)``, and the head's tensors are
-read as Hugging Face stores them: ``ZeroCentredRMSNorm`` applies the ``1 +``,
-where mlx-lm's trunk instead adds 1 to the weights in ``sanitize``.
+read as Hugging Face stores them (``wiring.ZeroCentredRMSNorm``).
 
 With several MTP layers, layer ``j`` drafts depth ``j + 1`` and ``fc``, its
 norms and ``mtp.norm`` are shared by all of them: vLLM's ``qwen3_next_mtp.py``
@@ -30,42 +29,29 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ..recurrent.gdn_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead, MultiLayerHead
 from .common import Depth
+from .wiring import FusedHead, Wiring, ZeroCentredRMSNorm
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MODEL_TYPES = {
+    "qwen3_next": "Qwen3-Next",
+    "qwen3_5": "Qwen3.5/3.6",
+    "qwen3_5_moe": "Qwen3.5/3.6 MoE",
+}
 PREFIX = "mtp."
 _LAYERS = "mtp.layers."
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _ATTN_NORMS = ("q_norm", "k_norm")
 
 
-class ZeroCentredRMSNorm(nn.Module):
-    """Qwen's RMSNorm ``rms_norm(x) * (1 + w)``, ``w`` as the checkpoint has it."""
-
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.zeros((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
-
-
-class Qwen3NextMTP(MTPHead):
+class Qwen3NextMTP(FusedHead):
     OWN = ("fc", "norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+    WIRING = Wiring(
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+        "fc",
+        "norm",
+        norm=ZeroCentredRMSNorm,
+    )
     zero_first_embedding = False  # vLLM's qwen3_next_mtp keeps position 0
-
-    def __init__(self, shared: Dict[str, nn.Module], block: Depth):
-        super().__init__()
-        for name, module in shared.items():
-            setattr(self, name, module)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)]
-        return self.fc(mx.concatenate(x, axis=-1))
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.norm(x)
 
 
 def _text_config(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -129,14 +115,8 @@ def build(
         _mtp_layer(args, layer_class, f"{_LAYERS}{j}.mlp.gate.weight" in weights)
         for j in range(n)
     ]
-    dims, eps = args.hidden_size, args.rms_norm_eps
-    shared = {
-        "pre_fc_norm_embedding": ZeroCentredRMSNorm(dims, eps),
-        "pre_fc_norm_hidden": ZeroCentredRMSNorm(dims, eps),
-        "fc": nn.Linear(2 * dims, dims, bias=False),
-        "norm": ZeroCentredRMSNorm(dims, eps),
-    }
-    heads = [Qwen3NextMTP(shared, Depth(layers, j)) for j in range(n)]
+    shared = Qwen3NextMTP.WIRING.modules(args.hidden_size, args.rms_norm_eps)
+    heads = [Qwen3NextMTP(Depth(layers, j), shared) for j in range(n)]
     return heads[0] if n == 1 else MultiLayerHead(heads)
 
 

@@ -36,9 +36,10 @@ from .common import windowed
 
 # MTP layers stored as layers N.. past the trunk, as DeepSeek-V3 stores them
 from .deepseek import is_mtp_key, num_layers, prefix  # noqa: F401  (loader hooks)
-from .qwen3_next import ZeroCentredRMSNorm
+from .wiring import FusedHead, Wiring, ZeroCentredRMSNorm
 
-MODEL_TYPES = ("step3p5",)
+MODEL_TYPES = {"step3p5": "Step-3.5/3.7-Flash"}
+RELEASED_LAYERS = 3
 DEFAULT_HIDDEN_TAP = "pre"
 # per-layer config lists that reach past the trunk into the MTP layers: a head
 # added to a trunk converted without it (--mtp-only) brings them along
@@ -63,34 +64,17 @@ _MOE_NAMES = (
 )
 
 
-class SharedHead(nn.Module):
-    def __init__(self, dims: int, vocab_size: int, eps: float, has_head: bool):
-        super().__init__()
-        self.norm = ZeroCentredRMSNorm(dims, eps)
-        if has_head:  # Step's checkpoints call the projection ``output``
-            self.output = nn.Linear(dims, vocab_size, bias=False)
-
-
-class Step3p5MTP(MTPHead):
+class Step3p5MTP(FusedHead):
     OWN = ("enorm", "hnorm", "eh_proj", "shared_head")
+    WIRING = Wiring(norm=ZeroCentredRMSNorm)
     zero_first_embedding = False
     chain_hidden = "pre"
 
     def __init__(self, args: Any, block: nn.Module, has_head: bool):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = ZeroCentredRMSNorm(dims, eps)
-        self.hnorm = ZeroCentredRMSNorm(dims, eps)
-        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.shared_head = SharedHead(dims, args.vocab_size, eps, has_head)
-        self.block = block
-
-    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        x = mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1)
-        return self.eh_proj(x)
-
-    def final_norm(self, x: mx.array) -> mx.array:
-        return self.shared_head.norm(x)
+        dims = args.hidden_size
+        super().__init__(block, self.WIRING.modules(dims, args.rms_norm_eps))
+        if has_head:  # Step's checkpoints call the projection ``output``
+            self.shared_head.output = nn.Linear(dims, args.vocab_size, bias=False)
 
     def output(self):
         if "output" in self.shared_head:
