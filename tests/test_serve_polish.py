@@ -16,7 +16,7 @@ import pytest
 from live_server import module_fixtures
 
 import mlx_mtp
-from mlx_mtp.serve.app import model_aliases
+from mlx_mtp.serve.service import model_aliases
 
 NAME = "tiny-ds-mtp-89ea8eb6719b"
 MESSAGES = [{"role": "user", "content": "Hello."}]
