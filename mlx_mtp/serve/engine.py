@@ -217,11 +217,18 @@ class Engine:
         self.inbox.put(None)  # wake the loop
 
     def counts(self) -> Dict[str, int]:
-        """Streams decoding, prompts being read, requests waiting."""
+        """Streams decoding, prompts being read, requests waiting: those not
+        cancelled (the loop frees a cancelled one at its next turn)."""
+
+        def live(jobs) -> int:
+            return sum(not j.request.cancelled for j in list(jobs))
+
+        with self.inbox.mutex:  # the inbox also holds the loop's wake-ups (None)
+            sent = [r for r in self.inbox.queue if r is not None]
         return {
-            "decoding": len(self.jobs) + len(self.serial),
-            "reading": len(self.reading),
-            "waiting": len(self.waiting) + self.inbox.qsize(),
+            "decoding": live(self.jobs.values()) + live(self.serial),
+            "reading": live(self.reading.values()),
+            "waiting": sum(not r.cancelled for r in list(self.waiting) + sent),
             "peak_batch": self.decoder.peak if self.batched else 1,
         }
 
