@@ -27,6 +27,7 @@ from .tools import ToolCall, ToolError, split, tool_plan
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     500: "api_error",
@@ -282,7 +283,7 @@ def _stop(finish: str, stops: _Stops) -> dict:
 async def messages(service, http: HTTPRequest, count: bool = False):
     """``POST /v1/messages``; with ``count``, ``/v1/messages/count_tokens``."""
     try:
-        body = await read_body(http)
+        body = await read_body(http, service.config.max_body_bytes)
         chat = chat_request(body, count)
         plan = tool_plan(chat, service.tool_format)
         tokens = parse.chat_tokens(service, chat, plan)

@@ -2,12 +2,15 @@
 
 OpenAI's ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``GET /v1/models`` (``openai.py``), Anthropic's ``POST /v1/messages``
-(``anthropic.py``) and ``GET /health``. Requests are checked and tokenized on
-the event loop (``parse.py``); the engine thread generates (``engine.py``),
-and its events come back through an asyncio queue per request
-(``service.py``). ``docs/serve.md`` lists every field and what it does.
+(``anthropic.py``) and ``GET /health``; each path also without ``/v1``.
+Around them: the access log, CORS (``cors_origins``) and the API key.
+Requests are checked and tokenized on the event loop (``parse.py``); the
+engine thread generates (``engine.py``), and its events come back through an
+asyncio queue per request (``service.py``). ``docs/serve.md`` lists every
+field and what it does.
 """
 
+import ipaddress
 import logging
 import signal
 import socket
@@ -20,6 +23,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -28,7 +32,7 @@ from ..errors import MTPError
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic, openai
 from .engine import Engine
 from .http import APIError
-from .middleware import AccessLog, logger
+from .middleware import AccessLog, APIKey, logger
 from .service import Service
 
 
@@ -77,6 +81,44 @@ ROUTES = [
     ("/v1/models/{name:path}", model, "GET"),
     ("/health", health, "GET"),
 ]
+ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
+
+
+def _routes() -> list:
+    """Every route, as ``/v1/...`` and as ``/...`` (mlx_lm.server and
+    llama-server take both)."""
+    routes = []
+    for path, endpoint, method in ROUTES:
+        routes.append(Route(path, endpoint, methods=[method]))
+        if path.startswith("/v1/"):
+            routes.append(Route(path[3:], endpoint, methods=[method]))
+    return routes
+
+
+def _refusal(path: str, e: APIError):
+    """``e`` in the error shape of the API that ``path`` belongs to."""
+    if path in ANTHROPIC_PATHS or f"/v1{path}" in ANTHROPIC_PATHS:
+        return anthropic.error_response(e)
+    return e.response()
+
+
+def _middleware(config: ServeConfig) -> list:
+    # CORS outside the key: a browser's preflight carries no key, and a 401
+    # must carry the CORS headers for the page to read it
+    middleware = [Middleware(AccessLog)]
+    if config.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+                max_age=600,
+            )
+        )
+    if config.api_key:
+        middleware.append(Middleware(APIKey, key=config.api_key, refuse=_refusal))
+    return middleware
 
 
 async def _http_error(http: HTTPRequest, e: HTTPException):
@@ -109,8 +151,8 @@ def create_app(
     config = config or ServeConfig()
     config.validate()
     app = Starlette(
-        routes=[Route(path, f, methods=[method]) for path, f, method in ROUTES],
-        middleware=[Middleware(AccessLog)],
+        routes=_routes(),
+        middleware=_middleware(config),
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=_lifespan,
     )
@@ -141,14 +183,21 @@ class _Server(uvicorn.Server):
     on for ``shutdown_timeout`` seconds (then they end with "length"); a
     second one ends them at once. Either way the engine thread is joined
     (lifespan shutdown) and the process exits 0, instead of re-raising the
-    signal as uvicorn does.
+    signal as uvicorn does. ``say`` hears one line per signal.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, timeout: float):
+    def __init__(self, config: uvicorn.Config, engine: Engine, timeout: float, say):
         super().__init__(config)
-        self.engine, self.timeout = engine, timeout
+        self.engine, self.timeout, self.say = engine, timeout, say
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:
+            self.say("shutting down now: the running requests end here")
+        else:
+            self.say(
+                f"shutting down: running requests may go on for {self.timeout:g} s "
+                "(Ctrl-C again ends them now)"
+            )
         self.engine.drain(0 if self.should_exit else self.timeout)
         self.should_exit = True
 
@@ -166,6 +215,23 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _started(app, name: str, host: str, port: int, say) -> None:
+    """What is said once the port is open."""
+    say(f"serving {name} on http://{host}:{port}/v1")
+    if not app.state.service.config.api_key and not _loopback(host):
+        say(
+            f"warning: {host} is reachable from other machines and no API key is "
+            "set (--api-key): anyone who reaches this port may use the model"
+        )
+
+
 def run(
     model,
     tokenizer,
@@ -178,16 +244,18 @@ def run(
 ) -> None:
     """Serve until interrupted, on ``sock`` (from ``listen``) or ``host:port``.
 
-    ``log`` hears one line once the port is open; the access log (logger
-    ``mlx_mtp.serve``, one line per request) goes to stderr unless that logger
-    has handlers of its own.
+    ``log`` hears one line once the port is open (and a warning when the
+    server is open beyond this machine with no API key), and one per
+    SIGINT/SIGTERM; without it those lines go to the access log, logger
+    ``mlx_mtp.serve`` (one line per request), which writes to stderr unless
+    it has handlers of its own.
     """
     if sock is None:
         sock = listen(host, port)
     app = create_app(model, tokenizer, name, config)
     host, port = sock.getsockname()[:2]
-    if log is not None:
-        app.state.on_start = lambda: log(f"serving {name} on http://{host}:{port}/v1")
+    say = log if log is not None else logger.warning
+    app.state.on_start = lambda: _started(app, name, host, port, say)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -198,6 +266,6 @@ def run(
     settings = uvicorn.Config(
         app, log_level="warning", timeout_graceful_shutdown=int(timeout) + 10
     )
-    _Server(settings, app.state.service.engine, timeout).run(sockets=[sock])
+    _Server(settings, app.state.service.engine, timeout, say).run(sockets=[sock])
     mx.synchronize()
     mx.clear_streams()  # this thread's, before the interpreter's teardown

@@ -26,7 +26,7 @@ from .tools import ToolError, ToolPlan, split, tool_plan
 async def complete(service: Service, http: HTTPRequest, kind: str):
     """``kind`` "chat": ``/v1/chat/completions``; "text": ``/v1/completions``."""
     try:
-        body = await read_body(http)
+        body = await read_body(http, service.config.max_body_bytes)
         p = parse.params(service, body)
         plan = ToolPlan()
         if kind == "chat":

@@ -312,6 +312,12 @@ def _content(content, where: str, calls: bool) -> str:
             texts.append(part["text"])
         return "".join(texts)
     if content is None:
+        if not calls:
+            raise APIError(
+                f"'{where}' needs 'content' (or, from the assistant, 'tool_calls')",
+                param=f"{where}.content",
+                code="missing_required_parameter",
+            )
         return ""
     if not isinstance(content, str):
         raise APIError(

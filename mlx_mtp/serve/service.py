@@ -66,7 +66,8 @@ class Service:
     def check_model(self, model: Optional[str]) -> None:
         """Any name is this model's unless ``strict_model_names`` is set: a
         server of one model has nothing else to answer with."""
-        if model is not None and model not in self.aliases:
+        strict = self.config.strict_model_names
+        if strict and model is not None and model not in self.aliases:
             raise APIError(
                 f"The model '{model}' does not exist; this server serves '{self.name}'",
                 param="model",
