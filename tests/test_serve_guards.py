@@ -306,18 +306,18 @@ def _health_until(live, test, timeout: float) -> dict:
 LONG = "The sea is wide and deep. " * 60  # about 1,560 byte tokens
 
 
-@pytest.mark.parametrize(
-    "path,body",
-    [
-        ("/v1/completions", {"prompt": LONG, "max_tokens": 4}),
-        ("/v1/chat/completions",
-         {"messages": [{"role": "user", "content": LONG}], "max_tokens": 4,
-          "stream": True}),
-        ("/v1/messages",
-         {"model": "any", "messages": [{"role": "user", "content": LONG}],
-          "max_tokens": 4, "stream": True}),
-    ],
-)  # fmt: skip
+_LEAVING = [
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 4}),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": LONG}], "max_tokens": 4,
+      "stream": True}),
+    ("/v1/messages",
+     {"model": "any", "messages": [{"role": "user", "content": LONG}],
+      "max_tokens": 4, "stream": True}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body", _LEAVING)
 def test_a_client_leaving_while_its_prompt_is_read_frees_the_server(
     one_slot, path, body
 ):
@@ -337,3 +337,39 @@ def test_a_client_leaving_while_its_prompt_is_read_frees_the_server(
     waited = time.perf_counter() - tic
     assert r.usage.completion_tokens == 2
     assert freed < 1.0 and waited < 3.0, (freed, waited)
+
+
+def test_a_client_leaving_frees_a_model_served_without_a_batch(
+    tiny_folders, monkeypatch
+):
+    """LongCat-Flash's caches have no batch form: the single-stream loop reads
+    the whole prompt in its first step, and stops between chunks once its
+    client has gone."""
+    import mlx_mtp.speculative as speculative
+
+    real = speculative.prefill
+
+    def slow(model, cache, prompt, step, use_mtp, progress=None):
+        def each(done, total):
+            time.sleep(SECONDS_PER_CHUNK)
+            if progress is not None:
+                progress(done, total)
+
+        return real(model, cache, prompt, step, use_mtp, each)
+
+    monkeypatch.setattr(speculative, "prefill", slow)
+    model, tokenizer = mlx_mtp.load(tiny_folders("longcat_flash")[0])
+    live = LiveServer(model, tokenizer, NAME, ServeConfig(prefill_step=PREFILL_STEP))
+    try:
+        assert live.get("/health")[1]["batched"] is False
+        leaving = _raw_request(live, *_LEAVING[0])
+        assert _health_until(live, lambda h: h["decoding"] == 1, 30)["decoding"]
+        time.sleep(5 * SECONDS_PER_CHUNK)
+        leaving.close()
+        tic = time.perf_counter()
+        r = live.client().completions.create(model=NAME, prompt="abc", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        assert time.perf_counter() - tic < 3.0
+        assert live.wait_idle()["decoding"] == 0
+    finally:
+        live.close()

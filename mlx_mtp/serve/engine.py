@@ -47,6 +47,10 @@ from .prompt_cache import PromptCache, copy_cache
 GATHER = 0.02
 
 
+class _Cancelled(Exception):
+    """Ends the prompt reading of a cancelled stream served without a batch."""
+
+
 @dataclass
 class Event:
     """Text to send, and at the end the finish reason and usage (or an error)."""
@@ -477,6 +481,13 @@ class Engine:
 
     def _start_serial(self, job: _Job, cache) -> None:
         s, request = job.stream, job.request
+
+        def reading(done: int, total: int) -> None:
+            # the whole prompt is read in the loop's first step: its client
+            # may leave between chunks
+            if request.cancelled:
+                raise _Cancelled
+
         job.steps = speculative_generate_step(
             request.prompt[job.read :],
             self.model,
@@ -492,12 +503,17 @@ class Engine:
             cached_tokens=request.prompt[: job.read],
             logprobs=s.logprobs,
             lookup=s.lookup,
+            prefill_progress=reading,
         )
         self.serial.append(job)
 
     def _serial_step(self, job: _Job) -> None:
         s = job.stream
-        token = next(job.steps, None)
+        try:
+            token = next(job.steps, None)
+        except _Cancelled:  # its cache is half read: nothing to keep
+            self.serial.remove(job)
+            return
         if token is not None:
             s.history.append(token[0])
             s.generated += 1
