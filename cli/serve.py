@@ -1,12 +1,15 @@
 """``mlx-mtp serve``: an OpenAI-compatible HTTP server (``mlx_mtp.serve``)."""
 
 import sys
+from typing import List, Optional
 
 import typer
 
 from mlx_mtp.serve import (
+    API_KEY_ENV,
     DEFAULT_HOST,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BODY_MB,
     DEFAULT_PORT,
     DEFAULT_PROMPT_CACHE_ENTRIES,
     DEFAULT_PROMPT_CACHE_MB,
@@ -76,6 +79,38 @@ def serve(
         "before they end (a second Ctrl-C ends them at once).",
         rich_help_panel=SERVER,
     ),
+    max_body_mb: int = typer.Option(
+        DEFAULT_MAX_BODY_MB,
+        "--max-body-mb",
+        min=1,
+        help="Request bodies larger than this many MiB get a 413 before they are read.",
+        rich_help_panel=SERVER,
+    ),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        metavar="KEY",
+        envvar=API_KEY_ENV,
+        help="Every endpoint but /health wants this key (Authorization: Bearer "
+        f"KEY, or x-api-key). Set {API_KEY_ENV} instead to keep it out of the "
+        "process list.",
+        rich_help_panel=SERVER,
+    ),
+    cors_origin: Optional[List[str]] = typer.Option(
+        None,
+        "--cors-origin",
+        metavar="ORIGIN",
+        help="Let web pages from this origin call the server (repeat for more; "
+        "'*': any).",
+        rich_help_panel=SERVER,
+    ),
+    strict_model_names: bool = typer.Option(
+        False,
+        "--strict-model-names",
+        help="Refuse (404) OpenAI requests whose model does not name the served "
+        "model, instead of serving it under any name.",
+        rich_help_panel=SERVER,
+    ),
     draft_max: o.DraftMax = None,
     draft_source: o.DraftSourceOption = o.DraftSource.auto,
     fixed_draft: bool = typer.Option(
@@ -95,6 +130,8 @@ def serve(
         raise fail(
             "serve runs in one process: under mlx.launch use generate, chat or bench"
         )
+    if api_key is not None and not api_key.strip():
+        raise fail(f"the API key is empty (--api-key or {API_KEY_ENV})")
     config = ServeConfig(
         draft_max=draft_max,
         mtp=not no_mtp,
@@ -105,6 +142,10 @@ def serve(
         adaptive_draft=not fixed_draft,
         shutdown_timeout=shutdown_timeout,
         draft_source=o.DraftSource(draft_source).value,
+        max_body_bytes=max_body_mb << 20,
+        api_key=api_key.strip() if api_key else None,
+        cors_origins=tuple(cors_origin or ()),
+        strict_model_names=strict_model_names,
     )
     sock = listen(host, port)  # a busy port fails before the model loads
     path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)

@@ -16,14 +16,16 @@ from mlx_mtp.serve import ServeConfig, create_app
 class LiveServer:
     """The real ASGI stack on a free port; ``client()`` is the official client."""
 
-    def __init__(self, model, tokenizer, name: str, config: ServeConfig):
+    def __init__(self, model, tokenizer, name: str, config: ServeConfig, wrap=None):
+        """``wrap``: ASGI middleware put around the app, as ``wrap(app)``."""
         self.app = create_app(model, tokenizer, name, config)
         self.name = name
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        app = wrap(self.app) if wrap is not None else self.app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
         )
@@ -41,9 +43,8 @@ class LiveServer:
     def client(self, **kwargs):
         import openai
 
-        return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kwargs
-        )
+        kwargs.setdefault("api_key", "none")
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, **kwargs)
 
     def get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:

@@ -27,11 +27,11 @@ def _free_port(host: str = "127.0.0.1") -> int:
 class Served:
     """``mlx-mtp serve`` in a subprocess, stopped on exit."""
 
-    def __init__(self, *args: str, host: str = "127.0.0.1"):
+    def __init__(self, *args: str, host: str = "127.0.0.1", env=None):
         self.port = _free_port(host)
         self.url = f"http://{host}:{self.port}"
         cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--port", str(self.port)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process = subprocess.Popen(
             cmd + list(args),
             stderr=subprocess.PIPE,
@@ -112,6 +112,54 @@ def test_no_mtp(folder):
         r = s.complete(max_tokens=8, draft_max=3)
         assert r["usage"]["mtp"]["drafted"] == 0
         assert s.get("/health")["mtp"] is False
+
+
+def test_guard_flags_reach_the_server(folder):
+    import httpx2
+
+    key, origin = "k-from-the-environment", "http://app.example"
+    args = ["--model", folder, "--host", "0.0.0.0", "--cors-origin", origin]
+    args += ["--strict-model-names", "--max-body-mb", "1"]
+    with Served(*args, env={"MLX_MTP_API_KEY": key}) as s:
+        # beyond loopback with a key: no warning
+        with open(f"/proc/{s.process.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+
+        def post(path, body, key=key, **headers):
+            headers["Authorization"] = f"Bearer {key}"
+            return httpx2.post(s.url + path, json=body, headers=headers, timeout=60)
+
+        body = {"prompt": "abc", "max_tokens": 2}
+        assert post("/v1/completions", body).status_code == 200
+        assert post("/v1/completions", body, key="other").status_code == 401
+        assert post("/v1/completions", {**body, "model": "gpt-4o"}).status_code == 404
+        big = {"prompt": "x" * (2 << 20)}
+        assert post("/v1/completions", big).status_code == 413
+        r = httpx2.options(
+            s.url + "/v1/completions",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+        )
+        assert r.headers["access-control-allow-origin"] == origin
+
+
+def test_beyond_loopback_without_a_key_it_warns(folder):
+    with Served("--model", folder, "--host", "0.0.0.0") as s:
+        warning = s.process.stderr.readline()
+        assert warning.startswith("warning: 0.0.0.0 is reachable from other machines")
+        assert "--api-key" in warning
+
+
+def test_an_empty_api_key_is_one_line(folder):
+    from mlx_mtp.cli import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(
+        app, ["serve", "--model", folder], env={"MLX_MTP_API_KEY": " "}
+    )
+    assert r.exit_code == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: the API key is empty (--api-key or MLX_MTP_API_KEY)"
+    ]
 
 
 def test_a_bad_model_folder_is_one_line(tmp_path):

@@ -248,7 +248,8 @@ BAD = [
     (_with(logit_bias={"x": 1}), 400, "logit_bias", "invalid_value"),
     (_with(draft_max=-1), 400, "draft_max", "invalid_value"),
     (_with(messages=[{"content": "hi"}]), 400, "messages[0].role", "invalid_type"),
-    (_with(model="gpt-4"), 404, "model", "model_not_found"),
+    (_with(messages=[{"role": "user"}]), 400, "messages[0].content",
+     "missing_required_parameter"),  # fmt: skip
 ]
 
 
@@ -272,9 +273,6 @@ def test_bad_requests_through_the_client(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=-1)
     assert _error(e.value)[1]["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="nope", messages=MESSAGES)
-    assert _error(e.value)[1]["code"] == "model_not_found"
     # longer than the model's context (4096 positions)
     long = "x" * 5000
     with pytest.raises(openai.BadRequestError) as e:
@@ -322,6 +320,10 @@ def test_a_client_that_leaves_frees_its_stream(server, client, stream):
     _stream_then_leave(server, 3, stream)
     health = server.wait_idle(timeout=20)
     assert health["decoding"] == health["reading"] == health["waiting"] == 0
+    # /health stops counting it at once; the loop frees it at its next turn
+    deadline = time.time() + 5
+    while server.engine.decoder.streams and time.time() < deadline:
+        time.sleep(0.01)
     assert server.engine.decoder.streams == []
     # it stopped early: the cache it left holds far fewer than 4000 answer tokens
     assert len(server.engine.prompt_cache.entries[-1].tokens) < 1000

@@ -13,7 +13,7 @@ import pytest
 from live_server import module_fixtures
 
 import mlx_mtp
-import mlx_mtp.serve.app as app_module
+import mlx_mtp.serve.service as app_module
 
 NAME = "tiny-ds"
 MESSAGES = [{"role": "user", "content": "Describe the sea as JSON."}]

@@ -85,6 +85,11 @@ def test_a_signal_lets_running_streams_finish_then_exits_0(folder, sig):
     assert _exit_code(served, 60) == 0, served.process.stderr.read()
     log = served.process.stderr.read()
     assert "terminate called" not in log and "Traceback" not in log, log
+    said = [line for line in log.splitlines() if "shutting down" in line]
+    assert said == [
+        "shutting down: running requests may go on for 60 s (Ctrl-C again ends "
+        "them now)"
+    ]
     for r in results:
         assert not isinstance(r, Exception), r
         text, finish, usage = r
@@ -117,3 +122,5 @@ def test_a_second_sigint_ends_the_streams_at_once(folder):
     results = streams.join()
     assert _exit_code(served, 60) == 0, served.process.stderr.read()[-2000:]
     assert all(r[1] == "length" for r in results), results
+    log = served.process.stderr.read()
+    assert "shutting down now: the running requests end here" in log

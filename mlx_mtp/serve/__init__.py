@@ -11,7 +11,7 @@ show these defaults cheaply.
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -24,6 +24,10 @@ DEFAULT_SERVE_PREFILL_STEP = 512
 DEFAULT_SERVE_MAX_TOKENS = 512
 # On SIGINT/SIGTERM running streams go on this long, then end ("length").
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# A request body past this is refused (413) before it is read.
+DEFAULT_MAX_BODY_MB = 16
+# Where ``--api-key`` may come from instead, out of the process list.
+API_KEY_ENV = "MLX_MTP_API_KEY"
 
 
 @dataclass
@@ -38,6 +42,12 @@ class ServeConfig:
     ``draft_max`` every round. ``shutdown_timeout``: seconds the streams
     running at SIGINT/SIGTERM may go on before they end (a second signal
     ends them at once).
+
+    ``max_body_bytes``: larger request bodies get a 413 before they are read.
+    ``api_key``: every endpoint but ``/health`` wants it (``Authorization:
+    Bearer`` or ``x-api-key``). ``cors_origins``: browser origins answered
+    (``"*"``: any). ``strict_model_names``: a ``model`` that does not name the
+    served model is a 404 on the OpenAI endpoints (else any name is served).
     """
 
     draft_max: Optional[int] = None
@@ -50,15 +60,21 @@ class ServeConfig:
     mtp: bool = True  # False: no request drafts, whatever it asks
     draft_source: str = "auto"  # "mtp", "ngram" or "auto" (a request may choose)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
+    api_key: Optional[str] = None
+    cors_origins: Tuple[str, ...] = ()
+    strict_model_names: bool = False
 
     def validate(self) -> None:
-        for name in ("max_tokens", "max_batch", "prefill_step"):
+        for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes")
         for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
 
 
 def __getattr__(name: str):

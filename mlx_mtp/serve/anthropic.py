@@ -14,7 +14,6 @@ Any ``model`` name is served: coding agents send the names of the models they
 were set up for (and a second, smaller one for chores), not this server's.
 """
 
-import asyncio
 import json
 import uuid
 from typing import List, Optional, Tuple
@@ -22,11 +21,13 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .http import APIError, read_body, wait_disconnect
+from . import parse
+from .http import APIError, read_body
 from .tools import ToolCall, ToolError, split, tool_plan
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     500: "api_error",
@@ -279,22 +280,18 @@ def _stop(finish: str, stops: _Stops) -> dict:
     return {"stop_reason": _STOP_REASONS.get(finish, finish), "stop_sequence": None}
 
 
-async def messages(service, submit, http: HTTPRequest, count: bool = False):
+async def messages(service, http: HTTPRequest, count: bool = False):
     """``POST /v1/messages``; with ``count``, ``/v1/messages/count_tokens``."""
     try:
-        body = await read_body(http)
+        body = await read_body(http, service.config.max_body_bytes)
         chat = chat_request(body, count)
         plan = tool_plan(chat, service.tool_format)
-        tokens = service.chat_tokens(chat, plan)
+        tokens = parse.chat_tokens(service, chat, plan)
         if count:
             return JSONResponse({"input_tokens": len(tokens)})
-        p = service.params(chat)
-        try:
-            p.sampling.validate()
-        except ValueError as e:
-            raise APIError(str(e)) from None
+        p = parse.params(service, chat)
         stops, p.stop = _Stops(p.stop), []
-        request, events = submit(tokens, p, "chat")
+        submitted = service.submit(http, tokens, p, "messages")
     except ToolError as e:
         return error_response(_bad(str(e)))
     except APIError as e:
@@ -305,7 +302,7 @@ async def messages(service, submit, http: HTTPRequest, count: bool = False):
         "role": "assistant",
         "model": body.get("model") or service.name,
     }
-    answer = _Answer(service, request, events, plan.splitter(), stops)
+    answer = _Answer(service, submitted, plan.splitter(), stops)
     if p.stream:
         usage = {"input_tokens": len(tokens), "output_tokens": 0}
         start = {
@@ -320,12 +317,11 @@ async def messages(service, submit, http: HTTPRequest, count: bool = False):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    gone = asyncio.ensure_future(wait_disconnect(http))
     try:
-        async for _ in answer.events(gone):
+        async for _ in answer.events():
             pass
     finally:
-        gone.cancel()
+        submitted.close()
     if answer.error is not None:
         return error_response(APIError(answer.error, status=500))
     if answer.finish is None:
@@ -344,33 +340,28 @@ async def messages(service, submit, http: HTTPRequest, count: bool = False):
 class _Answer:
     """The engine's events for one request, as content blocks."""
 
-    def __init__(self, service, request, events, splitter, stops: _Stops):
-        self.service, self.request, self.queue = service, request, events
+    def __init__(self, service, submitted, splitter, stops: _Stops):
+        self.service, self.submitted = service, submitted
         self.splitter, self.stops = splitter, stops
         self.blocks = _Blocks()
         self.finish: Optional[str] = None
         self.error: Optional[str] = None
         self.output_tokens = 0
 
-    async def events(self, gone=None):
-        """Stream events as the blocks grow; ``finish`` is set at the end."""
-        engine = self.service.engine
+    async def events(self):
+        """Stream events as the blocks grow; ``finish`` is set at the end
+        (None if the client went away)."""
         while True:
-            get = asyncio.ensure_future(self.queue.get())
-            waits = {get} if gone is None else {get, gone}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                engine.cancel(self.request)
+            event = await self.submitted.next()
+            if event is None:
                 return
-            event = get.result()
             if event.error is not None:
                 self.error = event.error
                 return
             finish = event.finish_reason
             text = self.stops.feed(event.text, final=finish is not None)
             if self.stops.matched is not None and finish is None:
-                engine.cancel(self.request)  # it would not stop there itself
+                self.submitted.cancel()  # it would not stop there itself
                 finish = "stop"
                 # the tokens up to the stop sequence, as the tokenizer reads them
                 self.output_tokens = len(
@@ -397,6 +388,8 @@ class _Answer:
             yield _sse({"type": "ping"})
             async for event in self.events():
                 yield _sse(event)
+            if self.error is None and self.finish is None:
+                return  # the client went away
             if self.error is not None:
                 error = {"type": "api_error", "message": self.error}
                 yield _sse({"type": "error", "error": error})
@@ -407,5 +400,6 @@ class _Answer:
                 yield _sse({"type": "message_stop"})
             done = True
         finally:
+            self.submitted.close()
             if not done:  # the client went away: free its stream
-                self.service.engine.cancel(self.request)
+                self.submitted.cancel()

@@ -9,7 +9,7 @@ Each turn of its loop
    being read takes the same number of tokens, so they share one forward
    unpadded (a long prompt does not stall the streams already decoding);
    a stream whose prompt is read joins the decoding batch;
-4) runs one speculative round of the whole batch (``batch.py``) and turns
+4) runs one speculative round of the whole batch (``mlx_mtp.decoder``) and turns
    each stream's tokens into text: end-of-sequence tokens, ``max_tokens`` and
    stop strings finish a stream, which leaves the batch and leaves its cache
    to the prompt cache.
@@ -203,11 +203,18 @@ class Engine:
         self.inbox.put(None)  # wake the loop
 
     def counts(self) -> Dict[str, int]:
-        """Streams decoding, prompts being read, requests waiting."""
+        """Streams decoding, prompts being read, requests waiting: those not
+        cancelled (the loop frees a cancelled one at its next turn)."""
+
+        def live(jobs) -> int:
+            return sum(not j.request.cancelled for j in list(jobs))
+
+        with self.inbox.mutex:  # the inbox also holds the loop's wake-ups (None)
+            sent = [r for r in self.inbox.queue if r is not None]
         return {
-            "decoding": len(self.jobs),
-            "reading": len(self.reading),
-            "waiting": len(self.waiting) + self.inbox.qsize(),
+            "decoding": live(self.jobs.values()),
+            "reading": live(self.reading.values()),
+            "waiting": sum(not r.cancelled for r in list(self.waiting) + sent),
             "peak_batch": self.decoder.peak if self.batched else 1,
         }
 

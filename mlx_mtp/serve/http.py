@@ -27,8 +27,29 @@ async def wait_disconnect(request: HTTPRequest) -> None:
         pass
 
 
-async def read_body(request: HTTPRequest) -> dict:
-    raw = await request.body()
+def too_large(limit: int) -> APIError:
+    return APIError(
+        f"the request body is larger than this server takes ({limit >> 20} MiB; "
+        "--max-body-mb)",
+        code="request_too_large",
+        status=413,
+    )
+
+
+async def read_body(request: HTTPRequest, limit: int) -> dict:
+    """The JSON object of the body; one past ``limit`` bytes is refused (413) by
+    its Content-Length before any of it is read, or as soon as the bytes read
+    (a chunked body) pass the limit."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -1,0 +1,225 @@
+"""OpenAI's API: ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``GET /v1/models``.
+
+A request is checked and tokenized (``parse.py``) and handed to the engine;
+its events come back as a whole ``chat.completion`` / ``text_completion``, or
+streamed as server-sent events ending in ``data: [DONE]``. ``usage`` carries
+the MTP counts under ``usage.mtp``. Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+import json
+import time
+import uuid
+from typing import Optional
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from . import parse
+from .http import APIError, read_body
+from .middleware import note_usage
+from .service import Service, Submitted
+from .tools import ToolError, ToolPlan, split, tool_plan
+
+
+async def complete(service: Service, http: HTTPRequest, kind: str):
+    """``kind`` "chat": ``/v1/chat/completions``; "text": ``/v1/completions``."""
+    try:
+        body = await read_body(http, service.config.max_body_bytes)
+        p = parse.params(service, body)
+        plan = ToolPlan()
+        if kind == "chat":
+            plan = tool_plan(body, service.tool_format)
+            tokens = parse.chat_tokens(service, body, plan)
+        else:
+            tokens = parse.completion_tokens(service, body)
+        param = "messages" if kind == "chat" else "prompt"
+        submitted = service.submit(http, tokens, p, param)
+    except ToolError as e:
+        return APIError(str(e), param=e.param, code=e.code).response()
+    except APIError as e:
+        return e.response()
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": service.name}  # fmt: skip
+    answer = _Answer(service, http, submitted, kind, meta, plan.splitter())
+    if p.stream:
+        return StreamingResponse(
+            answer.stream(p.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return await answer.whole()
+
+
+async def models(service: Service, http: HTTPRequest):
+    return JSONResponse({"object": "list", "data": [service.model_entry()]})
+
+
+async def model(service: Service, http: HTTPRequest):
+    try:
+        service.check_model(http.path_params["name"])
+    except APIError as e:
+        return e.response()
+    return JSONResponse(service.model_entry())
+
+
+class _Answer:
+    """The engine's events for one request, as OpenAI's chunks or answer."""
+
+    def __init__(self, service, http, submitted: Submitted, kind, meta, splitter):
+        self.service, self.http, self.submitted = service, http, submitted
+        self.kind, self.meta, self.splitter = kind, meta, splitter
+
+    def logprobs(self, entries: list, offset: int = 0):
+        if self.submitted.request.params.logprobs is None:
+            return None
+        return _logprobs(self.kind, entries, self.service.tokenizer, offset)
+
+    async def stream(self, include_usage: bool):
+        kind, meta, splitter = self.kind, self.meta, self.splitter
+        done, sent = False, 0
+        try:
+            first = _chunk(kind, meta, "", None, first=True)
+            yield _sse(_with_usage(first, include_usage))
+            while True:
+                event = await self.submitted.next()
+                if event is None:  # the client went away
+                    return
+                if event.error is not None:
+                    yield _sse(internal_error(event.error))
+                    break
+                text, calls, finish = split(splitter, event.text, event.finish_reason)
+                if text or finish or calls or event.logprobs:
+                    made = len(splitter.calls) - len(calls) if calls else 0
+                    lp = self.logprobs(event.logprobs, sent)
+                    sent += len(event.text)
+                    chunk = _chunk(kind, meta, text, finish, False, lp, calls, made)
+                    yield _sse(_with_usage(chunk, include_usage))
+                if event.finish_reason is not None:
+                    note_usage(self.http, event.usage)
+                    if include_usage:
+                        yield _sse(_usage_chunk(kind, meta, event.usage))
+                    break
+            done = True
+            yield "data: [DONE]\n\n"
+        finally:
+            self.submitted.close()
+            if not done:  # the client went away: free its stream
+                self.submitted.cancel()
+
+    async def whole(self):
+        parts, calls, entries = [], [], []
+        try:
+            while True:
+                event = await self.submitted.next()
+                if event is None:
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                if event.error is not None:
+                    return JSONResponse(internal_error(event.error), status_code=500)
+                text, made, finish = split(
+                    self.splitter, event.text, event.finish_reason
+                )
+                parts.append(text)
+                calls += made
+                entries += event.logprobs
+                if finish is not None:
+                    note_usage(self.http, event.usage)
+                    lp = self.logprobs(entries)
+                    body = _whole(
+                        self.kind, self.meta, "".join(parts), finish, event.usage, lp,
+                        calls,
+                    )  # fmt: skip
+                    return JSONResponse(body)
+        finally:
+            self.submitted.close()
+
+
+# -- the responses ---------------------------------------------------------------
+
+
+def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool,
+           lp=None, calls=(), index: int = 0):  # fmt: skip
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [c.openai(index + i) for i, c in enumerate(calls)]
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
+    return {**meta, "object": "text_completion", "choices": [choice]}
+
+
+def _usage_chunk(kind: str, meta: dict, usage: dict) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {**meta, "object": obj, "choices": [], "usage": usage}
+
+
+def _logprobs(kind: str, entries: list, tokenizer, offset: int = 0):
+    """OpenAI's ``logprobs`` of a choice from ``(token, logprob, top)`` entries
+    (chat: ``content``; completions: ``tokens``, ``token_logprobs``, ...);
+    ``offset``: characters of the completion before these tokens."""
+
+    def text(t: int) -> str:
+        return tokenizer.decode([t])
+
+    if kind == "chat":
+
+        def item(t, lp):
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        content = [
+            {**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]}
+            for t, lp, top in entries
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{text(a): b for a, b in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def _with_usage(chunk: dict, include_usage: bool) -> dict:
+    """A chunk before the usage chunk says ``"usage": null`` where one will come
+    (as OpenAI's do)."""
+    return {**chunk, "usage": None} if include_usage else chunk
+
+
+def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict,
+           lp=None, calls=()) -> dict:  # fmt: skip
+    if kind == "chat":
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [c.openai() for c in calls]
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": lp,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
+        obj = "text_completion"
+    return {**meta, "object": obj, "choices": [choice], "usage": usage}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def internal_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "internal_error"}}  # fmt: skip

@@ -1,0 +1,322 @@
+"""An OpenAI request's fields, checked: ``params`` (sampling, drafts, stops,
+limits, logprobs, ``response_format``) and the prompt's tokens
+(``chat_tokens``, ``completion_tokens``). The Anthropic API translates its
+requests into chat requests and comes here too. A bad field raises
+``APIError`` naming it.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from ..constrain import response_format_grammar
+from ..defaults import MAX_DRAFT_MAX
+from ..errors import MTPError
+from ..prompts import encode, has_chat_template
+from ..request import DraftSettings, GenerationRequest
+from ..sampling import SamplingConfig
+from .fim import fim_prompt, fim_tokens
+from .http import APIError
+from .tools import ToolPlan, render, template_message
+
+# chat roles the templates know; "developer" is OpenAI's newer name for system
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+          dict: "an object", list: "an array"}  # fmt: skip
+_NUMBER = (int, float)
+
+
+def _get(body: dict, name: str, kinds: tuple, default=None, low=None, high=None):
+    """Field ``name`` of ``body``: absent or null gives ``default``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise APIError(
+            f"'{name}' must be {_KINDS[kinds[-1]]}, got {json.dumps(value)}",
+            param=name,
+            code="invalid_type",
+        )
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise APIError(
+            f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value"
+        )
+    return value
+
+
+@dataclass
+class Params(GenerationRequest):
+    """A request as both APIs take it: the generation, built once here and
+    handed to the engine whole, and how to answer it."""
+
+    stream: bool = False
+    include_usage: bool = False
+    grammar: Optional[str] = None  # what ``response_format`` holds answers to
+
+
+def params(service, body: dict) -> Params:
+    """The fields of a chat or completions request (``service``: the
+    ``Service`` whose model, vocabulary and defaults they are checked
+    against)."""
+    service.check_model(_get(body, "model", (str,)))
+    _one_answer(body)
+    max_tokens = _get(body, "max_completion_tokens", (int,), low=1)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), service.config.max_tokens, low=1)
+    options = _get(body, "stream_options", (dict,), {})
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+    except ValueError as e:
+        raise APIError(str(e), param="response_format", code="invalid_value") from None
+    p = Params(
+        max_tokens=max_tokens,
+        sampling=_sampling(body, service.vocab),
+        drafts=_drafts(service.config, body),
+        stop=_stop(body),
+        logprobs=_logprobs(body),
+        stream=_get(body, "stream", (bool,), False),
+        include_usage=_get(options, "include_usage", (bool,), False),
+        grammar=grammar,
+    )
+    try:
+        p.sampling.validate()
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    return p
+
+
+def _one_answer(body: dict) -> None:
+    for name in ("n", "best_of"):
+        if _get(body, name, (int,), 1) != 1:
+            raise APIError(
+                f"only {name} = 1 is supported", param=name, code="unsupported_value"
+            )
+    if body.get("echo") not in (None, False):
+        raise APIError(
+            "'echo' is not supported", param="echo", code="unsupported_value"
+        )
+
+
+def _logprobs(body: dict) -> Optional[int]:
+    """Alternatives per token, or None for no logprobs."""
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise APIError(
+            "'top_logprobs' needs 'logprobs'",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    logprobs = _get(body, "logprobs", (int, bool))
+    top = _get(body, "top_logprobs", (int,), 0, low=0, high=20)
+    if isinstance(logprobs, bool):  # chat: logprobs, top_logprobs
+        return top if logprobs else None
+    if logprobs is not None:  # completions: logprobs is the top count
+        return _get(body, "logprobs", (int,), low=0, high=20)
+    return None
+
+
+def _sampling(body: dict, vocab: int) -> SamplingConfig:
+    penalty = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get(body, name, _NUMBER, low=-2.0, high=2.0)
+        penalty[name] = float(value) if value else None
+    repetition = _get(body, "repetition_penalty", _NUMBER, low=0.0)
+    return SamplingConfig(
+        temp=float(_get(body, "temperature", _NUMBER, 0.0, low=0.0, high=2.0)),
+        top_p=float(_get(body, "top_p", _NUMBER, 1.0, low=0.0, high=1.0)),
+        top_k=_get(body, "top_k", (int,), 0, low=0),
+        min_p=float(_get(body, "min_p", _NUMBER, 0.0, low=0.0, high=1.0)),
+        repetition_penalty=float(repetition) if repetition else None,
+        logit_bias=_logit_bias(body, vocab),
+        seed=_get(body, "seed", (int,)),
+        **penalty,
+    )
+
+
+def _drafts(config, body: dict) -> DraftSettings:
+    """The request's draft settings: ``draft_max`` and ``draft_source`` where
+    given, the server's (``config``) where not."""
+    drafts = DraftSettings(
+        source=_get(body, "draft_source", (str,), config.draft_source),
+        draft_max=_get(body, "draft_max", (int,), config.draft_max, 0, MAX_DRAFT_MAX),
+        adaptive=config.adaptive_draft,
+        mtp=config.mtp,
+    )
+    try:
+        drafts.validate()
+    except MTPError as e:
+        raise APIError(str(e), param="draft_source", code="invalid_value") from None
+    return drafts
+
+
+def _stop(body: dict) -> List[str]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return [stop]
+    if stop is None:
+        return []
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise APIError(
+            "'stop' must be a string or an array of strings",
+            param="stop",
+            code="invalid_type",
+        )
+    return stop
+
+
+def _logit_bias(body: dict, vocab: int) -> Optional[Dict[int, float]]:
+    bias = _get(body, "logit_bias", (dict,))
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise APIError(
+                f"'logit_bias' keys must be token ids below {vocab}, got {key!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if isinstance(value, bool) or not isinstance(value, _NUMBER):
+            raise APIError(
+                "'logit_bias' values must be numbers",
+                param="logit_bias",
+                code="invalid_type",
+            )
+        out[token] = float(max(-100.0, min(100.0, value)))
+    return out
+
+
+# -- the prompt ------------------------------------------------------------------
+
+
+def chat_tokens(service, body: dict, plan: Optional[ToolPlan] = None) -> List[int]:
+    """The chat template's rendering of ``messages`` (and the tools), tokenized."""
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError(
+            "missing required field 'messages'",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    if not isinstance(messages, list) or not messages:
+        raise APIError(
+            "'messages' must be a non-empty array",
+            param="messages",
+            code="invalid_type",
+        )
+    if not has_chat_template(service.tokenizer):
+        raise APIError(
+            "this model has no chat template: use /v1/completions",
+            param="messages",
+            code="unsupported_value",
+        )
+    plan = plan or ToolPlan()
+    turns = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        text = render(service.tokenizer, turns, plan.tools)
+    except Exception as e:  # the template refuses the conversation
+        raise APIError(
+            f"the chat template refused the messages: {e}", param="messages"
+        ) from None
+    return encode(service.tokenizer, text + plan.prefix)
+
+
+def completion_tokens(service, body: dict) -> List[int]:
+    """``prompt`` (a string or token ids; with ``suffix``, fill-in-the-middle)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(
+            "missing required field 'prompt'",
+            param="prompt",
+            code="missing_required_parameter",
+        )
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    suffix = _get(body, "suffix", (str,))
+    # an empty suffix leaves nothing to fill in: a model without the
+    # tokens continues the prompt, one with them is asked as usual
+    if suffix and not isinstance(prompt, str):
+        raise APIError(
+            "'suffix' needs 'prompt' to be a string", param="prompt",
+            code="invalid_type",
+        )  # fmt: skip
+    tokenizer, vocab = service.tokenizer, service.vocab
+    if isinstance(prompt, str) and suffix is not None:
+        if suffix or fim_tokens(tokenizer) is not None:
+            try:
+                return fim_prompt(tokenizer, prompt, suffix)
+            except MTPError as e:
+                raise APIError(
+                    str(e), param="suffix", code="unsupported_value"
+                ) from None
+    if isinstance(prompt, str):
+        return encode(tokenizer, prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+        for t in prompt
+    ):
+        return list(prompt)
+    raise APIError(
+        f"'prompt' must be a string or an array of token ids below {vocab}",
+        param="prompt",
+        code="invalid_type",
+    )
+
+
+def _message(m: Any, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(f"'{where}' must be an object", param=where, code="invalid_type")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise APIError(
+            f"'{where}.role' must be a string",
+            param=f"{where}.role",
+            code="invalid_type",
+        )
+    if role not in ROLES:
+        raise APIError(
+            f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    if role == "developer":  # chat templates know it as system
+        role = "system"
+    content = _content(m.get("content"), where, calls=bool(m.get("tool_calls")))
+    return template_message(m, {"role": role, "content": content}, where)
+
+
+def _content(content, where: str, calls: bool) -> str:
+    """A message's text; only an assistant's tool calls may stand without it."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise APIError(
+                    f"'{where}.content' parts must be text parts",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        if not calls:
+            raise APIError(
+                f"'{where}' needs 'content' (or, from the assistant, 'tool_calls')",
+                param=f"{where}.content",
+                code="missing_required_parameter",
+            )
+        return ""
+    if not isinstance(content, str):
+        raise APIError(
+            f"'{where}.content' must be a string or an array of text parts",
+            param=f"{where}.content",
+            code="invalid_type",
+        )
+    return content

@@ -1,0 +1,153 @@
+"""What the handlers of both APIs share: the served model, its limits, and
+handing a checked request to the engine (``Service.submit``).
+
+A submitted request's events come back through an asyncio queue; its client
+is watched from the moment it is submitted, so that a client gone while its
+prompt is still being read frees the engine at once.
+"""
+
+import asyncio
+import re
+import time
+from typing import List, Optional
+
+from ..constrain import JSONConstraint, grammar_tokenizer
+from ..errors import MTPError
+from ..prompts import context_length, fit_context
+from . import ServeConfig
+from .engine import Engine, Event, Request
+from .http import APIError, wait_disconnect
+from .tools import tool_format
+
+
+def model_aliases(name: str) -> set:
+    """The ``model`` values naming the served model: its name, the last part of
+    that name without a trailing hash (``org/Model-mtp-89ea8eb6719b`` is also
+    ``Model-mtp``), and the empty string, which clients send when they need no
+    name."""
+    short = re.sub(r"-[0-9a-f]{8,64}$", "", name.rstrip("/").rsplit("/", 1)[-1])
+    return {name, short, ""}
+
+
+class Service:
+    """The model's names, tokenizer, limits and engine."""
+
+    def __init__(self, model, tokenizer, name: str, config: ServeConfig):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.config = config
+        self.engine = Engine(model, tokenizer, config)
+        cfgs = [model.config, model.config.get("text_config") or {}]
+        self.context = context_length(model)
+        self.vocab = next(
+            (c["vocab_size"] for c in cfgs if isinstance(c.get("vocab_size"), int)),
+            len(tokenizer),
+        )
+        self.created = int(time.time())
+        self.aliases = model_aliases(name)
+        self._grammar_tokenizer = None
+        self.tool_format = tool_format(tokenizer)
+
+    def constraint(self, grammar: str, prompt_len: int) -> JSONConstraint:
+        """The logits processor holding an answer to ``grammar``."""
+        if self._grammar_tokenizer is None:
+            try:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
+            except MTPError as e:
+                raise APIError(
+                    str(e), param="response_format", code="unsupported_value"
+                ) from None
+        try:
+            return JSONConstraint(grammar, self._grammar_tokenizer, prompt_len)
+        except MTPError as e:
+            raise APIError(
+                str(e), param="response_format", code="invalid_value"
+            ) from None
+
+    def check_model(self, model: Optional[str]) -> None:
+        """Any name is this model's unless ``strict_model_names`` is set: a
+        server of one model has nothing else to answer with."""
+        strict = self.config.strict_model_names
+        if strict and model is not None and model not in self.aliases:
+            raise APIError(
+                f"The model '{model}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
+
+    def model_entry(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created,
+                "owned_by": "mlx-mtp"}  # fmt: skip
+
+    def fit(self, tokens: List[int], max_tokens: int, param: str) -> int:
+        """``max_tokens``, cut where the context ends; a prompt past it is refused."""
+        if not tokens:
+            raise APIError("the prompt is empty", param=param, code="invalid_value")
+        try:
+            _, max_tokens = fit_context(tokens, 0, max_tokens, self.context, False)
+        except MTPError as e:
+            raise APIError(
+                str(e), param=param, code="context_length_exceeded"
+            ) from None
+        return max_tokens
+
+    def submit(self, http, tokens: List[int], params, param: str) -> "Submitted":
+        """Hand a checked request to the engine (``params``: ``parse.Params``;
+        ``param``: the field holding the prompt, named in errors)."""
+        submitted = Submitted(self.engine)
+        request = engine_request(self, tokens, params, param, submitted.emit)
+        submitted.start(request, http)
+        return submitted
+
+
+def engine_request(service: Service, tokens, params, param: str, emit) -> Request:
+    """The engine's record of a checked request: the one place it is built."""
+    params.max_tokens = service.fit(tokens, params.max_tokens, param)
+    if params.grammar is not None:
+        params.logits_processors = [service.constraint(params.grammar, len(tokens))]
+    return Request(prompt=tokens, params=params, emit=emit)
+
+
+class Submitted:
+    """A request in the engine: its events, and a watch on its client.
+
+    ``next()`` gives the engine's events in order, then None if the client
+    went away (the request is cancelled by then); ``close()`` ends the watch
+    once the answer is sent.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.request: Optional[Request] = None
+        self._watch: Optional[asyncio.Future] = None
+
+    def emit(self, event: Event) -> None:
+        """Called on the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutting down)
+            pass
+
+    def start(self, request: Request, http) -> None:
+        self.request = request
+        self.engine.submit(request)
+        self._watch = asyncio.ensure_future(self._watch_client(http))
+
+    async def _watch_client(self, http) -> None:
+        # waiting on the receive channel also keeps the connection read, so a
+        # client's close is seen while nothing is being sent to it
+        await wait_disconnect(http)
+        self.cancel()
+        self.events.put_nowait(None)
+
+    async def next(self) -> Optional[Event]:
+        return await self.events.get()
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
