@@ -233,7 +233,7 @@ def load_model(
     Returns ``(path, model, tokenizer)``; a notice (no MTP head) goes to stderr.
     """
     from mlx_mtp import distributed
-    from mlx_mtp.default_model import default_model_path
+    from mlx_mtp.convert.default_model import default_model_path
     from mlx_mtp.loader import load
 
     if hidden_tap is not None and hidden_tap not in HIDDEN_TAPS:

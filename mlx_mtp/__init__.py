@@ -33,7 +33,7 @@ _EXPORTS = {
     "MTPModel": "loader",
     "MTPStats": "stats",
     "SamplingConfig": "sampling",
-    "default_model_path": "default_model",
+    "default_model_path": "convert.default_model",
     "generate": "generate",
     "load": "loader",
     "load_model": "loader",
@@ -46,7 +46,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # what __getattr__ returns
     from .cache import MTPCache  # noqa: F401
     from .chat import ChatSession  # noqa: F401
-    from .default_model import default_model_path  # noqa: F401
+    from .convert.default_model import default_model_path  # noqa: F401
     from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401
     from .errors import MTPError  # noqa: F401
     from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401

@@ -327,7 +327,7 @@ def test_bench_mtp_and_hidden_tap(folders, one_prompt):
 
 
 def test_chat_without_model_uses_the_default(folders, monkeypatch):
-    import mlx_mtp.default_model as default_model
+    import mlx_mtp.convert.default_model as default_model
 
     notices = []
 

@@ -98,7 +98,7 @@ def test_version(capsys):
 
 @pytest.fixture
 def default_is_tiny(tiny_folders, monkeypatch):
-    import mlx_mtp.default_model as default_model
+    import mlx_mtp.convert.default_model as default_model
 
     folder = tiny_folders("mimo")[0]
     monkeypatch.setattr(default_model, "default_model_path", lambda notify=None: folder)

@@ -9,7 +9,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from mlx_mtp import default_model as dm
+from mlx_mtp.convert import default_model as dm
 from mlx_mtp.errors import MTPError
 
 HAS_SMOLLM2 = importlib.util.find_spec(dm.GGUF_MODULE) is not None
@@ -261,7 +261,7 @@ def test_ctrl_c_during_the_first_build(tmp_path):
     code = (
         "import os, signal, sys, time\n"
         "import mlx_mtp.convert as c\n"
-        "from mlx_mtp import default_model as dm\n"
+        "from mlx_mtp.convert import default_model as dm\n"
         "dm.find_gguf = lambda: __import__('pathlib').Path('m.gguf')\n"
         "def convert(src, out, **kw):\n"
         "    out.mkdir(parents=True)\n"

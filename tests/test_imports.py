@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"mlx_mtp": "mlx_mtp", "cli": "mlx_mtp.cli", "convert": "mlx_mtp.convert"}
 # where an import inside a function is wanted: the CLI (``--help`` loads no
 # MLX), and the default model, which loads the converter only to build it
-LAZY = ("mlx_mtp.cli", "mlx_mtp.default_model")
+LAZY = ("mlx_mtp.cli", "mlx_mtp.convert.default_model")
 
 
 def modules():
@@ -100,6 +100,19 @@ def test_no_imports_of_private_names():
         if n is not None and n.startswith("_") and not n.startswith("__")
     ]
     assert private == []
+
+
+def test_the_library_imports_neither_the_cli_nor_the_converter():
+    """mlx_mtp's own modules sit below cli/ and convert/ (which use them)."""
+    upward = sorted(
+        (m, t)
+        for m in MODULES
+        if not m.startswith(("mlx_mtp.cli", "mlx_mtp.convert"))
+        and m not in ("mlx_mtp", "mlx_mtp.__main__")  # the entry points
+        for t, _, _ in imports(m)
+        if t.startswith(("mlx_mtp.cli", "mlx_mtp.convert"))
+    )
+    assert upward == []
 
 
 def test_imports_inside_functions_only_where_laziness_pays():

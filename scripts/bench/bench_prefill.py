@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     if args.model is None:
-        from mlx_mtp.default_model import default_model_path
+        from mlx_mtp.convert.default_model import default_model_path
 
         args.model = default_model_path()
     model, tokenizer = mlx_mtp.load(args.model)

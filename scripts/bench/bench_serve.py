@@ -148,7 +148,7 @@ def main():
     args = ap.parse_args()
 
     import mlx_mtp
-    from mlx_mtp.default_model import default_model_path
+    from mlx_mtp.convert.default_model import default_model_path
 
     path = args.model or default_model_path(print)
     loaded, tokenizer = mlx_mtp.load(path)

