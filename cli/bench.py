@@ -203,7 +203,7 @@ def bench(
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
 
-    from mlx_mtp.bench import configurations, run_bench
+    from mlx_mtp.bench import check_max_tokens, configurations, run_bench
     from mlx_mtp.config import cannot_gain_notice, default_draft_max
     from mlx_mtp.prompts import load_prompts
 
@@ -213,6 +213,7 @@ def bench(
     err = Console(stderr=True, highlight=False)
     if draft_max is None:
         draft_max = default_draft_max(loaded)
+    check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}

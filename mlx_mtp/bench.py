@@ -33,6 +33,7 @@ from .defaults import DEFAULT_BENCH_TOKENS, DEFAULT_DRAFT_P_MIN, DEFAULT_REPEATS
 from .errors import MTPError
 from .generate import stream_generate
 from .loader import MTPModel
+from .ngram import DEFAULT_LOOKUP_MAX
 from .prompts import BenchPrompt, encoded_prompts
 from .stats import MTPStats
 from .tune import CostTimer
@@ -43,6 +44,24 @@ AUTO = "mtp auto"
 NGRAM = "ngram"  # prompt lookup alone
 BOTH = "auto"  # the head or prompt lookup, per round (generate's default)
 WARMUP_TOKENS = 8
+
+
+def min_tokens(draft_max: int) -> int:
+    """The fewest tokens per generation that time every configuration: the
+    first round (up to ``draft_max`` head drafts or ``DEFAULT_LOOKUP_MAX``
+    lookup drafts, plus one) is counted with the prompt, and at least as many
+    tokens again must follow it to be timed."""
+    return 2 * (max(draft_max, DEFAULT_LOOKUP_MAX) + 1)
+
+
+def check_max_tokens(max_tokens: int, draft_max: int) -> None:
+    least = min_tokens(draft_max)
+    if max_tokens < least:
+        raise MTPError(
+            f"{max_tokens} tokens per generation are too few to time: the first "
+            f"round (up to {least // 2} tokens here) is counted with the prompt; "
+            f"ask for {least} or more (bench -n)"
+        )
 
 
 @dataclass
@@ -233,6 +252,7 @@ def run_bench(
     started = time.perf_counter()
     if draft_max is None:
         draft_max = default_draft_max(model)
+    check_max_tokens(max_tokens, draft_max)
     configs = configurations(draft_max, model.head is not None)
     encoded = encoded_prompts(tokenizer, prompts)
     seconds = 0.0

@@ -253,17 +253,17 @@ def one_prompt(tmp_path_factory):
 
 def test_bench_draft_max_and_max_tokens(folders, one_prompt):
     configs, _ = bench(
-        "--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0]
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 2, model=folders[0]
     )
     assert list(configs) == [
         "mlx-lm", "no-mtp", "mtp k=1", "mtp k=2", "mtp auto", "ngram", "auto"
     ]  # fmt: skip
-    assert all(c["tokens"] == 9 for c in configs.values())
+    assert all(c["tokens"] == 18 for c in configs.values())
     assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
 
 
 def test_bench_repeats_and_prompts(folders, one_prompt):
-    _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
+    _, out = bench("--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=folders[0])
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
     assert len(out["runs"]) == 6  # one per configuration
     out = json.loads(
@@ -275,7 +275,7 @@ def test_bench_repeats_and_prompts(folders, one_prompt):
             "--prompts",
             one_prompt,
             "-n",
-            4,
+            18,
             "--draft-max",
             1,
             "--repeats",
@@ -290,7 +290,7 @@ def test_bench_draft_p_min(folders, one_prompt):
         "--prompts",
         one_prompt,
         "-n",
-        9,
+        18,
         "--draft-max",
         2,
         "--draft-p-min",
@@ -304,13 +304,13 @@ def test_bench_draft_p_min(folders, one_prompt):
 def test_bench_mtp_and_hidden_tap(folders, one_prompt):
     full, trunk_only = folders
     _, bare = bench(
-        "--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=trunk_only
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=trunk_only
     )
     _, headed = bench(
         "--prompts",
         one_prompt,
         "-n",
-        4,
+        18,
         "--draft-max",
         1,
         "--mtp",

@@ -340,7 +340,7 @@ def test_bench_over_two_ranks_reports_the_collective(tiny_folders, tmp_path):
             "--prompts",
             prompts,
             "-n",
-            8,
+            18,
             "-r",
             1,
             "--draft-max",
