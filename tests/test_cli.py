@@ -101,6 +101,21 @@ def test_generate_mtp_attaches_a_head(folders):
     assert bare["tokens"] == headed["tokens"]
 
 
+def test_an_explicit_head_without_mtp_tensors_is_an_error(folders, capsys):
+    from mlx_mtp.cli.app import run_app
+
+    full, trunk_only = folders
+    not_a_head = trunk_only / "model.safetensors"
+    for command in (["generate", "-p", "hi"], ["bench"]):
+        code = run_app([*command, "-m", str(full), "--mtp", str(not_a_head)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1, err
+        assert err[0] == (
+            f"error: --mtp {not_a_head}: no MTP tensors of a mimo head in it "
+            "(their names start model.mtp_layers.0.)"
+        )
+
+
 def test_generate_hidden_tap(skewed):
     args = ("-n", 64, "--draft-max", 1, "--fixed-draft")
     post = generate(*args, "--hidden-tap", "post", model=skewed)
