@@ -72,8 +72,10 @@ class _Waiting:
             self.status = None
 
 
-def _answer(console, session, text: str, show_drafts: bool):
-    """Stream one answer; Ctrl-C stops it and the session drops the turn."""
+def _answer(console, err, session, text: str, show_drafts: bool):
+    """Stream one answer; Ctrl-C stops it and the session drops the turn.
+
+    The footer goes to ``err`` (stderr), as ``generate`` writes its stats."""
     stream = session.send(text)
     response = None
     waiting = _Waiting(console, "thinking")
@@ -100,8 +102,8 @@ def _answer(console, session, text: str, show_drafts: bool):
     waiting.stop()
     console.print()
     if response is not None:
-        width = max(console.width, 80) if console.is_terminal else 80
-        console.print(footer(response.stats, width), style="dim", markup=False)
+        width = max(err.width, 80) if err.is_terminal else 80
+        err.print(footer(response.stats, width), style="dim", markup=False)
 
 
 def _command(console, session, line: str) -> bool:
@@ -129,11 +131,17 @@ def _command(console, session, line: str) -> bool:
 
 
 def _read(console) -> Optional[str]:
-    """One line from the user; None on end of input."""
+    """One line from the user; None on end of input.
+
+    Piped input is echoed after the prompt, so that the output reads as the
+    conversation it was; at the end the prompt's line is ended, so that the
+    shell's prompt does not land on it.
+    """
     try:
         # input() itself prints the prompt, so that readline can redraw it
-        return input(PROMPT)
+        line = input(PROMPT)
     except EOFError:
+        console.print()
         return None
     except KeyboardInterrupt:
         console.print("\n(/quit or Ctrl-D to leave)", style="dim")
@@ -141,6 +149,9 @@ def _read(console) -> Optional[str]:
     except UnicodeDecodeError:
         console.print("error: that line is not UTF-8 text", markup=False)
         return ""
+    if not sys.stdin.isatty():
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return line
 
 
 @app.command()
@@ -193,6 +204,7 @@ def chat(
         request=request,
     )
     console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
     line_editing()
     console.print("Type a message; /help lists the commands.", style="dim")
     if show_drafts:
@@ -208,4 +220,4 @@ def chat(
             if not _command(console, session, line):
                 break
             continue
-        _answer(console, session, line, show_drafts)
+        _answer(console, err, session, line, show_drafts)

@@ -184,7 +184,19 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
 
 def answers(out):
     """The answers' text, between the input prompt and the footer."""
-    return re.findall(r">>> (.*?)\n(?=\d+ tokens, )", out, re.S)
+    return re.findall(r">>> [^\n]*\n(.*?)\n(?=\d+ tokens, )", out, re.S)
+
+
+def test_chat_piped_reads_as_a_transcript_with_its_stats_on_stderr(folders):
+    """Piped input was not echoed (``>>> answer``), the footers went to stdout
+    (generate writes its stats to stderr), and the shell's prompt landed on
+    the last ``>>>`` line."""
+    result = invoke("chat", "-m", folders[0], "-n", 6, input="hello\nagain\n")
+    lines = result.stdout.split("\n")
+    assert lines[1] == ">>> hello" and ">>> again" in lines[3:]
+    assert result.stdout.endswith("\n>>> \n")  # Ctrl-D ends the line
+    assert not FOOTER.search(result.stdout)
+    assert len(FOOTER.findall(result.stderr)) == 2
 
 
 @pytest.fixture(scope="module")
