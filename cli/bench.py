@@ -17,6 +17,7 @@ from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
+from .progress import PromptProgress
 
 # the table shows the first depths' acceptance (lookup drafts reach 8, the head
 # up to 16; the full list is in --json), so the other columns keep their width
@@ -217,13 +218,22 @@ def bench(
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}
+    prefill = PromptProgress(label="benchmarking: warming up, reading the prompt")
+
+    def step(msg: str) -> None:  # the run about to start, and its prompt's reading
+        prefill.label, prefill.after = (
+            f"benchmarking: {msg}, reading the prompt",
+            f"benchmarking: {msg}",
+        )
+        if prefill.status is not None:
+            prefill.status.update(prefill.after)
 
     def planned(seconds: float):
         plan["seconds"] = seconds
         line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
         print(line, file=sys.stderr, flush=True)
 
-    def bench_run(progress=None):
+    def bench_run():
         return run_bench(
             loaded,
             tokenizer,
@@ -232,8 +242,9 @@ def bench(
             draft_p_min,
             repeats,
             max_tokens,
-            progress=progress,
+            progress=step,
             estimate=planned,
+            prefill_progress=prefill,
         )
 
     if as_json:
@@ -244,7 +255,8 @@ def bench(
         print(json.dumps(out))
         return
     with err.status("benchmarking: warming up") as status:
-        result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
+        prefill.status = status
+        result = bench_run()
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)

@@ -10,6 +10,7 @@ from mlx_mtp.errors import MTPError
 
 from . import options as o
 from .app import OUTPUT, app, fail
+from .progress import PromptProgress
 
 HELP = """\
 /reset  forget the conversation (the system prompt stays)
@@ -72,13 +73,16 @@ class _Waiting:
             self.status = None
 
 
-def _answer(console, err, session, text: str, show_drafts: bool):
+def _answer(console, err, session, text: str, show_drafts: bool, progress):
     """Stream one answer; Ctrl-C stops it and the session drops the turn.
 
-    The footer goes to ``err`` (stderr), as ``generate`` writes its stats."""
+    The footer goes to ``err`` (stderr), as ``generate`` writes its stats;
+    ``progress`` (the session's ``prefill_progress``) shows in the spinner.
+    """
     stream = session.send(text)
     response = None
     waiting = _Waiting(console, "thinking")
+    progress.status, progress.after = waiting.status, "thinking"
     try:
         for response in stream:
             waiting.stop()
@@ -88,6 +92,7 @@ def _answer(console, err, session, text: str, show_drafts: bool):
             )
     except KeyboardInterrupt:
         waiting.stop()
+        progress.close()
         stream.close()
         console.print(
             "\n[interrupted: this turn is dropped]", style="yellow", markup=False
@@ -95,6 +100,7 @@ def _answer(console, err, session, text: str, show_drafts: bool):
         return
     except MTPError as e:  # e.g. the conversation outgrew the context
         waiting.stop()
+        progress.close()
         console.print(
             f"error: {e} (/reset starts afresh)", markup=False, soft_wrap=True
         )
@@ -196,12 +202,14 @@ def chat(
     notice = o.speed_notice(loaded, request)
     if notice is not None:
         print(notice, file=sys.stderr)
+    progress = PromptProgress()
     session = ChatSession(
         loaded,
         tokenizer,
         system=system,
         max_tokens=max_tokens,
         request=request,
+        prefill_progress=progress,
     )
     console = Console(highlight=False)
     err = Console(stderr=True, highlight=False)
@@ -220,4 +228,4 @@ def chat(
             if not _command(console, session, line):
                 break
             continue
-        _answer(console, err, session, line, show_drafts)
+        _answer(console, err, session, line, show_drafts, progress)

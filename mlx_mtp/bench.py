@@ -186,15 +186,21 @@ def run_once(
     draft_p_min,
     adaptive: bool = False,
     source: str = "mtp",
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ):
     """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
     ``adaptive``: the draft count chosen each round, at most ``draft_max``;
-    ``source``: where drafts come from (``stream_generate``'s ``draft_source``)."""
+    ``source``: where drafts come from (``stream_generate``'s ``draft_source``);
+    ``prefill_progress(done, total)`` hears the prompt being read."""
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
         responses = mlx_lm_stream_generate(
-            model.trunk.model, tokenizer, prompt, max_tokens
+            model.trunk.model,
+            tokenizer,
+            prompt,
+            max_tokens,
+            prompt_progress_callback=prefill_progress,
         )
         *timing, _ = _timed(responses, lambda r: r.generation_tokens == 1)
         stats = None
@@ -209,6 +215,7 @@ def run_once(
             mtp=draft_max > 0,
             adaptive_draft=adaptive,
             draft_source=source,
+            prefill_progress=prefill_progress,
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
@@ -241,13 +248,15 @@ def run_bench(
     max_tokens: int = DEFAULT_BENCH_TOKENS,
     progress: Optional[Callable[[str], None]] = None,
     estimate: Optional[Callable[[float], None]] = None,
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ) -> BenchResult:
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
 
     ``draft_max``: the fixed counts run 1..draft_max, and "auto" chooses at
     most that many (default: the head's recommended count, else 3).
     ``estimate`` hears, once after the warm-up, how many seconds the timed
-    runs will take at the warm-up's speed.
+    runs will take at the warm-up's speed; ``prefill_progress(done, total)``
+    each prompt being read.
     """
     started = time.perf_counter()
     if draft_max is None:
@@ -266,6 +275,7 @@ def run_bench(
             draft_p_min,
             adaptive,
             source,
+            prefill_progress,
         )
         tokens, t_prompt, first, t_gen = timing[:4]
         per_token = t_gen / max(len(tokens) - first, 1)
@@ -276,10 +286,17 @@ def run_bench(
     timer = None
     if model.head is not None and draft_max > 0:
         plain = run_once(
-            model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min
+            model,
+            tokenizer,
+            0,
+            encoded[0],
+            2 * WARMUP_TOKENS,
+            draft_p_min,
+            prefill_progress=prefill_progress,
         )
         tic = time.perf_counter()
-        timer = CostTimer(model, encoded[0] + plain[0][0], draft_max)
+        context = encoded[0] + plain[0][0]
+        timer = CostTimer(model, context, draft_max, prefill_progress)
         seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
     if estimate is not None:
         estimate(seconds)
@@ -304,6 +321,7 @@ def run_bench(
                     draft_p_min,
                     adaptive,
                     source,
+                    prefill_progress,
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(

@@ -72,10 +72,10 @@ class _State:
         self.cache.restore(self.snapshot)
 
 
-def _warm_state(model: MTPModel, context: List[int]) -> _State:
+def _warm_state(model: MTPModel, context: List[int], progress=None) -> _State:
     """The caches after ``context``, with two positions waiting for the head."""
     cache = model.make_cache()
-    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True)
+    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True, progress)
     # one plain step: the head's next draft catches up over two positions
     y = context[-2]
     logits, hidden = model.trunk(mx.array([[y]]), cache.trunk)
@@ -146,10 +146,13 @@ class CostTimer:
 
     ``run_once`` times every part once, in an order that rotates with ``rep``;
     ``costs`` returns the medians in plain steps (``Costs.from_dict`` reads it).
+    ``progress(done, total)`` hears ``context`` being read.
     """
 
-    def __init__(self, model: MTPModel, context: List[int], k_max: int):
-        self.state = state = _warm_state(model, context)
+    def __init__(
+        self, model: MTPModel, context: List[int], k_max: int, progress=None
+    ):
+        self.state = state = _warm_state(model, context, progress)
         self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
         self.jobs += [
             ("verify", t, lambda t=t: _verify(state, t)) for t in range(1, k_max + 2)
