@@ -12,6 +12,7 @@ from . import options as o
 from .app import OUTPUT, app, fail
 from .progress import PromptProgress
 
+
 def read_prompt(prompt: str) -> str:
     """The prompt text (``-``: stdin), checked before any model is loaded."""
     if prompt == "-":

@@ -149,9 +149,7 @@ class CostTimer:
     ``progress(done, total)`` hears ``context`` being read.
     """
 
-    def __init__(
-        self, model: MTPModel, context: List[int], k_max: int, progress=None
-    ):
+    def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
         self.state = state = _warm_state(model, context, progress)
         self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
         self.jobs += [

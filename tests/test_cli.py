@@ -290,7 +290,9 @@ def test_bench_draft_max_and_max_tokens(folders, one_prompt):
 
 
 def test_bench_repeats_and_prompts(folders, one_prompt):
-    _, out = bench("--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=folders[0])
+    _, out = bench(
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=folders[0]
+    )
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
     assert len(out["runs"]) == 6  # one per configuration
     out = json.loads(

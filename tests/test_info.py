@@ -71,8 +71,7 @@ def test_info_names_a_truncated_weights_file(tiny_folders, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err == (
-        f"error: {weights}: truncated ({size // 2} bytes, the header promises "
-        f"{size})\n"
+        f"error: {weights}: truncated ({size // 2} bytes, the header promises {size})\n"
     )
 
 
