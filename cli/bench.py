@@ -219,6 +219,7 @@ def bench(
 
     plan = {}
     prefill = PromptProgress(label="benchmarking: warming up, reading the prompt")
+    prefill.after = "benchmarking: warming up"
 
     def step(msg: str) -> None:  # the run about to start, and its prompt's reading
         prefill.label, prefill.after = (
