@@ -218,8 +218,10 @@ def bench(
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}
-    prefill = PromptProgress(label="benchmarking: warming up, reading the prompt")
-    prefill.after = "benchmarking: warming up"
+    prefill = PromptProgress(
+        label="benchmarking: warming up, reading the prompt",
+        after="benchmarking: warming up",
+    )
 
     def step(msg: str) -> None:  # the run about to start, and its prompt's reading
         prefill.label, prefill.after = (

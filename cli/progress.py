@@ -29,11 +29,12 @@ class PromptProgress:
         notice: Optional[str] = None,
         status=None,
         label: str = "reading the prompt",
+        after: Optional[str] = None,
         terminal: Optional[bool] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.notice, self.status, self.label = notice, status, label
-        self.after: Optional[str] = None
+        self.after = after
         if terminal is None:
             terminal = status is not None or sys.stderr.isatty()
         self.terminal, self.clock = terminal, clock
