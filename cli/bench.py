@@ -17,6 +17,7 @@ from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
+from .progress import PromptProgress
 
 # the table shows the first depths' acceptance (lookup drafts reach 8, the head
 # up to 16; the full list is in --json), so the other columns keep their width
@@ -203,7 +204,7 @@ def bench(
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
 
-    from mlx_mtp.bench import configurations, run_bench
+    from mlx_mtp.bench import check_max_tokens, configurations, run_bench
     from mlx_mtp.config import cannot_gain_notice, default_draft_max
     from mlx_mtp.prompts import load_prompts
 
@@ -213,16 +214,29 @@ def bench(
     err = Console(stderr=True, highlight=False)
     if draft_max is None:
         draft_max = default_draft_max(loaded)
+    check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}
+    prefill = PromptProgress(
+        label="benchmarking: warming up, reading the prompt",
+        after="benchmarking: warming up",
+    )
+
+    def step(msg: str) -> None:  # the run about to start, and its prompt's reading
+        prefill.label, prefill.after = (
+            f"benchmarking: {msg}, reading the prompt",
+            f"benchmarking: {msg}",
+        )
+        if prefill.status is not None:
+            prefill.status.update(prefill.after)
 
     def planned(seconds: float):
         plan["seconds"] = seconds
         line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
         print(line, file=sys.stderr, flush=True)
 
-    def bench_run(progress=None):
+    def bench_run():
         return run_bench(
             loaded,
             tokenizer,
@@ -231,8 +245,9 @@ def bench(
             draft_p_min,
             repeats,
             max_tokens,
-            progress=progress,
+            progress=step,
             estimate=planned,
+            prefill_progress=prefill,
         )
 
     if as_json:
@@ -243,7 +258,8 @@ def bench(
         print(json.dumps(out))
         return
     with err.status("benchmarking: warming up") as status:
-        result = bench_run(lambda msg: status.update(f"benchmarking: {msg}"))
+        prefill.status = status
+        result = bench_run()
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)

@@ -10,6 +10,7 @@ from mlx_mtp.errors import MTPError
 
 from . import options as o
 from .app import OUTPUT, app, fail
+from .progress import PromptProgress
 
 HELP = """\
 /reset  forget the conversation (the system prompt stays)
@@ -72,11 +73,16 @@ class _Waiting:
             self.status = None
 
 
-def _answer(console, session, text: str, show_drafts: bool):
-    """Stream one answer; Ctrl-C stops it and the session drops the turn."""
+def _answer(console, err, session, text: str, show_drafts: bool, progress):
+    """Stream one answer; Ctrl-C stops it and the session drops the turn.
+
+    The footer goes to ``err`` (stderr), as ``generate`` writes its stats;
+    ``progress`` (the session's ``prefill_progress``) shows in the spinner.
+    """
     stream = session.send(text)
     response = None
     waiting = _Waiting(console, "thinking")
+    progress.status, progress.after = waiting.status, "thinking"
     try:
         for response in stream:
             waiting.stop()
@@ -86,6 +92,7 @@ def _answer(console, session, text: str, show_drafts: bool):
             )
     except KeyboardInterrupt:
         waiting.stop()
+        progress.close()
         stream.close()
         console.print(
             "\n[interrupted: this turn is dropped]", style="yellow", markup=False
@@ -93,6 +100,7 @@ def _answer(console, session, text: str, show_drafts: bool):
         return
     except MTPError as e:  # e.g. the conversation outgrew the context
         waiting.stop()
+        progress.close()
         console.print(
             f"error: {e} (/reset starts afresh)", markup=False, soft_wrap=True
         )
@@ -100,8 +108,8 @@ def _answer(console, session, text: str, show_drafts: bool):
     waiting.stop()
     console.print()
     if response is not None:
-        width = max(console.width, 80) if console.is_terminal else 80
-        console.print(footer(response.stats, width), style="dim", markup=False)
+        width = max(err.width, 80) if err.is_terminal else 80
+        err.print(footer(response.stats, width), style="dim", markup=False)
 
 
 def _command(console, session, line: str) -> bool:
@@ -129,11 +137,17 @@ def _command(console, session, line: str) -> bool:
 
 
 def _read(console) -> Optional[str]:
-    """One line from the user; None on end of input."""
+    """One line from the user; None on end of input.
+
+    Piped input is echoed after the prompt, so that the output reads as the
+    conversation it was; at the end the prompt's line is ended, so that the
+    shell's prompt does not land on it.
+    """
     try:
         # input() itself prints the prompt, so that readline can redraw it
-        return input(PROMPT)
+        line = input(PROMPT)
     except EOFError:
+        console.print()
         return None
     except KeyboardInterrupt:
         console.print("\n(/quit or Ctrl-D to leave)", style="dim")
@@ -141,6 +155,9 @@ def _read(console) -> Optional[str]:
     except UnicodeDecodeError:
         console.print("error: that line is not UTF-8 text", markup=False)
         return ""
+    if not sys.stdin.isatty():
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return line
 
 
 @app.command()
@@ -185,14 +202,17 @@ def chat(
     notice = o.speed_notice(loaded, request)
     if notice is not None:
         print(notice, file=sys.stderr)
+    progress = PromptProgress()
     session = ChatSession(
         loaded,
         tokenizer,
         system=system,
         max_tokens=max_tokens,
         request=request,
+        prefill_progress=progress,
     )
     console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
     line_editing()
     console.print("Type a message; /help lists the commands.", style="dim")
     if show_drafts:
@@ -208,4 +228,4 @@ def chat(
             if not _command(console, session, line):
                 break
             continue
-        _answer(console, session, line, show_drafts)
+        _answer(console, err, session, line, show_drafts, progress)

@@ -2,6 +2,7 @@
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -100,7 +101,8 @@ def convert(
             raise fail(
                 "--mtp-only keeps the trunk as it is: no -q, --dequantize or --mtp-gguf"
             )
-        written = add_mtp(src, into, mtp_bits=mtp_bits, dtype=dtype, force=force)
+        with said_if_interrupted(into):
+            written = add_mtp(src, into, mtp_bits=mtp_bits, dtype=dtype, force=force)
         print(
             f"wrote {written} in {time.perf_counter() - start:.1f} s", file=sys.stderr
         )
@@ -110,21 +112,39 @@ def convert(
         raise fail("missing OUT: the MLX folder to write")
     if into is not None:
         raise fail("--into goes with --mtp-only")
-    written = convert_model(
-        src,
-        out,
-        quantize=quantize,
-        q_bits=q_bits,
-        q_group_size=q_group_size,
-        dtype=dtype,
-        mtp_bits=mtp_bits,
-        dequantize=dequantize,
-        mtp_gguf=mtp_gguf,
-        force=force,
-        progress=sys.stderr.isatty(),
-    )
+    with said_if_interrupted(out):
+        written = convert_model(
+            src,
+            out,
+            quantize=quantize,
+            q_bits=q_bits,
+            q_group_size=q_group_size,
+            dtype=dtype,
+            mtp_bits=mtp_bits,
+            dequantize=dequantize,
+            mtp_gguf=mtp_gguf,
+            force=force,
+            progress=sys.stderr.isatty(),
+        )
     print(f"wrote {written} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     _summary(written)
+
+
+@contextmanager
+def said_if_interrupted(target: Path):
+    """Ctrl-C: one line saying the target is untouched, exit status 130.
+
+    The folder is built aside and renamed into place (the files of --mtp-only
+    are written aside and renamed in together): an interrupted run leaves
+    what was there before.
+    """
+    existed = target.exists()
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = "is as it was" if existed else "was not written"
+        print(f"interrupted: {target} {kept}", file=sys.stderr)
+        raise typer.Exit(130) from None
 
 
 def _summary(path: Path) -> None:

@@ -10,9 +10,7 @@ from mlx_mtp.defaults import DEFAULT_MAX_TOKENS
 
 from . import options as o
 from .app import OUTPUT, app, fail
-
-# prompts from this many tokens up show a progress bar on a terminal
-LONG_PROMPT = 512
+from .progress import PromptProgress
 
 
 def read_prompt(prompt: str) -> str:
@@ -35,55 +33,6 @@ def read_prompt(prompt: str) -> str:
     if not text.strip():
         raise fail("the prompt is empty")
     return text
-
-
-class PrefillBar:
-    """A progress bar on stderr while a long prompt is read (on a terminal only).
-
-    ``notice`` is printed when the prompt is accepted, before it is read.
-    """
-
-    def __init__(self, notice: Optional[str] = None):
-        self.progress = self.task = None
-        self.notice = notice
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.notice is not None:
-            print(self.notice, file=sys.stderr, flush=True)
-            self.notice = None
-        if total < LONG_PROMPT or not sys.stderr.isatty():
-            return
-        if self.progress is None:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.progress = Progress(
-                SpinnerColumn(),
-                TextColumn("reading the prompt"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("tokens"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self.progress.start()
-            self.task = self.progress.add_task("prefill", total=total)
-        self.progress.update(self.task, completed=done)
-        if done >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
 
 
 def dropped_notice(tokenizer, text: str, kept: int) -> None:
@@ -153,7 +102,7 @@ def generate(
     if not no_chat_template:
         text = user_prompt(tokenizer, text, system)
     tokens, pieces, response, finish = [], [], None, None
-    bar = PrefillBar(o.speed_notice(loaded, request))
+    bar = PromptProgress(o.speed_notice(loaded, request))
     try:
         for response in stream_generate(
             loaded,

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mlx_mtp.defaults import DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
+from mlx_mtp.defaults import DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS, MAX_DRAFT_MAX
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app, fail
@@ -41,6 +41,7 @@ def tune(
         None,
         "--draft-max",
         min=1,
+        max=MAX_DRAFT_MAX,
         help="Measure up to this many drafts per round (default: the head's"
         " recommended count, else 3).",
         rich_help_panel=SPECULATIVE,
@@ -81,7 +82,7 @@ def tune(
     round from it (on this machine only).
     """
     from mlx_mtp.config import default_draft_max, store_tuned
-    from mlx_mtp.tune import CLOCKS
+    from mlx_mtp.tune import CLOCKS, too_small
     from mlx_mtp.tune import tune as run_tune
 
     if clock not in CLOCKS:
@@ -100,9 +101,12 @@ def tune(
             progress=lambda msg: status.update(f"tuning: {msg}"),
             clock=clock,
         )
-    where = None if no_store else store_tuned(loaded, entry)
+    small = None if no_store else too_small(entry)
+    where = None if no_store or small else store_tuned(loaded, entry)
     if as_json:
         print(json.dumps(entry))
+        if small:
+            _not_stored(small)
         return
     console = Console(highlight=False)
     m = entry["machine"]
@@ -146,3 +150,14 @@ def tune(
         )
     if where is not None:
         print(f"stored in {where}", file=sys.stderr)
+    if small:
+        _not_stored(small)
+
+
+def _not_stored(why: str) -> None:
+    # printed last, and with --json too: the user asked for it to be stored
+    print(
+        f"notice: not stored, the sample is too small to start later runs from: "
+        f"{why}; raise -n or -r",
+        file=sys.stderr,
+    )

@@ -13,7 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from mlx_mtp.config import read_head_config
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for, layers_present
-from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
+from mlx_mtp.loader import (
+    HEAD_FILE_GLOB,
+    check_safetensors,
+    read_config,
+    trained_head_family,
+)
 
 from .gguf_hybrid import ARCHS as HYBRID
 from .gguf_nemotron import ARCHS as NEMOTRON
@@ -105,6 +110,7 @@ def describe_folder(path: Path) -> ModelInfo:
     mtp = set()
     is_mlx = "quantization" in config
     for f in files:
+        check_safetensors(f)  # what loading checks: a truncated file is named
         header, meta = _header(f)
         entries.update(header)
         if f in head_files:  # every tensor of mtp*.safetensors is the head's

@@ -33,6 +33,7 @@ from .defaults import DEFAULT_BENCH_TOKENS, DEFAULT_DRAFT_P_MIN, DEFAULT_REPEATS
 from .errors import MTPError
 from .generate import stream_generate
 from .loader import MTPModel
+from .ngram import DEFAULT_LOOKUP_MAX
 from .prompts import BenchPrompt, encoded_prompts
 from .stats import MTPStats
 from .tune import CostTimer
@@ -43,6 +44,24 @@ AUTO = "mtp auto"
 NGRAM = "ngram"  # prompt lookup alone
 BOTH = "auto"  # the head or prompt lookup, per round (generate's default)
 WARMUP_TOKENS = 8
+
+
+def min_tokens(draft_max: int) -> int:
+    """The fewest tokens per generation that time every configuration: the
+    first round (up to ``draft_max`` head drafts or ``DEFAULT_LOOKUP_MAX``
+    lookup drafts, plus one) is counted with the prompt, and at least as many
+    tokens again must follow it to be timed."""
+    return 2 * (max(draft_max, DEFAULT_LOOKUP_MAX) + 1)
+
+
+def check_max_tokens(max_tokens: int, draft_max: int) -> None:
+    least = min_tokens(draft_max)
+    if max_tokens < least:
+        raise MTPError(
+            f"{max_tokens} tokens per generation are too few to time: the first "
+            f"round (up to {least // 2} tokens here) is counted with the prompt; "
+            f"ask for {least} or more (bench -n)"
+        )
 
 
 @dataclass
@@ -167,15 +186,21 @@ def run_once(
     draft_p_min,
     adaptive: bool = False,
     source: str = "mtp",
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ):
     """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
     ``adaptive``: the draft count chosen each round, at most ``draft_max``;
-    ``source``: where drafts come from (``stream_generate``'s ``draft_source``)."""
+    ``source``: where drafts come from (``stream_generate``'s ``draft_source``);
+    ``prefill_progress(done, total)`` hears the prompt being read."""
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
         responses = mlx_lm_stream_generate(
-            model.trunk.model, tokenizer, prompt, max_tokens
+            model.trunk.model,
+            tokenizer,
+            prompt,
+            max_tokens,
+            prompt_progress_callback=prefill_progress,
         )
         *timing, _ = _timed(responses, lambda r: r.generation_tokens == 1)
         stats = None
@@ -190,6 +215,7 @@ def run_once(
             mtp=draft_max > 0,
             adaptive_draft=adaptive,
             draft_source=source,
+            prefill_progress=prefill_progress,
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
@@ -222,17 +248,20 @@ def run_bench(
     max_tokens: int = DEFAULT_BENCH_TOKENS,
     progress: Optional[Callable[[str], None]] = None,
     estimate: Optional[Callable[[float], None]] = None,
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ) -> BenchResult:
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
 
     ``draft_max``: the fixed counts run 1..draft_max, and "auto" chooses at
     most that many (default: the head's recommended count, else 3).
     ``estimate`` hears, once after the warm-up, how many seconds the timed
-    runs will take at the warm-up's speed.
+    runs will take at the warm-up's speed; ``prefill_progress(done, total)``
+    each prompt being read.
     """
     started = time.perf_counter()
     if draft_max is None:
         draft_max = default_draft_max(model)
+    check_max_tokens(max_tokens, draft_max)
     configs = configurations(draft_max, model.head is not None)
     encoded = encoded_prompts(tokenizer, prompts)
     seconds = 0.0
@@ -246,6 +275,7 @@ def run_bench(
             draft_p_min,
             adaptive,
             source,
+            prefill_progress,
         )
         tokens, t_prompt, first, t_gen = timing[:4]
         per_token = t_gen / max(len(tokens) - first, 1)
@@ -256,10 +286,17 @@ def run_bench(
     timer = None
     if model.head is not None and draft_max > 0:
         plain = run_once(
-            model, tokenizer, 0, encoded[0], 2 * WARMUP_TOKENS, draft_p_min
+            model,
+            tokenizer,
+            0,
+            encoded[0],
+            2 * WARMUP_TOKENS,
+            draft_p_min,
+            prefill_progress=prefill_progress,
         )
         tic = time.perf_counter()
-        timer = CostTimer(model, encoded[0] + plain[0][0], draft_max)
+        context = encoded[0] + plain[0][0]
+        timer = CostTimer(model, context, draft_max, prefill_progress)
         seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
     if estimate is not None:
         estimate(seconds)
@@ -284,6 +321,7 @@ def run_bench(
                     draft_p_min,
                     adaptive,
                     source,
+                    prefill_progress,
                 )
                 gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
                 runs.append(

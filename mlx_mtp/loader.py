@@ -274,6 +274,11 @@ def load_model(
     elif family is None:
         notice = f"{model_type}: no MTP support for this family, generating without MTP"
     elif not any(family.is_mtp_key(k, config) for k in head_weights):
+        if mtp is not None:  # asked for by name: not a head is an error
+            raise MTPError(
+                f"--mtp {mtp}: no MTP tensors of a {model_type} head in it "
+                f"(their names start {family.prefix(config, 0)})"
+            )
         missing = getattr(family, "NO_HEAD_NOTICE", "no MTP tensors in this checkpoint")
         notice = f"{path.name}: {missing}, generating without MTP"
     else:

@@ -47,6 +47,12 @@ PLAIN_STEPS = 8  # plain steps per timing of the plain step
 # Candidate draft vocabularies for a head that has none: the most frequent
 # tokens, at sizes below half the vocabulary.
 DRAFT_VOCAB_SIZES = (4096, 8192, 16384, 32768)
+# The least an entry is stored from: later runs start their acceptance from it
+# as if it were several tests (adaptive.PRIOR_WEIGHT) whatever its size, so it
+# must hold. 24 depth-1 tests put the acceptance within about 0.1 (one
+# standard error); a median of fewer than 3 timings is no median.
+MIN_STORED_TESTS = 24
+MIN_STORED_REPEATS = 3
 
 
 # -- timing --------------------------------------------------------------------
@@ -66,10 +72,10 @@ class _State:
         self.cache.restore(self.snapshot)
 
 
-def _warm_state(model: MTPModel, context: List[int]) -> _State:
+def _warm_state(model: MTPModel, context: List[int], progress=None) -> _State:
     """The caches after ``context``, with two positions waiting for the head."""
     cache = model.make_cache()
-    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True)
+    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True, progress)
     # one plain step: the head's next draft catches up over two positions
     y = context[-2]
     logits, hidden = model.trunk(mx.array([[y]]), cache.trunk)
@@ -140,10 +146,11 @@ class CostTimer:
 
     ``run_once`` times every part once, in an order that rotates with ``rep``;
     ``costs`` returns the medians in plain steps (``Costs.from_dict`` reads it).
+    ``progress(done, total)`` hears ``context`` being read.
     """
 
-    def __init__(self, model: MTPModel, context: List[int], k_max: int):
-        self.state = state = _warm_state(model, context)
+    def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
+        self.state = state = _warm_state(model, context, progress)
         self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
         self.jobs += [
             ("verify", t, lambda t=t: _verify(state, t)) for t in range(1, k_max + 2)
@@ -409,6 +416,8 @@ def tune(
         },
         "acceptance_by_depth": [round(a, 4) for a in acceptance],
         "tokens": stats.generation_tokens,
+        "tests": stats.drafted_at[0] if stats.drafted_at else 0,
+        "repeats": repeats,
     }
     entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
     vocab = model.trunk.embed_tokens.weight.shape[0]
@@ -430,6 +439,17 @@ def tune(
         _choose_draft_vocab(entry, trials, costs["step_seconds"])
     entry["seconds"] = round(time.perf_counter() - tic, 1)
     return entry
+
+
+def too_small(entry: Dict[str, Any]) -> Optional[str]:
+    """Why ``entry`` is too small a sample to store, or None when it holds."""
+    tests, repeats = entry.get("tests", 0), entry.get("repeats", 0)
+    short = []
+    if tests < MIN_STORED_TESTS:
+        short.append(f"{tests} depth-1 drafts checked (at least {MIN_STORED_TESTS})")
+    if repeats < MIN_STORED_REPEATS:
+        short.append(f"each part timed {repeats}x (at least {MIN_STORED_REPEATS}x)")
+    return "; ".join(short) or None
 
 
 def _predicted(acceptance, costs: Dict[str, List[float]], k_max: int) -> Dict:

@@ -57,7 +57,7 @@ def test_bench_json_fields_and_paired_ratios(tiny_folders, tmp_path):
         "--prompts",
         prompts,
         "-n",
-        12,
+        18,
         "--repeats",
         2,
         "--draft-max",
@@ -120,7 +120,7 @@ def test_bench_table(tiny_folders, tmp_path):
             "--prompts",
             str(prompts),
             "-n",
-            "6",
+            "18",
             "-r",
             "1",
             "--draft-max",
@@ -178,3 +178,27 @@ def test_missing_prompt_file_is_one_line(tiny_folders, tmp_path, capsys):
     assert code == 1 and err == [
         f"error: {missing}: cannot read prompts (FileNotFoundError)"
     ]
+
+
+@pytest.mark.parametrize("draft_max, least", [(None, 18), (12, 26)])
+def test_too_few_tokens_to_time_are_refused_before_any_run(
+    tiny_folders, monkeypatch, capsys, draft_max, least
+):
+    """-n 1 timed nothing after the first round: every row read 0.0 tok/s and
+    the noise warning blamed the machine."""
+    import mlx_mtp.bench as bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench, "run_once", never)
+    args = ["bench", "-m", str(tiny_folders("mimo")[0]), "-n", str(least - 1)]
+    if draft_max is not None:
+        args += ["--draft-max", str(draft_max)]
+    code = run_app(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {least - 1} tokens per generation are too few")
+    assert f"ask for {least} or more (bench -n)" in err[0]
+    with pytest.raises(MTPError, match="too few to time"):
+        bench.run_bench(None, None, [], 3, max_tokens=1)

@@ -101,6 +101,21 @@ def test_generate_mtp_attaches_a_head(folders):
     assert bare["tokens"] == headed["tokens"]
 
 
+def test_an_explicit_head_without_mtp_tensors_is_an_error(folders, capsys):
+    from mlx_mtp.cli.app import run_app
+
+    full, trunk_only = folders
+    not_a_head = trunk_only / "model.safetensors"
+    for command in (["generate", "-p", "hi"], ["bench"]):
+        code = run_app([*command, "-m", str(full), "--mtp", str(not_a_head)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1, err
+        assert err[0] == (
+            f"error: --mtp {not_a_head}: no MTP tensors of a mimo head in it "
+            "(their names start model.mtp_layers.0.)"
+        )
+
+
 def test_generate_hidden_tap(skewed):
     args = ("-n", 64, "--draft-max", 1, "--fixed-draft")
     post = generate(*args, "--hidden-tap", "post", model=skewed)
@@ -169,7 +184,19 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
 
 def answers(out):
     """The answers' text, between the input prompt and the footer."""
-    return re.findall(r">>> (.*?)\n(?=\d+ tokens, )", out, re.S)
+    return re.findall(r">>> [^\n]*\n(.*?)\n(?=\d+ tokens, )", out, re.S)
+
+
+def test_chat_piped_reads_as_a_transcript_with_its_stats_on_stderr(folders):
+    """Piped input was not echoed (``>>> answer``), the footers went to stdout
+    (generate writes its stats to stderr), and the shell's prompt landed on
+    the last ``>>>`` line."""
+    result = invoke("chat", "-m", folders[0], "-n", 6, input="hello\nagain\n")
+    lines = result.stdout.split("\n")
+    assert lines[1] == ">>> hello" and ">>> again" in lines[3:]
+    assert result.stdout.endswith("\n>>> \n")  # Ctrl-D ends the line
+    assert not FOOTER.search(result.stdout)
+    assert len(FOOTER.findall(result.stderr)) == 2
 
 
 @pytest.fixture(scope="module")
@@ -253,17 +280,19 @@ def one_prompt(tmp_path_factory):
 
 def test_bench_draft_max_and_max_tokens(folders, one_prompt):
     configs, _ = bench(
-        "--prompts", one_prompt, "-n", 9, "--draft-max", 2, model=folders[0]
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 2, model=folders[0]
     )
     assert list(configs) == [
         "mlx-lm", "no-mtp", "mtp k=1", "mtp k=2", "mtp auto", "ngram", "auto"
     ]  # fmt: skip
-    assert all(c["tokens"] == 9 for c in configs.values())
+    assert all(c["tokens"] == 18 for c in configs.values())
     assert len(configs["mtp k=2"]["per_position_acceptance"]) <= 2
 
 
 def test_bench_repeats_and_prompts(folders, one_prompt):
-    _, out = bench("--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=folders[0])
+    _, out = bench(
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=folders[0]
+    )
     assert [p["prompt"] for p in out["prompts"]] == ["tell me a story"]
     assert len(out["runs"]) == 6  # one per configuration
     out = json.loads(
@@ -275,7 +304,7 @@ def test_bench_repeats_and_prompts(folders, one_prompt):
             "--prompts",
             one_prompt,
             "-n",
-            4,
+            18,
             "--draft-max",
             1,
             "--repeats",
@@ -290,7 +319,7 @@ def test_bench_draft_p_min(folders, one_prompt):
         "--prompts",
         one_prompt,
         "-n",
-        9,
+        18,
         "--draft-max",
         2,
         "--draft-p-min",
@@ -304,13 +333,13 @@ def test_bench_draft_p_min(folders, one_prompt):
 def test_bench_mtp_and_hidden_tap(folders, one_prompt):
     full, trunk_only = folders
     _, bare = bench(
-        "--prompts", one_prompt, "-n", 4, "--draft-max", 1, model=trunk_only
+        "--prompts", one_prompt, "-n", 18, "--draft-max", 1, model=trunk_only
     )
     _, headed = bench(
         "--prompts",
         one_prompt,
         "-n",
-        4,
+        18,
         "--draft-max",
         1,
         "--mtp",

@@ -110,12 +110,12 @@ def test_bench_without_model_uses_the_default_and_says_how_long(
 ):
     prompts = tmp_path / "p.txt"
     prompts.write_text("tell me a story\nand another\n")
-    args = ["bench", "--prompts", prompts, "-n", 4, "-r", 2, "--draft-max", 1]
+    args = ["bench", "--prompts", prompts, "-n", 18, "-r", 2, "--draft-max", 1]
     result = CliRunner().invoke(app, [str(a) for a in args] + ["--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["regime"]["mtp_head"]
     line = re.search(
-        r"bench: 6 configurations x 2 prompts x 2 repeats x 4 tokens, about \d+ s",
+        r"bench: 6 configurations x 2 prompts x 2 repeats x 18 tokens, about \d+ s",
         result.stderr,
     )
     assert line, result.stderr

@@ -244,3 +244,39 @@ def test_converted_folder_follows_the_umask(gguf, tmp_path, capsys):
     finally:
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+
+
+# -- Ctrl-C -------------------------------------------------------------------
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_ctrl_c_says_so_and_leaves_the_output_as_it_was(
+    src, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C exited 130 with no message. Interrupted at the last step of the
+    build: a new folder is not left behind, one replaced with --force (and a
+    folder receiving --mtp-only) keeps its files."""
+    from mlx_mtp.convert import mtp_only, pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    kept = tmp_path / "kept"
+    assert run(capsys, src, kept)[0] == 0
+    before = snapshot(kept)
+    monkeypatch.setattr(pipeline, "write_config", interrupted)
+    monkeypatch.setattr(mtp_only, "write_config", interrupted)
+    new = tmp_path / "new"
+    for args, target, said in [
+        ([src, new], new, "was not written"),
+        ([src, kept, "--force"], kept, "is as it was"),
+        (["--mtp-only", src, "--into", kept, "--force"], kept, "is as it was"),
+    ]:  # fmt: skip
+        code, io = run(capsys, *args)
+        assert code == 130
+        assert io.err.strip().splitlines()[-1] == f"interrupted: {target} {said}"
+    assert not new.exists() and snapshot(kept) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

@@ -293,8 +293,8 @@ def test_chat_over_two_ranks_with_tensor_sharding(tiny_folders):
     assert out1 == err1 == ""  # rank 1 is silent
     # and the notice of a CPU where MTP cannot gain, where that is so
     lines = [line for line in err.splitlines() if "MTP cannot gain" not in line]
-    assert lines == ["distributed: tensor over 2 processes"], err
-    assert out.count("/pass") == 1, out  # the answer's footer
+    assert lines[0] == "distributed: tensor over 2 processes", err
+    assert len(lines) == 2 and "/pass" in lines[1], err  # the answer's footer
     assert "collective: " in out  # /stats totals
 
 
@@ -319,7 +319,8 @@ def test_ctrl_c_ends_a_distributed_chat(tiny_folders):
     full, _ = tiny_folders("glm4_moe")
     procs = start_ranks(both("chat", "-m", full, "-n", 100000), stdin="hello\n")
     deadline = time.monotonic() + TIMEOUT
-    while not procs[0].read_out().partition(">>> ")[2]:  # the answer has begun
+    # the answer has begun (piped input is echoed after the prompt)
+    while not procs[0].read_out().partition(">>> hello\n")[2]:
         assert time.monotonic() < deadline and procs[0].proc.poll() is None
         time.sleep(0.2)
     for p in procs:
@@ -340,7 +341,7 @@ def test_bench_over_two_ranks_reports_the_collective(tiny_folders, tmp_path):
             "--prompts",
             prompts,
             "-n",
-            8,
+            18,
             "-r",
             1,
             "--draft-max",

@@ -1,6 +1,7 @@
 """``mlx-mtp info`` on a GGUF file, a Hugging Face folder and an MLX folder."""
 
 import json
+import os
 
 import tiny_plain
 from gguf import GGMLQuantizationType as Q
@@ -55,6 +56,23 @@ def test_info_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "x.bin").write_bytes(b"junk")
     assert run_app(["info", str(tmp_path / "x.bin")]) == 1
     assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_info_names_a_truncated_weights_file(tiny_folders, tmp_path, capsys):
+    """As generate refuses it: the header promises more bytes than there are."""
+    import shutil
+
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny_folders("mimo")[0], bad)
+    weights = bad / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
+    assert run_app(["info", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err == (
+        f"error: {weights}: truncated ({size // 2} bytes, the header promises {size})\n"
+    )
 
 
 def test_info_sees_a_head_trained_by_train_head(tmp_path, capsys):

@@ -37,3 +37,15 @@ def test_the_family_list_is_aligned_and_loads_no_model_code():
     assert loaded == "[]", "listing the families imported MLX"
     columns = {line.index("MTP layers:") for line in lines}
     assert len(lines) == len(families()) and len(columns) == 1, lines
+
+
+def test_the_readme_marks_kimi_linear_as_borrowing_kimi_k3s_wiring():
+    """No public runtime applies an MTP model to ``kimi_linear`` (vLLM routes
+    only ``kimi_k3`` to one): the README's table says so."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "`kimi_linear`" in line)
+    models, model_type = [cell.strip() for cell in row.split("|")[1:3]]
+    assert model_type == "`kimi_linear`"  # a row of its own, not Kimi-K3's
+    assert "unverified" in models and "routes only `kimi_k3`" in models

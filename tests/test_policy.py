@@ -12,6 +12,7 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_mtp.cli import app
+from mlx_mtp.cli.app import run_app
 from test_speculative import (
     assert_cache_exact,
     assert_same_or_near_tie,
@@ -31,6 +32,7 @@ from mlx_mtp.adaptive import (
     prior_costs,
 )
 from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
+from mlx_mtp.defaults import MAX_DRAFT_MAX
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.tune import tune
@@ -253,7 +255,7 @@ def test_tune_command(tiny_folders, tmp_path):
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_folders("mimo")[0], folder)
-    args = ["tune", "-m", str(folder), "--draft-max", "2", "-n", "8", "-r", "2"]
+    args = ["tune", "-m", str(folder), "--draft-max", "2", "-n", "24", "-r", "3"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "predicted" in result.stdout and "verify" in result.stdout
@@ -271,6 +273,32 @@ def test_tune_command(tiny_folders, tmp_path):
     assert (
         bad.output.strip().splitlines()[-1] == "error: --clock must be one of wall, cpu"
     )
+
+
+def test_tune_stores_no_sample_too_small_to_hold(tiny_folders, tmp_path, capsys):
+    """-n 1 generated no round to check a draft in: an acceptance of 0.0 was
+    stored, and later runs started from it."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folders("mimo")[0], folder)
+    code = run_app(["tune", "-m", str(folder), "-n", "1", "-r", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0
+    assert err[-1].startswith("notice: not stored, the sample is too small")
+    assert "0 depth-1 drafts checked (at least 24)" in err[-1]
+    assert "each part timed 1x (at least 3x)" in err[-1]
+    assert not (folder / HEAD_CONFIG_FILE).exists()
+    assert tuned_entry(mlx_mtp.load(folder)[0]) is None
+
+
+def test_tune_draft_max_is_capped_like_generate_and_bench(tiny_folders, capsys):
+    folder = str(tiny_folders("mimo")[0])
+    for command in (["tune"], ["bench"], ["generate", "-p", "hi"]):
+        code = run_app([*command, "-m", folder, "--draft-max", str(MAX_DRAFT_MAX + 1)])
+        err = capsys.readouterr().err
+        assert code == 2 and "'--draft-max'" in err, err
+        assert f"less than or equal to {MAX_DRAFT_MAX}" in err, err
 
 
 def test_recommended_draft_max_bounds_the_drafts(tiny_folders, tmp_path):
