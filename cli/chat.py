@@ -180,7 +180,8 @@ def chat(
         "--show-drafts",
         help=f"Colour tokens that came from accepted drafts ({DRAFT_STYLE}).",
         rich_help_panel=OUTPUT,
-    ),    request=None,  # the generation options (o.generation_options)
+    ),
+    request=None,  # the generation options (o.generation_options)
 ):
     """Chat with a model in the terminal, with MTP speculative decoding."""
     from rich.console import Console

@@ -84,7 +84,8 @@ def generate(
         "--json",
         help="Print one JSON object (text, tokens, stats) instead of streaming.",
         rich_help_panel=OUTPUT,
-    ),    request=None,  # the generation options (o.generation_options)
+    ),
+    request=None,  # the generation options (o.generation_options)
 ):
     """Generate text with MTP speculative decoding."""
     from mlx_mtp.generate import stream_generate
