@@ -202,35 +202,12 @@ def draft(
             active[b] = j + 1 < ks[b]
         if not any(active):
             break
-        items = [None] * len(streams)
         if j + 1 < n_layers:  # layer j + 1 drafts depth j + 2
-            layer, known = j + 1, {}
-            for b in (b for b, a in enumerate(active) if a):
-                queue = queues[b][layer]
-                n = len(queue.tokens)
-                parts = [h for h in (queue.hidden, tent[b]) if h is not None]
-                parts = [h for h in parts if h.shape[1]]
-                hidden = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-                c = (
-                    hidden.shape[1] - n
-                )  # inputs read tentatively, with the last c drafts
-                toks = [mx.array(queue.tokens, dtype=mx.int32)]
-                toks += [
-                    x.token.astype(mx.int32) for x in drafts[b][len(drafts[b]) - c :]
-                ]
-                items[b] = (hidden, mx.concatenate(toks))
-                known[b] = (n, c)
-            logits, outs = caches.read(layer, items)
-            for b, (n, c) in known.items():
-                queue = queues[b][layer]
-                if n and layer + 1 < n_layers:
-                    queues[b][layer + 1].push(outs[b][:, :n], queue.tokens)
-                if n:
-                    queue.drop_first(n)
-                tent[b] = outs[b][:, n:]
-                tentative[b][layer] += c
+            logits, outs = _next_layer(
+                caches, queues, drafts, tentative, tent, active, j + 1
+            )
         else:  # past the last layer: chain it on its own output
-            layer = n_layers - 1
+            layer, items = n_layers - 1, [None] * len(streams)
             for b in (b for b, a in enumerate(active) if a):
                 items[b] = (outs[b][:, -1:], drafts[b][-1].token)
                 tentative[b][layer] += 1
@@ -239,6 +216,33 @@ def draft(
     # the head computes while the caller builds the verify graph
     mx.async_eval([d.token for ds in drafts for d in ds])
     return drafts, tentative
+
+
+def _next_layer(caches, queues, drafts, tentative, tent, active, layer: int):
+    """Head layer ``layer`` reads, for each active stream, its complete pairs and,
+    tentatively, the layer below's outputs with the drafts they made (its
+    last output is the next draft); returns its logits and outputs per stream."""
+    items, known = [None] * len(queues), {}
+    for b in (b for b, a in enumerate(active) if a):
+        queue = queues[b][layer]
+        n = len(queue.tokens)
+        parts = [h for h in (queue.hidden, tent[b]) if h is not None and h.shape[1]]
+        hidden = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        c = hidden.shape[1] - n  # inputs read tentatively, with the last c drafts
+        toks = [mx.array(queue.tokens, dtype=mx.int32)]
+        toks += [x.token.astype(mx.int32) for x in drafts[b][len(drafts[b]) - c :]]
+        items[b] = (hidden, mx.concatenate(toks))
+        known[b] = (n, c)
+    logits, outs = caches.read(layer, items)
+    for b, (n, c) in known.items():
+        queue = queues[b][layer]
+        if n and layer + 1 < len(queues[b]):
+            queues[b][layer + 1].push(outs[b][:, :n], queue.tokens)
+        if n:
+            queue.drop_first(n)
+        tent[b] = outs[b][:, n:]
+        tentative[b][layer] += c
+    return logits, outs
 
 
 def verify(
