@@ -262,44 +262,19 @@ def run_bench(
     if draft_max is None:
         draft_max = default_draft_max(model)
     check_max_tokens(max_tokens, draft_max)
+    run = _Runner(model, tokenizer, draft_p_min, prefill_progress)
     configs = configurations(draft_max, model.head is not None)
     encoded = encoded_prompts(tokenizer, prompts)
-    seconds = 0.0
-    for _, k, adaptive, source in configs:  # warm up: compile, allocate
-        timing, _, _ = run_once(
-            model,
-            tokenizer,
-            k,
-            encoded[0],
-            WARMUP_TOKENS,
-            draft_p_min,
-            adaptive,
-            source,
-            prefill_progress,
-        )
-        tokens, t_prompt, first, t_gen = timing[:4]
-        per_token = t_gen / max(len(tokens) - first, 1)
-        for prompt in encoded:
-            seconds += repeats * (
-                t_prompt * len(prompt) / len(encoded[0]) + per_token * max_tokens
-            )
+    # 1) warm up every configuration (compile, allocate) and time the plan
+    seconds = sum(run.warm_up(c, encoded, repeats, max_tokens) for c in configs)
     timer = None
     if model.head is not None and draft_max > 0:
-        plain = run_once(
-            model,
-            tokenizer,
-            0,
-            encoded[0],
-            2 * WARMUP_TOKENS,
-            draft_p_min,
-            prefill_progress=prefill_progress,
-        )
         tic = time.perf_counter()
-        context = encoded[0] + plain[0][0]
-        timer = CostTimer(model, context, draft_max, prefill_progress)
+        timer = run.cost_timer(encoded[0], draft_max)
         seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
     if estimate is not None:
         estimate(seconds)
+    # 2) the timed runs, configurations in a rotating order
     runs: List[Measurement] = []
     for rep in range(repeats):
         if timer is not None:
@@ -308,54 +283,76 @@ def run_bench(
             timer.run_once(rep)
         for i, prompt in enumerate(encoded):
             shift = rep % len(configs)
-            for name, k, adaptive, source in configs[shift:] + configs[:shift]:
+            for config in configs[shift:] + configs[:shift]:
                 if progress:
                     where = f"prompt {i + 1}/{len(encoded)}"
-                    progress(f"repeat {rep + 1}/{repeats}, {where}, {name}")
-                (tokens, t_prompt, first, t_gen, cpu), stats, peak = run_once(
-                    model,
-                    tokenizer,
-                    k,
-                    prompt,
-                    max_tokens,
-                    draft_p_min,
-                    adaptive,
-                    source,
-                    prefill_progress,
-                )
-                gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
-                runs.append(
-                    Measurement(
-                        name,
-                        i,
-                        rep,
-                        tokens,
-                        len(prompt),
-                        len(prompt) / t_prompt,
-                        gen_tps,
-                        peak,
-                        stats,
-                        cpu / max(len(tokens) - first, 1),
-                    )
-                )
+                    progress(f"repeat {rep + 1}/{repeats}, {where}, {config[0]}")
+                runs.append(run.measure(config, i, rep, prompt, max_tokens))
+    # 3) the summary, with each fixed count's bound from the measured costs
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
     result.configs = [
         _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive, _ in configs
     ]
     if timer is not None:
-        result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)
-        costs = Costs.from_dict(result.costs)
-        cpu_costs = Costs.from_dict(result.cpu_costs)
-        for c in result.configs:
-            if c.draft_max and not c.adaptive:
-                c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
-                c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(
-                    c.draft_max
-                )
+        _bounds(result, timer)
     result.noise = noise(result, timer.times if timer is not None else {})
     result.seconds = time.perf_counter() - started
     return result
+
+
+class _Runner:
+    """Runs ``run_once`` with one benchmark's model and settings."""
+
+    def __init__(self, model, tokenizer, draft_p_min, prefill_progress):
+        self.model, self.tokenizer = model, tokenizer
+        self.draft_p_min, self.prefill_progress = draft_p_min, prefill_progress
+
+    def once(self, k, prompt, max_tokens, adaptive=False, source="mtp"):
+        return run_once(
+            self.model, self.tokenizer, k, prompt, max_tokens, self.draft_p_min,
+            adaptive, source, self.prefill_progress,
+        )  # fmt: skip
+
+    def warm_up(self, config, encoded, repeats: int, max_tokens: int) -> float:
+        """Run ``config`` once; the seconds its timed runs will take at that speed."""
+        _, k, adaptive, source = config
+        timing, _, _ = self.once(k, encoded[0], WARMUP_TOKENS, adaptive, source)
+        tokens, t_prompt, first, t_gen = timing[:4]
+        per_token = t_gen / max(len(tokens) - first, 1)
+        return sum(
+            repeats * (t_prompt * len(p) / len(encoded[0]) + per_token * max_tokens)
+            for p in encoded
+        )
+
+    def cost_timer(self, prompt, draft_max: int) -> "CostTimer":
+        """The round costs' timer, on the context of a plain answer to ``prompt``."""
+        plain = self.once(0, prompt, 2 * WARMUP_TOKENS)
+        context = prompt + plain[0][0]
+        return CostTimer(self.model, context, draft_max, self.prefill_progress)
+
+    def measure(self, config, i: int, rep: int, prompt, max_tokens: int):
+        name, k, adaptive, source = config
+        (tokens, t_prompt, first, t_gen, cpu), stats, peak = self.once(
+            k, prompt, max_tokens, adaptive, source
+        )
+        gen_tps = (len(tokens) - first) / t_gen if t_gen > 0 else 0.0
+        return Measurement(
+            name, i, rep, tokens, len(prompt), len(prompt) / t_prompt, gen_tps,
+            peak, stats, cpu / max(len(tokens) - first, 1),
+        )  # fmt: skip
+
+
+def _bounds(result: BenchResult, timer: "CostTimer") -> None:
+    """Each fixed count's bound E / (c_verify(k + 1) + c_draft(k)), by wall
+    and by CPU time."""
+    result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)
+    costs = Costs.from_dict(result.costs)
+    cpu_costs = Costs.from_dict(result.cpu_costs)
+    for c in result.configs:
+        if c.draft_max and not c.adaptive:
+            c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
+            c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(c.draft_max)
 
 
 # Repeats of one configuration on one prompt whose speeds (relative to mlx-lm's
