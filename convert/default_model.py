@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from mlx_mtp import errors
 from mlx_mtp.errors import MTPError
@@ -172,6 +172,17 @@ def default_model_path(notify: Optional[Callable[[str], None]] = None) -> Path:
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def load(path: Optional[Union[str, Path]] = None, *args, **kwargs):
+    """``mlx_mtp.load``: ``loader.load`` (mlx-lm's ``load`` with its keywords),
+    of the default model when no ``path`` is given (built on first use, saying
+    so on stderr)."""
+    from mlx_mtp.loader import load as load_folder  # loads MLX
+
+    if path is None:
+        path = default_model_path(lambda line: print(line, file=sys.stderr))
+    return load_folder(path, *args, **kwargs)
 
 
 def _tuned_entries(folder: Path) -> list:

@@ -24,6 +24,7 @@ if (_CHECKOUT / "pyproject.toml").is_file() and (
     __path__.append(str(_CHECKOUT))
 
 _EXPORTS = {
+    "BatchResponse": "batch",
     "ChatSession": "chat",
     "DEFAULT_DRAFT_MAX": "defaults",
     "DraftRound": "stats",
@@ -33,9 +34,10 @@ _EXPORTS = {
     "MTPModel": "loader",
     "MTPStats": "stats",
     "SamplingConfig": "sampling",
+    "batch_generate": "batch",
     "default_model_path": "convert.default_model",
     "generate": "generate",
-    "load": "loader",
+    "load": "convert.default_model",
     "load_model": "loader",
     "mtp_logits": "generate",
     "speculative_generate_step": "speculative",
@@ -44,13 +46,14 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what __getattr__ returns
+    from .batch import BatchResponse, batch_generate  # noqa: F401
     from .cache import MTPCache  # noqa: F401
     from .chat import ChatSession  # noqa: F401
-    from .convert.default_model import default_model_path  # noqa: F401
+    from .convert.default_model import default_model_path, load  # noqa: F401
     from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401
     from .errors import MTPError  # noqa: F401
     from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401
-    from .loader import MTPModel, load, load_model  # noqa: F401
+    from .loader import MTPModel, load_model  # noqa: F401
     from .sampling import SamplingConfig  # noqa: F401
     from .speculative import speculative_generate_step  # noqa: F401
     from .stats import DraftRound, MTPStats  # noqa: F401

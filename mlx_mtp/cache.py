@@ -154,6 +154,13 @@ class MTPCache:
     at chain position ``i``, layer ``j - 1``'s output at ``i - 1`` with
     ``t_{i+1}``; its inputs wait in ``pending[j]``. ``start[j]`` is the chain
     position of layer ``j``'s first cache entry (``j`` for a fresh cache).
+
+    To mlx-lm it is the list of the trunk's caches (``len``, iteration,
+    indexing): mlx-lm's ``make_prompt_cache(model)`` returns ``model.make_cache()``
+    and its ``generate_step`` and ``BatchGenerator`` read and replace the
+    layers' caches by index. The head's part is mlx-mtp's alone: a cache that
+    mlx-lm's functions advanced has a head that did not follow, so it goes
+    back to mlx-lm's functions, not to mlx-mtp's.
     """
 
     trunk: List[Any]
@@ -166,6 +173,18 @@ class MTPCache:
         for c in self.head:
             if hasattr(c, "link"):
                 c.link(self.trunk)
+
+    def __len__(self) -> int:
+        return len(self.trunk)
+
+    def __iter__(self):
+        return iter(self.trunk)
+
+    def __getitem__(self, i):
+        return self.trunk[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.trunk[i] = value
 
     @property
     def offset(self) -> int:

@@ -198,7 +198,7 @@ def load(
     model, tokenizer, error = None, None, None
     try:
         model, tokenizer = load_local(
-            path, mtp, hidden_tap, tokenizer_config, shard=sharder
+            path, tokenizer_config, mtp=mtp, hidden_tap=hidden_tap, shard=sharder
         )
     except MTPError as e:
         error = str(e)

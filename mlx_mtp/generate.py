@@ -1,7 +1,11 @@
 """The Python API, in mlx-lm's three layers: step generator, stream, string."""
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+import difflib
+import inspect
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -41,6 +45,21 @@ class GenerationResponse:
     peak_memory: float
     stats: MTPStats
     finish_reason: Optional[str] = None
+    # as mlx-lm's: log-probabilities over the vocabulary of the distribution
+    # ``token`` came from, after the logits processors, before temperature and
+    # filters; taken from the verify's logits, computed only when read
+    logprobs: Optional[mx.array] = None
+
+
+class _Rows:
+    """Where a stream's kept tokens leave their log-probability rows (the
+    ``rounds.Logprobs`` interface), left lazy for the responses to carry."""
+
+    def __init__(self):
+        self.rows: Deque[mx.array] = deque()
+
+    def record(self, logprobs: mx.array, tokens: Sequence[int]) -> None:
+        self.rows.extend(logprobs[i] for i in range(len(tokens)))
 
 
 def stream_generate(
@@ -66,12 +85,15 @@ def stream_generate(
     (``temp=``, ``top_p=``, .., ``logit_bias=``, ``seed=``, or a whole
     ``sampling=SamplingConfig``), ``draft_max=``, ``draft_p_min=``,
     ``draft_source=``, ``adaptive_draft=``, ``mtp=``, ``logits_processors=``,
-    ``truncate_prompt=``.
+    ``truncate_prompt=``. An unknown keyword is a ``TypeError``.
 
     ``mtp=False`` (or ``draft_max=0``) generates plainly through the same loop.
     ``trace=True`` records every round's drafts in ``response.stats.trace``.
     With a ``prompt_cache`` from an earlier call, ``prompt`` holds only the new
     tokens and ``cached_tokens`` those already in the cache.
+
+    As in mlx-lm, ``prompt_tps`` is the prompt's tokens per second until the
+    first token, and ``logprobs`` each token's distribution (``[V]``).
 
     Sampling is lossless: the output has the main model's distribution.
     ``seed`` fixes the run; with greedy drafts the tokens are the same with
@@ -97,8 +119,9 @@ def stream_generate(
         names = ", ".join(sorted(kwargs))
         raise TypeError(f"pass either request= or its fields ({names}), not both")
     if request is None:
-        request = request_from(max_tokens, **kwargs)
+        request = request_from(max_tokens, caller="stream_generate", **kwargs)
     request.validate()
+    tic = time.perf_counter()
     tokens = encode(tokenizer, prompt)
     if not tokens or (isinstance(prompt, str) and not prompt.strip()):
         raise MTPError("the prompt is empty")
@@ -116,6 +139,7 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stop_tokens = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    rows = _Rows()
     steps = speculative_generate_step(
         tokens,
         model,
@@ -129,10 +153,13 @@ def stream_generate(
         prefill_progress=prefill_progress,
         stats=stats,
         cached_tokens=cached_tokens,
+        logprobs=rows,
     )
-    n = 0
+    n, prompt_tps = 0, 0.0
     for token, from_draft in steps:
         n += 1
+        if n == 1:
+            prompt_tps = stats.prompt_tokens / (time.perf_counter() - tic)
         finish = None
         if token in stop_tokens:
             finish = "stop"
@@ -147,13 +174,28 @@ def stream_generate(
             token=token,
             from_draft=from_draft,
             prompt_tokens=stats.prompt_tokens,
-            prompt_tps=stats.prompt_tps,
+            prompt_tps=prompt_tps,
             generation_tokens=n,
             generation_tps=stats.generation_tps,
             peak_memory=stats.peak_memory,
             stats=stats,
             finish_reason=finish,
+            logprobs=rows.rows.popleft(),
         )
+
+
+# mlx-lm's keywords that mlx-mtp does not take, and what it takes instead
+_INSTEAD = {
+    "draft_model": "mlx-mtp drafts with the model's own MTP head (another is "
+    "attached with mlx_mtp.load(..., mtp=FOLDER), --mtp on the command line) "
+    "or with prompt lookup: choose with draft_source='mtp', 'ngram' or 'auto' "
+    "and draft_max=",
+    "num_draft_tokens": "the drafts per round are draft_max=",
+    "prompt_progress_callback": "pass prefill_progress=, called as (done, total)",
+    "input_embeddings": "mlx-mtp generates from tokens only",
+}
+for _name in ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start"):
+    _INSTEAD[_name] = "mlx-mtp keeps full-precision caches, which roll back drafts"
 
 
 def request_from(
@@ -167,10 +209,15 @@ def request_from(
     sampling: Optional[SamplingConfig] = None,
     logits_processors: Optional[Sequence[LogitsProcessor]] = None,
     truncate_prompt: bool = False,
+    caller: str = "request_from",
     **sampling_kwargs,
 ) -> GenerationRequest:
     """The ``GenerationRequest`` of ``stream_generate``'s keyword arguments;
-    sampling as a ``SamplingConfig`` (``sampling=``) or its fields."""
+    sampling as a ``SamplingConfig`` (``sampling=``) or its fields. A keyword
+    that is none of these is a ``TypeError`` naming ``caller``."""
+    check_keywords(sampling_kwargs, caller)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"{caller}(): max_tokens must be an int, not {max_tokens!r}")
     if sampling is not None and sampling_kwargs:
         names = ", ".join(sorted(sampling_kwargs))
         raise TypeError(f"pass either sampling= or its fields ({names}), not both")
@@ -184,6 +231,30 @@ def request_from(
     )
 
 
+def check_keywords(names, caller: str) -> None:
+    """Every one of ``names`` must be a ``SamplingConfig`` field, else a
+    ``TypeError`` that names ``caller`` and, for mlx-lm's keywords, what
+    mlx-mtp takes instead (for a typo, the nearest name)."""
+    sampling = {f.name for f in fields(SamplingConfig)}
+    for name in sorted(set(names) - sampling):
+        if name in _INSTEAD:
+            raise TypeError(
+                f"{caller}() does not take mlx-lm's {name}=: {_INSTEAD[name]}"
+            )
+        known = sampling | _parameters(request_from) | _parameters(stream_generate)
+        close = difflib.get_close_matches(name, sorted(known - {"caller"}), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _parameters(function) -> set:
+    return {
+        p.name
+        for p in inspect.signature(function).parameters.values()
+        if p.kind is not p.VAR_KEYWORD
+    }
+
+
 def generate(
     model: MTPModel,
     tokenizer: Any,
@@ -192,7 +263,15 @@ def generate(
     verbose: bool = False,
     **kwargs,
 ) -> str:
-    """Generate a completion and return it as one string (see ``stream_generate``)."""
+    """Generate a completion and return it as one string (see ``stream_generate``).
+
+    ``verbose`` prints the text as it comes and then mlx-lm's lines (prompt
+    and generation speed, peak memory) and the speculative stats line."""
+    if kwargs.get("request") is None:
+        mine = {k: kwargs.pop(k) for k in list(kwargs) if k not in _STREAM_OPTIONS}
+        kwargs["request"] = request_from(max_tokens, caller="generate", **mine)
+    if verbose:
+        print("=" * 10)
     text = ""
     response = None
     for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
@@ -201,6 +280,19 @@ def generate(
         text += response.text
     if verbose and response is not None:
         print()
+        print("=" * 10)
+        if not text:
+            print("No text generated for this prompt")
+        else:  # mlx_lm.generate's lines
+            print(
+                f"Prompt: {response.prompt_tokens} tokens, "
+                f"{response.prompt_tps:.3f} tokens-per-sec"
+            )
+            print(
+                f"Generation: {response.generation_tokens} tokens, "
+                f"{response.generation_tps:.3f} tokens-per-sec"
+            )
+            print(f"Peak memory: {response.peak_memory:.3f} GB")
         print(response.stats.summary())
     return text
 
@@ -218,3 +310,7 @@ def mtp_logits(model: MTPModel, tokens: Union[Sequence[int], mx.array]) -> mx.ar
     _, hidden = model.trunk(tokens, model.trunk.make_cache())
     logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
     return logits[0]
+
+
+# stream_generate's own keywords (those generate passes through as they are)
+_STREAM_OPTIONS = _parameters(stream_generate) - {"model", "tokenizer", "prompt"}

@@ -55,7 +55,24 @@ class MTPModel:
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 
+    @property
+    def layers(self) -> list:
+        """The trunk's layers (mlx-lm reads ``model.layers``)."""
+        return self.trunk.model.layers
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        """The trunk's logits over ``inputs`` (``[B, L]``), as mlx-lm's model
+        gives them, so that mlx-lm's ``generate``, ``stream_generate`` and
+        ``batch_generate`` run on this model (without drafts). ``cache`` is
+        an ``MTPCache`` or mlx-lm's list of the trunk's caches."""
+        if isinstance(cache, MTPCache):
+            cache = cache.trunk
+        logits, _ = self.trunk(inputs, cache, **kwargs)
+        return logits
+
     def make_cache(self) -> MTPCache:
+        """A fresh cache; it is also the list of the trunk's caches that
+        mlx-lm's ``make_prompt_cache`` expects (see ``MTPCache``)."""
         if self.head is None:
             return MTPCache(trunk=self.trunk.make_cache())
         n = self.head.num_layers
@@ -208,6 +225,8 @@ def load_model(
     hidden_tap: Optional[str] = None,
     lazy: bool = False,
     shard: Optional[ShardHook] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[Union[str, Path]] = None,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
@@ -215,12 +234,14 @@ def load_model(
     ``.safetensors`` file) to attach instead of the one in the folder.
     ``hidden_tap`` ("post" or "pre") overrides the family's hidden-state tap.
     ``shard(model, head, config)`` runs before the trunk's weights are read
-    (``mlx_mtp.distributed`` splits the model there).
+    (``mlx_mtp.distributed`` splits the model there). ``model_config`` updates
+    ``config.json``'s entries and ``adapter_path`` applies LoRA adapters to the
+    trunk, as in ``mlx_lm.load``.
     """
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = Path(path)
-    config = read_config(path)
+    config = {**read_config(path), **(model_config or {})}
     model_type = config["model_type"]
     _check_model_type(config)
     family = family_for(config)
@@ -232,12 +253,17 @@ def load_model(
         check_safetensors(Path(f))
     try:
         model, config = mlx_lm_load_model(
-            path, lazy=True, get_model_classes=_model_classes(config, family, split)
+            path,
+            lazy=True,
+            model_config=model_config,
+            get_model_classes=_model_classes(config, family, split),
         )
     except MTPError:
         raise
     except Exception as e:
         raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
+    if adapter_path is not None:
+        model = _load_adapters(model, Path(adapter_path))
 
     tap = hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post")
     trunk = Trunk(model, tap)
@@ -313,6 +339,21 @@ def load_model(
     return loaded
 
 
+def _load_adapters(model: nn.Module, folder: Path) -> nn.Module:
+    """mlx-lm's LoRA (or DoRA, or full) adapters from ``folder``, on the trunk."""
+    from mlx_lm.utils import load_adapters
+
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (folder / name).is_file():
+            raise MTPError(f"adapter_path {folder}: no {name}")
+    try:
+        model = load_adapters(model, str(folder))
+    except Exception as e:
+        raise MTPError(f"adapter_path {folder}: {first_line(e)}") from None
+    model.eval()
+    return model
+
+
 def _private_arrays(module: nn.Module) -> list:
     return [
         v
@@ -362,17 +403,37 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
 
 def load(
     path: Union[str, Path],
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[Union[str, Path]] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    *,
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
-    tokenizer_config: Optional[Dict[str, Any]] = None,
     shard: Optional[ShardHook] = None,
-) -> Tuple[MTPModel, Any]:
-    """Load a model folder: returns ``(model, tokenizer)`` like ``mlx_lm.load``.
+) -> Union[Tuple[MTPModel, Any], Tuple[MTPModel, Any, Dict[str, Any]]]:
+    """Load a model folder: ``(model, tokenizer)``, or with ``return_config``
+    ``(model, tokenizer, config)``, like ``mlx_lm.load`` and with its keywords.
 
-    ``shard`` as in ``load_model``."""
+    The model drafts with its MTP head in ``mlx_mtp``'s functions and is
+    also a model that mlx-lm's own functions take (see ``MTPModel``). ``mtp``,
+    ``hidden_tap`` and ``shard`` as in ``load_model``; a Hugging Face repo is
+    converted first (``mlx-mtp convert``), never downloaded here.
+    ``mlx_mtp.load`` (``default_model.load``) loads the default model when
+    no path is given.
+    """
     from mlx_lm.utils import load_tokenizer
 
-    model = load_model(path, mtp=mtp, hidden_tap=hidden_tap, shard=shard)
+    model = load_model(
+        path,
+        mtp=mtp,
+        hidden_tap=hidden_tap,
+        lazy=lazy,
+        shard=shard,
+        model_config=model_config,
+        adapter_path=adapter_path,
+    )
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise MTPError(
             f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): copy the "
@@ -387,4 +448,6 @@ def load(
         )
     except Exception as e:
         raise MTPError(f"{path}: cannot load the tokenizer ({first_line(e)})") from None
+    if return_config:
+        return model, tokenizer, model.config
     return model, tokenizer

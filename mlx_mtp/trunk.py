@@ -117,7 +117,9 @@ class Trunk:
 
         return make_prompt_cache(self.model)
 
-    def __call__(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
-        logits = self.model(tokens, cache=cache)
+    def __call__(
+        self, tokens: mx.array, cache: List[Any], **kwargs
+    ) -> Tuple[mx.array, mx.array]:
+        logits = self.model(tokens, cache=cache, **kwargs)
         hidden, self._tap.value = self._tap.value, None
         return logits, hidden
