@@ -12,6 +12,7 @@ alone.
 
 import dataclasses
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -20,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchResponse as MLXBatchResponse
 from mlx_lm.generate_utils import BatchStats
 
+from .batch_policy import BatchDraftLength
 from .cache import MTPCache
 from .decoder import Decoder
 from .defaults import DEFAULT_PREFILL_STEP
@@ -32,6 +34,9 @@ from .rounds import Logprobs, Stream
 from .sampling import Sampler
 from .serve.prompt_cache import copy_cache
 from .stats import MTPStats
+
+
+_POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -57,7 +62,10 @@ class _Batch:
         self, model, request: GenerationRequest, limit: int, reading: int, step: int
     ):
         self.model, self.step = model, step
-        self.decoder = Decoder(model, request.drafts.p_min, request.drafts.adaptive)
+        # the round times measured on this model serve its later calls too
+        policy = _POLICIES.setdefault(model.trunk, BatchDraftLength())
+        drafts = request.drafts
+        self.decoder = Decoder(model, drafts.p_min, drafts.adaptive, policy)
         self.reader = Decoder(model)
         capacity = self.decoder.capacity or limit
         self.limit = min(limit, capacity)

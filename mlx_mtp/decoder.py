@@ -21,7 +21,7 @@ one ahead while no round drafts.
 """
 
 import time
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -43,16 +43,24 @@ def _extract(cache, b: int, kind: type):
 class Decoder:
     """Streams decoded together, one speculative round at a time."""
 
-    def __init__(self, model, draft_p_min: float = 0.0, adaptive: bool = True):
-        """``adaptive``: each round drafts as deep as pays (``BatchDraftLength``);
-        otherwise every stream drafts its ``draft_max`` every round."""
+    def __init__(
+        self,
+        model,
+        draft_p_min: float = 0.0,
+        adaptive: bool = True,
+        policy: Optional[BatchDraftLength] = None,
+    ):
+        """``adaptive``: each round drafts as deep as pays (``policy``, by
+        default a new ``BatchDraftLength``; one shared by several decoders
+        keeps what it measured); otherwise every stream drafts its
+        ``draft_max`` every round."""
         self.model = model
         self.draft_p_min = draft_p_min
         self.streams: List[Stream] = []
         self.trunk: List[Any] = []  # batch caches, one per trunk layer
         self.head: List[Any] = []  # batch caches, the head's flat list
         self.kinds: List[type] = []  # the trunk's single-stream cache classes
-        self.policy = BatchDraftLength() if adaptive else None
+        self.policy = (policy or BatchDraftLength()) if adaptive else None
         self.peak = 0  # the most streams a round has decoded
         cache = model.make_cache()
         self.batched = batchable(cache.trunk) and batchable(cache.head)
