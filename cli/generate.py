@@ -35,6 +35,32 @@ def read_prompt(prompt: str) -> str:
     return text
 
 
+def read_prompts(path: str) -> list:
+    """The prompts of a JSON Lines file (``-``: stdin), checked before any
+    model is loaded."""
+    from mlx_mtp.prompts import read_jsonl_prompts
+
+    try:
+        lines = sys.stdin.readlines() if path == "-" else open(path).readlines()
+    except FileNotFoundError:
+        raise fail(f"--prompts {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise fail(f"--prompts {path}: cannot read it ({type(e).__name__})") from None
+    return read_jsonl_prompts(lines, "stdin" if path == "-" else path)
+
+
+def answer_all(loaded, tokenizer, texts: list, request) -> None:
+    """Generate every prompt in one batch; one JSON line per answer."""
+    from mlx_mtp.batch import batch_generate
+
+    r = batch_generate(loaded, tokenizer, texts, request=request, return_token_ids=True)
+    for text, tokens, finish, stats in zip(
+        r.texts, r.token_ids, r.finish_reasons, r.mtp_stats
+    ):
+        answer = {"text": text, "tokens": tokens, "finish_reason": finish}
+        print(json.dumps({**answer, "stats": stats.to_dict()}), flush=True)
+
+
 def dropped_notice(tokenizer, text: str, kept: int) -> None:
     """Say how much of the prompt ``--truncate-prompt`` dropped, if any."""
     from mlx_mtp.prompts import encode
@@ -53,8 +79,15 @@ def dropped_notice(tokenizer, text: str, kept: int) -> None:
 @o.generation_options
 def generate(
     model: o.ModelPath = None,
-    prompt: str = typer.Option(
-        ..., "--prompt", "-p", help="Prompt text, or - to read stdin."
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p", help="Prompt text, or - to read stdin."
+    ),
+    prompts: Optional[str] = typer.Option(
+        None,
+        "--prompts",
+        help="A JSON Lines file (- : stdin) of prompts, each a JSON string or "
+        '{"prompt": ...}: they are generated together (batched) and each answer '
+        "is printed as one JSON line, in order.",
     ),
     mtp: o.HeadPath = None,
     hidden_tap: o.HiddenTap = None,
@@ -93,6 +126,18 @@ def generate(
 
     group = o.processes()
     request.max_tokens, request.truncate_prompt = max_tokens, truncate_prompt
+    if (prompt is None) == (prompts is None):
+        raise fail("pass one of --prompt and --prompts")
+    if prompts is not None:
+        if group.size() > 1:
+            raise fail("--prompts runs in one process, not under mlx.launch")
+        texts = read_prompts(prompts)
+        _, loaded, tokenizer = o.load_model(
+            model, mtp, hidden_tap, not request.drafts.mtp
+        )
+        if not no_chat_template:
+            texts = [user_prompt(tokenizer, t, system) for t in texts]
+        return answer_all(loaded, tokenizer, texts, request)
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
         raise fail("under mlx.launch the prompt cannot come from stdin: pass it")

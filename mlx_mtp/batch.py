@@ -44,6 +44,7 @@ class BatchResponse(MLXBatchResponse):
     """mlx-lm's ``BatchResponse`` (``texts``, ``stats``, ``caches``,
     ``token_ids``, ``logprobs``), plus each prompt's speculative stats."""
 
+    finish_reasons: Optional[List[str]] = None  # "stop" or "length", per prompt
     mtp_stats: Optional[List[MTPStats]] = None
 
 
@@ -156,12 +157,13 @@ def batch_generate(
     tokenizer: Any,
     prompts: Sequence[Union[Sequence[int], str]],
     prompt_caches: Optional[Sequence[Optional[MTPCache]]] = None,
-    max_tokens: Union[int, Sequence[int]] = 128,
+    max_tokens: Optional[Union[int, Sequence[int]]] = None,
     verbose: bool = False,
     return_prompt_caches: bool = False,
     return_token_ids: bool = False,
     return_logprobs: bool = False,
     *,
+    request: Optional[GenerationRequest] = None,
     sampler: Optional[Sampler] = None,
     completion_batch_size: int = 32,
     prefill_batch_size: int = 8,
@@ -172,10 +174,13 @@ def batch_generate(
 
     mlx-lm's ``batch_generate``, with its arguments and its return value
     (``texts``, ``stats``, and when asked ``caches``, ``token_ids``,
-    ``logprobs``; plus ``mtp_stats``, each prompt's ``MTPStats``). A prompt is
+    ``logprobs``; plus each prompt's ``finish_reasons`` and ``mtp_stats``).
+    ``max_tokens`` is one limit or one per prompt (default: 128, as mlx-lm's,
+    or ``request.max_tokens``). A prompt is
     token ids (or text). ``prompt_caches`` are ``MTPCache`` s (of
     ``return_prompt_caches``) holding what comes before each prompt; they are
-    not changed. Every other keyword is ``stream_generate``'s: sampling
+    not changed. What to generate is a ``GenerationRequest`` (``request=``)
+    or, as ``stream_generate`` takes them, its fields: sampling
     (``temp=``, ``top_p=``, .., or ``sampler=``), ``logits_processors=``,
     ``draft_max=``, ``draft_source=``, ``mtp=``, ... At most
     ``completion_batch_size`` prompts are decoded at once, and at most
@@ -183,7 +188,14 @@ def batch_generate(
     ``prefill_step_size`` tokens. Each round drafts as deep as pays at this
     batch size (by measured time), none where drafts cannot pay.
     """
-    request = request_from(caller="batch_generate", **kwargs).validate()
+    if request is not None and kwargs:
+        names = ", ".join(sorted(kwargs))
+        raise TypeError(f"pass either request= or its fields ({names}), not both")
+    if max_tokens is None:  # mlx-lm's default, or the request's
+        max_tokens = 128 if request is None else request.max_tokens
+    if request is None:
+        request = request_from(caller="batch_generate", **kwargs)
+    request.validate()
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     caches = list(prompt_caches) if prompt_caches is not None else [None] * n
@@ -263,6 +275,10 @@ def _response(batch, jobs, tokenizer, verbose, caches, token_ids, logprobs):
         caches=[j.stream.cache for j in jobs] if caches else None,
         token_ids=outputs if token_ids else None,
         logprobs=[_logprobs(j, o) for j, o in zip(jobs, outputs)] if logprobs else None,
+        finish_reasons=[
+            "stop" if j.stream.history[-1] in j.stream.stop_tokens else "length"
+            for j in jobs
+        ],
         mtp_stats=[j.stream.stats for j in jobs],
     )
     if verbose:

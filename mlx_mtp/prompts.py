@@ -127,6 +127,29 @@ def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
     return prompts
 
 
+def read_jsonl_prompts(lines: Sequence[str], where: str) -> List[str]:
+    """The prompts of JSON Lines: each non-empty line a JSON string or an
+    object with a string ``"prompt"``. ``where`` names the source in errors."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MTPError(f"{where}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str) or not item.strip():
+            raise MTPError(
+                f'{where}:{n}: expected a non-empty string or {{"prompt": "..."}}'
+            )
+        out.append(item)
+    if not out:
+        raise MTPError(f"{where}: no prompts")
+    return out
+
+
 def _parse_prompts(data, where) -> List[BenchPrompt]:
     if not isinstance(data, list) or not data:
         raise MTPError(f"{where}: expected a non-empty list of prompts")

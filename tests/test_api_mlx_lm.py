@@ -257,3 +257,44 @@ def test_batch_generate_returns_what_mlx_lm_returns(pair):
     whole = mlx_mtp.stream_generate(model, tokenizer, history, 6)
     assert more.token_ids[0] == [r.token for r in whole]
     assert kept.offset == len(history) - 1  # not changed
+
+
+def test_generate_prompts_file_writes_one_answer_per_line(
+    pair, folders, tmp_path, capsys
+):
+    from mlx_mtp.cli import run_app
+
+    model, tokenizer, _ = pair
+    texts = ["hello", "The quick brown fox", "abc abc abc abc"]
+    lines = [json.dumps(texts[0]), "", json.dumps({"prompt": texts[1]})]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("\n".join(lines + [json.dumps(texts[2])]) + "\n")
+    args = ["generate", "--model", str(folders("glm4_moe")[0]), "--prompts", str(file)]
+    assert run_app(args + ["-n", "10", "--no-chat-template"]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [a["tokens"] for a in answers] == [
+        [r.token for r in mlx_mtp.stream_generate(model, tokenizer, t, 10)]
+        for t in texts
+    ]
+    assert all(a["finish_reason"] == "length" for a in answers)
+    assert all(a["stats"]["generation_tokens"] == 10 for a in answers)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('"hi"\n{"text": "no prompt key"}\n', "prompts.jsonl:2: expected a non-empty"),
+        ("not json\n", "prompts.jsonl:1: not valid JSON"),
+        ("\n\n", "prompts.jsonl: no prompts"),
+    ],
+)
+def test_generate_prompts_file_errors_are_one_line(tmp_path, capsys, content, message):
+    from mlx_mtp.cli import run_app
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text(content)
+    assert run_app(["generate", "--prompts", str(file)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert run_app(["generate", "--prompts", str(file), "-p", "x"]) == 1
+    assert "one of --prompt and --prompts" in capsys.readouterr().err
