@@ -175,13 +175,13 @@ def batch_generate(
     mlx-lm's ``batch_generate``, with its arguments and its return value
     (``texts``, ``stats``, and when asked ``caches``, ``token_ids``,
     ``logprobs``; plus each prompt's ``finish_reasons`` and ``mtp_stats``).
-    ``max_tokens`` is one limit or one per prompt (default: 128, as mlx-lm's,
-    or ``request.max_tokens``). A prompt is
-    token ids (or text). ``prompt_caches`` are ``MTPCache`` s (of
-    ``return_prompt_caches``) holding what comes before each prompt; they are
-    not changed. What to generate is a ``GenerationRequest`` (``request=``)
-    or, as ``stream_generate`` takes them, its fields: sampling
-    (``temp=``, ``top_p=``, .., or ``sampler=``), ``logits_processors=``,
+    A prompt is token ids (or text). ``max_tokens`` is one limit or one per
+    prompt (default: 128, as mlx-lm's, or ``request.max_tokens``).
+    ``prompt_caches`` are ``MTPCache`` s (``return_prompt_caches`` gives them)
+    holding what comes before each prompt; they are not changed. What to
+    generate is a ``GenerationRequest`` (``request=``) or, as
+    ``stream_generate`` takes them, its fields: sampling (``temp=``,
+    ``top_p=``, .., or ``sampler=``), ``logits_processors=``,
     ``draft_max=``, ``draft_source=``, ``mtp=``, ... At most
     ``completion_batch_size`` prompts are decoded at once, and at most
     ``prefill_batch_size`` of them read their prompts together, in chunks of
@@ -206,6 +206,17 @@ def batch_generate(
     batch = _Batch(
         model, request, completion_batch_size, prefill_batch_size, prefill_step_size
     )
+    jobs = _jobs(model, tokenizer, request, sampler, prompts, limits, caches)
+    for j in jobs if return_logprobs else ():
+        j.stream.logprobs = Logprobs()
+    batch.waiting.extend(jobs)
+    _run(batch, n, verbose, return_prompt_caches)
+    return _response(batch, jobs, tokenizer, verbose, return_prompt_caches,
+                     return_token_ids, return_logprobs)  # fmt: skip
+
+
+def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[_Job]:
+    """Each prompt's stream, on a copy of its cache (a new one if None)."""
     jobs = []
     for i, (prompt, limit, cache) in enumerate(zip(prompts, limits, caches)):
         tokens = encode(tokenizer, prompt)
@@ -225,14 +236,10 @@ def batch_generate(
         )
         own = dataclasses.replace(request, max_tokens=limit)
         copy = copy_cache(cache) if cache is not None else None
-        stream = _stream(model, tokenizer, own, sampler, tokens, i, copy)
-        if return_logprobs:
-            stream.logprobs = Logprobs()
-        jobs.append(_Job(i, stream, tokens))
-    batch.waiting.extend(jobs)
-    _run(batch, n, verbose, return_prompt_caches)
-    return _response(batch, jobs, tokenizer, verbose, return_prompt_caches,
-                     return_token_ids, return_logprobs)  # fmt: skip
+        jobs.append(
+            _Job(i, _stream(model, tokenizer, own, sampler, tokens, i, copy), tokens)
+        )
+    return jobs
 
 
 def _run(batch: _Batch, n: int, verbose: bool, keep_caches: bool) -> None:
