@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from test_default_model import cache, fake_build  # noqa: F401 (fixtures)
 
 import mlx_mtp
-from mlx_mtp import default_model as dm
+from mlx_mtp.convert import default_model as dm
 
 
 @pytest.fixture(scope="module")
