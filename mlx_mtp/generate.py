@@ -2,6 +2,7 @@
 
 import difflib
 import inspect
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -216,14 +217,14 @@ def request_from(
     sampling as a ``SamplingConfig`` (``sampling=``) or its fields. A keyword
     that is none of these is a ``TypeError`` naming ``caller``."""
     check_keywords(sampling_kwargs, caller)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"{caller}(): max_tokens must be an int, not {max_tokens!r}")
     if sampling is not None and sampling_kwargs:
         names = ", ".join(sorted(sampling_kwargs))
         raise TypeError(f"pass either sampling= or its fields ({names}), not both")
     drafts = DraftSettings(draft_source, draft_max, draft_p_min, adaptive_draft, mtp)
     return GenerationRequest(
-        max_tokens=max_tokens,
+        max_tokens=int(max_tokens),
         sampling=sampling or SamplingConfig(**sampling_kwargs),
         drafts=drafts,
         logits_processors=list(logits_processors or []),
