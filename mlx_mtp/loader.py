@@ -40,7 +40,11 @@ ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 @dataclass
 class MTPModel:
-    """A trunk (mlx-lm's model) and, when the checkpoint has one, its MTP head."""
+    """A trunk (mlx-lm's model) and, when the checkpoint has one, its MTP head.
+
+    Called as ``model(inputs, cache)`` it is the trunk, as mlx-lm's functions
+    call a model; mlx-mtp's functions draft with its head.
+    """
 
     trunk: Trunk
     head: Optional[MTPHead]
@@ -58,7 +62,7 @@ class MTPModel:
     @property
     def layers(self) -> list:
         """The trunk's layers (mlx-lm reads ``model.layers``)."""
-        return self.trunk.model.layers
+        return self.trunk.backbone.layers
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         """The trunk's logits over ``inputs`` (``[B, L]``), as mlx-lm's model
