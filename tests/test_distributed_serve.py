@@ -34,6 +34,17 @@ pytestmark = pytest.mark.slow  # end-to-end: see pyproject's markers
 
 START = 240  # seconds for every rank to load and rank 0 to listen
 MAX_TOKENS = 16
+SCHEMA = {
+    "name": "sea",
+    "schema": {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["grey", "green"]},
+            "depth": {"type": "integer"},
+        },
+        "required": ["colour", "depth"],
+    },
+}
 PROMPTS = ["Tell me about the sea.", "Count to ten.", "Why is the sky blue?",
            "Write a short poem."]  # fmt: skip
 
@@ -146,6 +157,16 @@ def answers(url: str) -> dict:
             model="m", max_tokens=MAX_TOKENS, messages=chat, extra_body=extra
         ) as s:
             out["messages stream", k] = "".join(s.text_stream)
+        # a constraint, built from the request on every rank
+        r = oa.chat.completions.create(
+            model="m", messages=chat, max_tokens=60, extra_body=extra,
+            response_format={"type": "json_schema", "json_schema": SCHEMA},
+        )  # fmt: skip
+        out["json", k] = r.choices[0].message.content
+        r = oa.chat.completions.create(
+            model="m", messages=chat, temperature=1.0, seed=3, extra_body=extra
+        )
+        out["sampled", k] = r.choices[0].message.content
         out["together", k] = together(oa, extra)
     return out
 
