@@ -323,10 +323,10 @@ class ClusterEngine(Engine):
                 tic = time.perf_counter()
                 stop = self._stopping and not self._busy()
                 idle = self.idle  # as the last turn left it
-                plan = self._plan_turn(stop)
+                plan, data = self._plan_turn(stop)
                 if idle:  # the others wait on their line to rank 0
                     self.liveness.wake()
-                _, statuses = self.channel.exchange(pickle.dumps(plan), self.failures)
+                _, statuses = self.channel.exchange(data, self.failures)
                 if any(s != self.failures for s in statuses):
                     raise PeerLost("a process failed a turn that rank 0 did not")
                 if stop:
@@ -340,21 +340,23 @@ class ClusterEngine(Engine):
             mx.synchronize()
             mx.clear_streams()
 
-    def _plan_turn(self, stop: bool) -> Plan:
-        """This turn's plan; rank 0 drops and starts its requests as it plans."""
+    def _plan_turn(self, stop: bool) -> Tuple[Plan, bytes]:
+        """This turn's plan, and as it travels; rank 0 drops and starts its
+        requests as it plans."""
         plan = Plan(turn=self.stats.turns, stop=stop)
         if stop:
             self._done = True  # the other ranks' connections close from here
-            return plan
+            return plan, pickle.dumps(plan)
         try:
             self._admit_here(plan)
             plan.k = self._draft_length()
+            plan.end = self._deadline is not None and time.monotonic() >= self._deadline
+            return plan, pickle.dumps(plan)
         except Exception as e:  # a bug must not take the server down
             traceback.print_exc(file=sys.stderr)
             self._fail_all(f"{type(e).__name__}: {e}")
-            return Plan(turn=plan.turn, reset=True)
-        plan.end = self._deadline is not None and time.monotonic() >= self._deadline
-        return plan
+            plan = Plan(turn=plan.turn, reset=True)
+            return plan, pickle.dumps(plan)
 
     def _admit_here(self, plan: Plan) -> None:
         active = list(self.reading.values()) + list(self.jobs.values())
