@@ -570,7 +570,7 @@ def _leader_host() -> str:
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator:
         return coordinator.rsplit(":", 1)[0]
-    return "127.0.0.1"
+    return ""  # unknown: every interface on rank 0, this machine on the others
 
 
 class Liveness:
@@ -587,8 +587,11 @@ class Liveness:
         self.closing = False
         self.wakes = threading.Semaphore(0)  # rank 0's wake-ups, on the others
         self.on_lost: Callable[[int], None] = _exit_lost
-        if self.rank == 0:
-            self.server = socket.create_server(("", 0), family=socket.AF_INET)
+        if self.rank == 0:  # on the address the others reach, where it can
+            try:
+                self.server = socket.create_server((_leader_host(), 0))
+            except OSError:
+                self.server = socket.create_server(("", 0))
 
     def address(self) -> dict:
         if self.server is None:
@@ -601,7 +604,8 @@ class Liveness:
         try:
             if self.rank != 0:
                 s = socket.create_connection(
-                    (_leader_host(), leader["port"]), timeout=CONNECT_TIMEOUT
+                    (_leader_host() or "127.0.0.1", leader["port"]),
+                    timeout=CONNECT_TIMEOUT,
                 )
                 s.sendall(f"{leader['token']} {self.rank}\n".encode())
                 s.settimeout(None)
