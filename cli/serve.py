@@ -178,11 +178,11 @@ def _serve_cluster(group, config, settings: dict, loading, address, log) -> None
     """``serve`` under mlx.launch: every rank checks that it runs rank 0's
     command before anything loads (``settings``: option -> value; ``loading``:
     ``load_model``'s arguments); rank 0 listens on ``address``."""
-    from mlx_mtp.serve import cluster
+    from mlx_mtp.serve import cluster, ranks
     from mlx_mtp.serve.app import listen
 
     settings = {flag: str(value) for flag, value in settings.items()}
-    liveness = cluster.handshake(group, cluster.fingerprint(loading[0], settings))
+    liveness = ranks.handshake(group, ranks.fingerprint(loading[0], settings))
     sock = None
     if group.rank() == 0:
         try:

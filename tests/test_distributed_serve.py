@@ -337,8 +337,10 @@ def test_a_killed_rank_gives_503_and_ends_rank_0(tiny_folders):
     assert code != 0 and time.monotonic() - tic < 10, err
     assert status == 503 and "rank 1" in body["error"]["message"], body
     assert [r[0] for r in results] == [503, 503], results
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert lines == ["error: rank 1 of this server stopped"], err
+    # one line of its own (MLX's "[ring] ..." lines about the lost peer may
+    # be written into the middle of it)
+    assert err.count("error: ") == 1 and "Traceback" not in err, err
+    assert err.count("error: rank 1 of this server stopped") == 1, err
     procs[1].finish(time.monotonic() + 5)
 
 
