@@ -1,5 +1,6 @@
 """``mlx-mtp serve``: an OpenAI-compatible HTTP server (``mlx_mtp.serve``)."""
 
+import signal
 import sys
 from typing import List, Optional
 
@@ -121,15 +122,15 @@ def serve(
         rich_help_panel=SPECULATIVE,
     ),
     no_mtp: o.NoMTP = False,
+    sharding: o.ShardingOption = o.Sharding.auto,
 ):
-    """Serve a model over an OpenAI-compatible API, with MTP, many requests at once."""
+    """Serve a model over an OpenAI-compatible API, with MTP, many requests at once.
+
+    Under mlx.launch, one server over every process: rank 0 listens."""
     from mlx_mtp.serve import ServeConfig
     from mlx_mtp.serve.app import listen, run
 
-    if o.processes().size() > 1:
-        raise fail(
-            "serve runs in one process: under mlx.launch use generate, chat or bench"
-        )
+    group = o.processes()
     if api_key is not None and not api_key.strip():
         raise fail(f"the API key is empty (--api-key or {API_KEY_ENV})")
     config = ServeConfig(
@@ -147,6 +148,20 @@ def serve(
         cors_origins=tuple(cors_origin or ()),
         strict_model_names=strict_model_names,
     )
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if group.size() > 1:
+        # what must match on every rank besides the model folder: the options
+        # that change what the engine does (the HTTP ones matter on rank 0 only)
+        settings = {
+            "--mtp": mtp, "--hidden-tap": hidden_tap, "--no-mtp": no_mtp,
+            "--sharding": o.Sharding(sharding).value, "--max-tokens": max_tokens,
+            "--max-batch": max_batch, "--prompt-cache-entries": prompt_cache_entries,
+            "--prompt-cache-mb": prompt_cache_mb, "--draft-max": draft_max,
+            "--draft-source": config.draft_source, "--fixed-draft": fixed_draft,
+        }  # fmt: skip
+        loading = (model, mtp, hidden_tap, no_mtp, sharding)
+        _serve_cluster(group, config, settings, loading, (host, port), log)
+        return
     sock = listen(host, port)  # a busy port fails before the model loads
     path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
     run(
@@ -154,6 +169,28 @@ def serve(
         tokenizer,
         path.name,
         config=config,
-        log=lambda line: print(line, file=sys.stderr, flush=True),
+        log=log,
         sock=sock,
     )
+
+
+def _serve_cluster(group, config, settings: dict, loading, address, log) -> None:
+    """``serve`` under mlx.launch: every rank checks that it runs rank 0's
+    command before anything loads (``settings``: option -> value; ``loading``:
+    ``load_model``'s arguments); rank 0 listens on ``address``."""
+    from mlx_mtp.serve import cluster, ranks
+    from mlx_mtp.serve.app import listen
+
+    settings = {flag: str(value) for flag, value in settings.items()}
+    liveness = ranks.handshake(group, ranks.fingerprint(loading[0], settings))
+    sock = None
+    if group.rank() == 0:
+        try:
+            sock = listen(*address)  # a busy port fails before the model loads
+        except Exception:
+            liveness.close()
+            raise
+    path, loaded, tokenizer = o.load_model(*loading)
+    if group.rank() != 0:  # a terminal's Ctrl-C reaches every process: rank 0
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ends the others
+    cluster.serve(loaded, tokenizer, path.name, config, liveness, sock, log)

@@ -36,6 +36,15 @@ _MESSAGE_BYTES = 512  # per rank, in the load handshake
 _MAGIC = np.array([77, 84, 80], np.int32)  # "MTP": heads every gathered row
 
 
+class PeerLost(MTPError):
+    """Another process stopped: a collective with it failed or returned no data.
+
+    MLX's ring backend fails the first collective with a dead peer after about
+    a second of retries and hands back uninitialised memory; a later one may
+    wait for ever, so a process that sees this must not start another.
+    """
+
+
 @dataclass
 class Sharding:
     """How a loaded model is spread over the processes of ``group``."""
@@ -138,7 +147,7 @@ class _Sharder:
                 mx.eval(b.parameters())
 
 
-def _gather(row: mx.array, group) -> mx.array:
+def gather_rows(row: mx.array, group) -> mx.array:
     """``all_gather`` of one row per rank, as ``[ranks, len(row)]``.
 
     A peer that died makes MLX's ring backend raise, or fail the pending
@@ -149,10 +158,17 @@ def _gather(row: mx.array, group) -> mx.array:
         rows = mx.distributed.all_gather(row, group=group, stream=mx.cpu)
         rows = np.array(rows).reshape(group.size(), -1)
     except RuntimeError as e:
-        raise MTPError(f"lost contact with another process ({e})") from None
+        raise PeerLost(f"lost contact with another process ({e})") from None
     if (rows[:, : len(_MAGIC)] != _MAGIC).any():
-        raise MTPError("lost contact with another process")
+        raise PeerLost("lost contact with another process")
     return rows[:, len(_MAGIC) :]
+
+
+def gather(values: np.ndarray, group) -> np.ndarray:
+    """``values`` (one row, the same length on every rank) from every rank, as
+    ``[ranks, len(values)]``; ``PeerLost`` where a peer is gone."""
+    head = _MAGIC.astype(values.dtype)
+    return gather_rows(mx.array(np.concatenate([head, values])), group)
 
 
 def _agree(group, error: Optional[str]) -> None:
@@ -164,7 +180,7 @@ def _agree(group, error: Optional[str]) -> None:
         row[0] = 1
         row[1 : 1 + len(text)] = np.frombuffer(text, np.uint8)
     try:
-        rows = _gather(mx.array(np.concatenate([_MAGIC.astype(np.uint8), row])), group)
+        rows = gather(row, group)
     except MTPError as e:
         raise MTPError(f"a process stopped before all had loaded: {e}") from None
     for rank, r in enumerate(rows):
@@ -225,7 +241,7 @@ class SyncedVerifier:
         if isinstance(getattr(inner, "seed", None), int):
             # A seed drawn at random differs per process: use rank 0's.
             row = np.append(_MAGIC, inner.seed).astype(np.int64)
-            inner.seed = int(_gather(mx.array(row), group)[0, 0])
+            inner.seed = int(gather_rows(mx.array(row), group)[0, 0])
 
     def draft(self, logits, history=(), previous=()):
         return self.inner.draft(logits, history, previous)
@@ -236,8 +252,7 @@ class SyncedVerifier:
         proposed = mx.concatenate([d.token for d in drafts]).tolist() if k else []
         row = [len(emitted)] + emitted + [-1] * (k + 1 - len(emitted)) + proposed
         tic = time.perf_counter()
-        rows = _gather(mx.array(np.concatenate([_MAGIC, row]), mx.int32), self.group)
-        rows = rows.tolist()
+        rows = gather(np.array(row, np.int32), self.group).tolist()
         if self.stats is not None:
             self.stats.syncs += 1
             self.stats.sync_time += time.perf_counter() - tic

@@ -271,6 +271,9 @@ def verify(
         s.verifier.verify(logits[b, : len(d) + 1], d, s.history)
         for b, (s, d) in enumerate(zip(streams, drafts))
     ]
+    agree = getattr(caches, "agree", None)  # over processes: rank 0's tokens
+    if agree is not None:
+        emitted = agree(emitted, drafts)
     return emitted, logits, hidden
 
 

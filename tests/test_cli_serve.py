@@ -192,20 +192,3 @@ def test_a_port_in_use_is_one_line(folder):
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in out.stderr and time.time() - start < 120
-
-
-def test_under_mlx_launch_it_is_one_line(monkeypatch):
-    """Every process would load the whole model and listen on the same port."""
-    from mlx_mtp.cli import app, options
-    from typer.testing import CliRunner
-
-    class Two:
-        def size(self):
-            return 2
-
-    monkeypatch.setattr(options, "processes", lambda: Two())
-    r = CliRunner().invoke(app, ["serve"])
-    assert r.exit_code == 1
-    assert r.stderr.strip().splitlines() == [
-        "error: serve runs in one process: under mlx.launch use generate, chat or bench"
-    ]

@@ -146,21 +146,30 @@ async def _lifespan(app):
 
 
 def create_app(
-    model, tokenizer, name: str, config: Optional[ServeConfig] = None
+    model,
+    tokenizer,
+    name: str,
+    config: Optional[ServeConfig] = None,
+    engine: Optional[Engine] = None,
 ) -> Starlette:
-    """The Starlette app serving ``model`` under the model id ``name``."""
+    """The Starlette app serving ``model`` under the model id ``name``
+    (``engine``: a ``cluster.ClusterEngine`` over processes)."""
     config = config or ServeConfig()
     config.validate()
     # the server's draft defaults, checked where every request's are
     DraftSettings(config.draft_source, config.draft_max).validate()
+    middleware = _middleware(config)
+    guard = getattr(engine, "guard", None)  # over processes: 503 once a rank is lost
+    if guard is not None:
+        middleware.insert(1, Middleware(guard, engine=engine))
     app = Starlette(
         routes=_routes(),
-        middleware=_middleware(config),
+        middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=_lifespan,
     )
     app.state.on_start = None
-    app.state.service = Service(model, tokenizer, name, config)
+    app.state.service = Service(model, tokenizer, name, config, engine)
     return app
 
 
@@ -244,6 +253,7 @@ def run(
     config: ServeConfig = None,
     log=None,
     sock: Optional[socket.socket] = None,
+    engine: Optional[Engine] = None,
 ) -> None:
     """Serve until interrupted, on ``sock`` (from ``listen``) or ``host:port``.
 
@@ -255,7 +265,7 @@ def run(
     """
     if sock is None:
         sock = listen(host, port)
-    app = create_app(model, tokenizer, name, config)
+    app = create_app(model, tokenizer, name, config, engine)
     host, port = sock.getsockname()[:2]
     say = log if log is not None else logger.warning
     app.state.on_start = lambda: _started(app, name, host, port, say)

@@ -308,14 +308,17 @@ class Engine:
         except queue.Empty:
             pass
 
-    def _drop_cancelled(self) -> None:
-        self.waiting = [r for r in self.waiting if not r.cancelled]
-        gone = [j for j in self.reading.values() if j.request.cancelled]
+    def _drop_cancelled(self, cancelled=None) -> None:
+        """Drop the requests ``cancelled(request)`` names (default: those whose
+        client went away; over processes, those rank 0 named for this turn)."""
+        cancelled = cancelled or (lambda r: r.cancelled)
+        self.waiting = [r for r in self.waiting if not cancelled(r)]
+        gone = [j for j in self.reading.values() if cancelled(j.request)]
         if gone:
             self.reader.remove([j.stream for j in gone], extract=False)
             for j in gone:
                 del self.reading[id(j.stream)]
-        gone = [j for j in self.jobs.values() if j.request.cancelled]
+        gone = [j for j in self.jobs.values() if cancelled(j.request)]
         if gone:
             self._leave(gone)
 

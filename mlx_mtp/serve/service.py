@@ -32,10 +32,12 @@ def model_aliases(name: str) -> set:
 class Service:
     """The model's names, tokenizer, limits and engine."""
 
-    def __init__(self, model, tokenizer, name: str, config: ServeConfig):
+    def __init__(self, model, tokenizer, name: str, config: ServeConfig, engine=None):
+        """``engine``: the engine to run requests on (default: a new ``Engine``;
+        over processes, ``cluster.ClusterEngine``)."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config = config
-        self.engine = Engine(model, tokenizer, config)
+        self.engine = engine if engine is not None else Engine(model, tokenizer, config)
         cfgs = [model.config, model.config.get("text_config") or {}]
         self.context = context_length(model)
         self.vocab = next(
