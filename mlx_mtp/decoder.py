@@ -68,11 +68,6 @@ class Decoder:
     def __len__(self) -> int:
         return len(self.streams)
 
-    @property
-    def capacity(self) -> int:
-        """The most streams this model's caches let one batch hold (0: any)."""
-        return 0 if self.batched else 1
-
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
         if not self.batched:  # a batch of one, on the stream's own caches
@@ -170,7 +165,7 @@ class Decoder:
         pending = [q.hidden for s in self.streams for q in s.cache.pending]
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
-    def _cap(self, s: Stream) -> int:
+    def cap(self, s: Stream) -> int:
         """The most head drafts stream ``s`` may take this round."""
         if self.model.head is None:
             return 0
@@ -192,7 +187,7 @@ class Decoder:
         tic = time.perf_counter()
         self.peak = max(self.peak, len(streams))
         # 1) the round's draft length, and each stream's plan
-        caps = [self._cap(s) for s in streams]
+        caps = [self.cap(s) for s in streams]
         k = max(caps)
         if self.policy is not None:
             k = self.policy.choose(

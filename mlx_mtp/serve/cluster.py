@@ -383,7 +383,7 @@ class ClusterEngine(Engine):
             streams += [j.stream for j, m in zip(jobs, left) if m == n]
         if not streams:
             return 0
-        caps = [self.decoder._cap(s) for s in streams]
+        caps = [self.decoder.cap(s) for s in streams]
         rates = [s.source.rates() for s in streams]
         return policy.inner.choose(len(streams), rates, caps)
 
