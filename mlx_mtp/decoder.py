@@ -68,6 +68,11 @@ class Decoder:
     def __len__(self) -> int:
         return len(self.streams)
 
+    @property
+    def capacity(self) -> int:
+        """The most streams this model's caches let one batch hold (0: any)."""
+        return 0 if self.batched else 1
+
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
         if not self.batched:  # a batch of one, on the stream's own caches
