@@ -110,9 +110,22 @@ class ShardSet:
             self.shards.append(
                 {n: np.load(folder / f"{s:05d}.{n}.npy", mmap_mode="r") for n in FIELDS}
             )
+        self._index()
+
+    def _index(self) -> None:
         sizes = [len(sh["meta"]) for sh in self.shards]
         self.offsets = np.cumsum([0] + sizes)
         self.rows = int(self.offsets[-1])
+        self.parts = [self.rows]  # rows per source, in order (see ``join``)
+
+    @classmethod
+    def join(cls, sets: Sequence["ShardSet"]) -> "ShardSet":
+        """One set over several: rows of ``sets[0]`` first, ``parts`` their sizes."""
+        joined = cls.__new__(cls)
+        joined.shards = [sh for s in sets for sh in s.shards]
+        joined._index()
+        joined.parts = [s.rows for s in sets]
+        return joined
 
     @property
     def seq_len(self) -> int:
