@@ -75,7 +75,7 @@ def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
         advance=advance,
         step=step,
         evaluated=lambda n, acc: console.print(f"step {n}: {_agreement(acc)}"),
-        message=console.print,
+        message=lambda text: console.print(text, soft_wrap=True, markup=False),
     )
 
 
@@ -100,7 +100,7 @@ def _rich_hooks(progress, console: Console) -> Hooks:
         advance=lambda k: progress.advance(s["task"], k),
         step=step,
         evaluated=evaluated,
-        message=progress.console.print,
+        message=lambda text: progress.console.print(text, markup=False),
     )
 
 

@@ -151,6 +151,7 @@ def train_head(
     out = Path(out)
     rows = _check(base, out, data, cfg, run)  # before any model work
     mtp_model, tokenizer = load(base)
+    init_head(mtp_model, cfg.eh_init)  # a trunk the head cannot copy fails now
     work = out / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"base": base_identity(mtp_model.config, base)}
