@@ -6,6 +6,7 @@ import re
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
@@ -179,3 +180,95 @@ def test_text_and_chat_mix_from_the_cli(llama_folder, text_folder, tmp_path, cap
     assert report["config"]["chat_share"] == 0.4
     assert 800 < report["text_tokens"] <= 900 and report["chat_tokens"] > 0
     assert report["train_tokens"] == report["text_tokens"] + report["chat_tokens"]
+
+
+# newcomer fixes (issue 32): a quantized trunk, a short file, doubled lines
+
+
+def test_train_head_on_a_quantized_trunk(llama_folder, tmp_path):
+    """A plain convert of a quantized GGUF keeps the trunk quantized: the head's
+    block is copied dequantized and trains; greedy output is unchanged."""
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model
+
+    from mlx_mtp.generate import generate
+    from mlx_mtp.loader import load
+
+    model = llama.Model(llama.ModelArgs.from_dict(LLAMA))
+    model.load_weights(str(llama_folder / "model.safetensors"))
+    model, config = quantize_model(model, dict(LLAMA), 32, 8)
+    weights = dict(tree_flatten(model.parameters()))
+    folder = tiny.save_folder(tmp_path / "q8", config, weights)
+    out = tmp_path / "head"
+    data = DataConfig(text=[tmp_path / "t.py"], validation=1, distill_tokens=8)
+    (tmp_path / "t.py").write_text(CODE)
+    report = train_head(
+        folder, out, data, _cfg(steps=4), RunConfig(eval_draft_maxes=())
+    )
+    assert report["complete"]
+    loaded, tokenizer = load(folder, mtp=out)
+    assert loaded.head is not None
+    prompt = tokenizer.encode("def f3(x):")
+    plain = generate(loaded, tokenizer, prompt, 24, mtp=False)
+    assert generate(loaded, tokenizer, prompt, 24, draft_max=2) == plain
+
+
+def test_a_file_shorter_than_a_window_is_warned_about(llama_folder, tmp_path, capsys):
+    from mlx_mtp.cli import run_app
+
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    long = tmp_path / "long.txt"
+    long.write_text(CODE)
+    for flag in ("--data", "--text"):
+        args = ["train-head", str(llama_folder), str(tmp_path / flag.strip("-"))]
+        args += [flag, str(short), flag, str(long), "--validation-prompts", "1"]
+        args += ["--distill-tokens", "8", "--steps", "1", "--batch-size", "1"]
+        args += ["--seq-len", "48", "--no-acceptance"]
+        assert run_app(args) == 0
+        err = capsys.readouterr().err
+        assert (
+            f"warning: {short}: " in err and "shorter than one 48-token window" in err
+        )
+        assert str(long) not in err
+
+
+def test_plain_progress_never_prints_a_line_twice():
+    import io
+
+    from rich.console import Console
+
+    from mlx_mtp.cli.train_head import _plain_hooks
+
+    buf = io.StringIO()
+    hooks = _plain_hooks(Console(file=buf, width=200), every=0.0)
+    hooks.phase("training (steps)", 3)
+    for n in (1, 2, 3):
+        hooks.step(n, 1.0 / n, 10)
+    hooks.phase("held-out acceptance (generations)", 2)
+    hooks.advance(2)
+    hooks.phase("", 0)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == len(set(lines)) == 4
+    assert lines[-1].startswith("held-out acceptance (generations): 2/2")
+
+
+def test_trunk_view_keeps_the_argmax_and_the_top8_distribution(llama_folder):
+    """The trunk pass partitions the vocabulary once: its greedy token is the
+    full argmax and its top-8 probabilities are the softmax's, renormalised."""
+    from mlx_mtp.loader import load
+    from mlx_mtp.training.shards import SOFT_TOP, trunk_view
+
+    model, tokenizer = load(llama_folder)
+    ids = tokenizer.encode(CODE)[:96]
+    windows = [(ids[:48], 0), (ids[48:90], 0)]
+    view = trunk_view(model.trunk, windows, 48)
+    tokens = mx.array([w + [0] * (48 - len(w)) for w, _ in windows])
+    logits, _ = model.trunk(tokens, model.trunk.make_cache())
+    assert (view["greedy"] == np.array(mx.argmax(logits, axis=-1))).all()
+    probs = np.array(mx.softmax(logits, axis=-1))
+    top = np.take_along_axis(probs, view["soft_ids"], axis=-1)
+    want = top / top.sum(-1, keepdims=True)
+    assert np.allclose(view["soft_probs"], want, atol=2e-3)
+    best = np.sort(probs, axis=-1)[..., -SOFT_TOP:]
+    assert np.allclose(np.sort(top, axis=-1), best, atol=1e-6)

@@ -304,7 +304,8 @@ def train(
         mx.eval(head.parameters(), opt.state, loss)
         losses.append(loss.item())
         if on_step is not None:
-            on_step(step, losses[-1], int(batch["mask"].sum().item()))
+            n = int(target_mask(raw["meta"], raw["tokens"].shape[1]).sum())
+            on_step(step, losses[-1], n)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             acc = agreement(head, val_set, vocab, eval_depth)
             if on_eval is not None:
