@@ -132,6 +132,19 @@ class ShardSet:
         joined.parts = [s.rows for s in sets]
         return joined
 
+    def first(self, rows: int) -> "ShardSet":
+        """The first ``rows`` windows as a set of their own (views, no copy)."""
+        part = self.__class__.__new__(self.__class__)
+        part.shards, left = [], rows
+        for sh in self.shards:
+            if left <= 0:
+                break
+            n = min(left, len(sh["meta"]))
+            part.shards.append({k: v[:n] for k, v in sh.items()})
+            left -= n
+        part._index()
+        return part
+
     @property
     def seq_len(self) -> int:
         return self.shards[0]["tokens"].shape[1]
