@@ -245,6 +245,19 @@ def _shuffled(n: int, seed: int, skip: int):
         epoch += 1
 
 
+def _keep_best(head: MTPHead, acc: list[float], step: int, state: dict, ckpt: Path):
+    """Score a held-out evaluation; the head's weights (also saved) when best."""
+    score = expected_length(acc)
+    if score <= state["best_score"]:
+        state["bad_evals"] += 1
+        return None
+    state.update(best_step=step, best_score=score, bad_evals=0, best_agreement=acc)
+    weights = dict(tree_flatten(head.trainable_parameters()))
+    ckpt.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(ckpt / "best.safetensors"), weights)
+    return weights
+
+
 def train(
     head: MTPHead,
     train_set: ShardSet,
@@ -310,15 +323,7 @@ def train(
             acc = agreement(head, val_set, vocab, eval_depth)
             if on_eval is not None:
                 on_eval(step, acc)
-            score = expected_length(acc)
-            if score > state["best_score"]:
-                state.update(best_step=step, best_score=score, bad_evals=0)
-                state["best_agreement"] = acc
-                best_weights = dict(tree_flatten(head.trainable_parameters()))
-                ckpt.mkdir(parents=True, exist_ok=True)
-                mx.save_safetensors(str(ckpt / "best.safetensors"), best_weights)
-            else:
-                state["bad_evals"] += 1
+            best_weights = _keep_best(head, acc, step, state, ckpt) or best_weights
         state["step"] = step
         if step % cfg.save_every == 0:
             _save_checkpoint(head, opt, state, ckpt)
