@@ -108,10 +108,6 @@ class DataConfig:
     trunk_batch: int = DEFAULT_TRUNK_BATCH
     validation: int = DEFAULT_VALIDATION_PROMPTS
 
-    @property
-    def has_chat(self) -> bool:
-        return bool(self.files or self.self_distill)
-
 
 @dataclass
 class RunConfig:
@@ -146,30 +142,21 @@ def train_head(
     Returns a report (data sizes, per-depth agreement, held-out acceptance,
     ``"complete": False`` when time or Ctrl-C ended the run first).
     """
-    cfg, run, hooks = cfg or TrainConfig(), run or RunConfig(), hooks or Hooks()
+    cfg, run = cfg or TrainConfig(), run or RunConfig()
     stop = stop or Stop(run.max_minutes)
-    out = Path(out)
-    rows = _check(base, out, data, cfg, run)  # before any model work
-    mtp_model, tokenizer = load(base)
-    init_head(mtp_model, cfg.eh_init)  # a trunk the head cannot copy fails now
-    work = out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"base": base_identity(mtp_model.config, base)}
+    rows = _check(base, Path(out), data, cfg, run)  # before any model work
+    phases = _Phases(base, Path(out), data, cfg, run, hooks or Hooks(), stop)
     with interruptible(stop):
         try:
-            windows = _windows(
-                mtp_model, tokenizer, rows, data, cfg, work, report, hooks, stop
-            )
-            sets = _hidden_states(mtp_model, windows, data, cfg, work, hooks, stop)
-            head = _train(mtp_model, windows, sets, cfg, run, out, report, hooks, stop)
+            windows = phases.windows(rows)
+            sets = phases.hidden_states(windows)
+            head = phases.train(windows, sets)
             if run.eval_draft_maxes:
-                _evaluate(
-                    base, out, tokenizer, head, mtp_model, cfg, run, report, hooks
-                )
+                phases.evaluate(head)
         except _Stopped as s:
-            return {**report, "complete": False, "stopped_in": s.phase}
-    report["complete"] = True
-    return report
+            return {**phases.report, "complete": False, "stopped_in": s.phase}
+    phases.report["complete"] = True
+    return phases.report
 
 
 def _check(
@@ -195,153 +182,177 @@ def _check(
     return rows
 
 
-def _windows(mtp_model, tokenizer, rows, data, cfg, work, report, hooks, stop):
-    """1) the windows: validation answers, chat (--data and the trunk's answers),
-    text (--text and --corpus)."""
-    model = mtp_model.trunk.model
+class _Phases:
+    """One run's phases over what they share: the model, the configs, the
+    work folder, the report so far."""
 
-    def distill(prompts, name):
-        hooks.phase(f"self-distillation, {name} (answers)", len(prompts))
+    def __init__(self, base, out, data, cfg, run, hooks, stop):
+        self.base, self.out, self.data, self.cfg, self.run = base, out, data, cfg, run
+        self.hooks, self.stop = hooks, stop
+        self.mtp_model, self.tokenizer = load(base)
+        init_head(self.mtp_model, cfg.eh_init)  # a trunk the head cannot copy fails now
+        self.work = out / WORK_DIR
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {
+            "base": base_identity(self.mtp_model.config, base)
+        }
+
+    def _distill(self, prompts, name):
+        self.hooks.phase(f"self-distillation, {name} (answers)", len(prompts))
         seqs = self_distill(
-            model,
-            tokenizer,
+            self.mtp_model.trunk.model,
+            self.tokenizer,
             prompts,
-            data.distill_tokens,
-            work / f"{name}.jsonl",
-            data.distill_batch,
-            hooks.advance,
-            stop,
+            self.data.distill_tokens,
+            self.work / f"{name}.jsonl",
+            self.data.distill_batch,
+            self.hooks.advance,
+            self.stop,
         )
         if len(seqs) < len(prompts):
             raise _Stopped("self-distillation")
         return seqs
 
-    val_prompts = validation_prompts(data.validation, cfg.seed)
-    val = distill(val_prompts, "validation")
-    chat = []
-    for f, r in zip(data.files, rows):
-        seqs = encode_rows(r, tokenizer)
-        if sum(len(t) for t, _ in seqs) < cfg.seq_len:
-            hooks.message(
-                short_warning(str(f), sum(len(t) for t, _ in seqs), cfg.seq_len)
+    def windows(self, rows) -> dict[str, list]:
+        """1) the windows: validation answers, chat (--data and the trunk's
+        answers), text (--text and --corpus)."""
+        data, cfg, tokenizer = self.data, self.cfg, self.tokenizer
+        val_prompts = validation_prompts(data.validation, cfg.seed)
+        val = self._distill(val_prompts, "validation")
+        chat = []
+        for f, r in zip(data.files, rows):
+            seqs = encode_rows(r, tokenizer)
+            n = sum(len(t) for t, _ in seqs)
+            if n < cfg.seq_len:
+                self.hooks.message(short_warning(str(f), n, cfg.seq_len))
+            chat += seqs
+        if data.self_distill:
+            prompts = training_prompts(data.self_distill, cfg.seed, val_prompts)
+            tic, before = time.time(), _tokens(self.work / "distill.jsonl")
+            chat += self._distill(prompts, "distill")
+            made = _tokens(self.work / "distill.jsonl") - before
+            if made:  # answer tokens per second of this run's generation
+                rate = made / (time.time() - tic)
+                self.report["distill_tokens_per_second"] = rate
+        text = []
+        if data.text or data.corpus:
+            extra = " and the ready corpus" if data.corpus else ""
+            self.hooks.message(f"reading text{extra}")
+            text = read_text(
+                data.text,
+                data.corpus,
+                tokenizer,
+                data.text_tokens,
+                cfg.seed,
+                self.hooks.message,
+                cfg.seq_len,
             )
-        chat += seqs
-    if data.self_distill:
-        prompts = training_prompts(data.self_distill, cfg.seed, val_prompts)
-        tic, before = time.time(), _tokens(work / "distill.jsonl")
-        chat += distill(prompts, "distill")
-        made = _tokens(work / "distill.jsonl") - before
-        if made:  # answer tokens per second of this run's generation
-            report["distill_tokens_per_second"] = made / (time.time() - tic)
-    text = []
-    if data.text or data.corpus:
-        hooks.message("reading text" + (" and the ready corpus" if data.corpus else ""))
-        text = read_text(
-            data.text,
-            data.corpus,
-            tokenizer,
-            data.text_tokens,
-            cfg.seed,
-            hooks.message,
-            cfg.seq_len,
+        windows = {
+            "validation": chunk_sequences(val, cfg.seq_len),
+            "train": chunk_sequences(chat, cfg.seq_len),
+            "text": chunk_sequences(text, cfg.seq_len),
+        }
+        if not windows["train"] and not windows["text"]:
+            raise MTPError(
+                "the training data is too short (need sequences of 8+ tokens)"
+            )
+        return windows
+
+    def hidden_states(self, windows) -> dict[str, ShardSet]:
+        """2) the frozen trunk's view of every window, streamed to shards."""
+        sets = {}
+        for name, wins in windows.items():
+            if not wins:
+                continue
+            total = sum(len(w) for w, _ in wins)
+            self.hooks.phase(f"trunk hidden states, {name} (tokens)", total)
+            folder = self.work / f"shards-{name}"
+            if not write_shards(
+                self.mtp_model.trunk,
+                wins,
+                self.cfg.seq_len,
+                folder,
+                self.data.trunk_batch,
+                self.hooks.advance,
+                self.stop,
+            ):
+                raise _Stopped("hidden states")
+            sets[name] = ShardSet(folder, shard_count(len(wins)))
+        return sets
+
+    def train(self, windows, sets):
+        """3) train; chat and text windows mixed at ``chat_share``."""
+        cfg, hooks = self.cfg, self.hooks
+        train_set = ShardSet.join([sets[n] for n in ("train", "text") if n in sets])
+        first = (windows["train"] or windows["text"])[0][0]
+        head = init_head(self.mtp_model, cfg.eh_init, sample=first)
+        hooks.phase("training (steps)", cfg.steps)
+        result = train(
+            head,
+            train_set,
+            sets["validation"],
+            cfg,
+            self.out,
+            self.mtp_model.config["vocab_size"],
+            self.run.resume,
+            hooks.step,
+            hooks.evaluated,
+            self.stop,
         )
-    windows = {
-        "validation": chunk_sequences(val, cfg.seq_len),
-        "train": chunk_sequences(chat, cfg.seq_len),
-        "text": chunk_sequences(text, cfg.seq_len),
-    }
-    if not windows["train"] and not windows["text"]:
-        raise MTPError("the training data is too short (need sequences of 8+ tokens)")
-    return windows
-
-
-def _hidden_states(mtp_model, windows, data, cfg, work, hooks, stop):
-    """2) the frozen trunk's view of every window, streamed to shards."""
-    sets = {}
-    for name, wins in windows.items():
-        if not wins:
-            continue
-        hooks.phase(
-            f"trunk hidden states, {name} (tokens)", sum(len(w) for w, _ in wins)
+        if result.vocab is not None:  # draft from the tokens it was trained on
+            head.draft_vocab = mx.array(result.vocab, dtype=mx.int32)
+        self.report.update(
+            train_tokens=train_set.tokens(),
+            chat_tokens=sets["train"].tokens() if "train" in sets else 0,
+            text_tokens=sets["text"].tokens() if "text" in sets else 0,
+            train_windows=train_set.rows,
+            validation_tokens=sets["validation"].tokens(),
+            config=_config_dict(cfg),
+            steps=result.steps,
+            best_step=result.best_step,
+            initial_agreement=result.initial_agreement,
+            agreement=result.best_agreement,
+            train_seconds=round(result.seconds, 1),
         )
-        folder = work / f"shards-{name}"
-        if not write_shards(
-            mtp_model.trunk,
-            wins,
-            cfg.seq_len,
-            folder,
-            data.trunk_batch,
-            hooks.advance,
-            stop,
-        ):
-            raise _Stopped("hidden states")
-        sets[name] = ShardSet(folder, shard_count(len(wins)))
-    return sets
+        self._save(head)
+        if result.stopped:
+            raise _Stopped("training")
+        return head
 
+    def evaluate(self, head) -> None:
+        """4) held-out acceptance, with the head as the runtime loads it."""
+        run = self.run
+        loaded, _ = load(self.base, mtp=self.out)
+        prompts = eval_prompts(run.eval_per_kind)
+        n = sum(len(p) for p in prompts.values()) * len(run.eval_draft_maxes)
+        self.hooks.phase("held-out acceptance (generations)", n)
+        results = evaluate.by_kind(
+            loaded,
+            self.tokenizer,
+            prompts,
+            run.eval_draft_maxes,
+            run.eval_tokens,
+            self.hooks.advance,
+        )
+        by_depth = results["all"][max(run.eval_draft_maxes)].per_position_acceptance
+        sample = render_prompt(self.tokenizer, next(iter(prompts.values()))[0])
+        costs = evaluate.measure_costs(loaded, sample, max(run.eval_draft_maxes))
+        self.report.update(
+            acceptance={
+                kind: {k: evaluate.summary(s) for k, s in per_k.items()}
+                for kind, per_k in results.items()
+            },
+            table=evaluate.table(results),
+            costs=costs,
+            expected_speedups=evaluate.expected_speedups(by_depth, costs),
+            recommended_draft_max=evaluate.recommend_draft_max(by_depth, costs),
+            acceptance_by_depth=[round(a, 4) for a in by_depth],
+        )
+        self._save(head)
 
-def _train(mtp_model, windows, sets, cfg, run, out, report, hooks, stop):
-    """3) train; the chat windows and the text windows mixed at ``chat_share``."""
-    train_set = ShardSet.join([sets[n] for n in ("train", "text") if n in sets])
-    first = (windows["train"] or windows["text"])[0][0]
-    head = init_head(mtp_model, cfg.eh_init, sample=first)
-    hooks.phase("training (steps)", cfg.steps)
-    result = train(
-        head,
-        train_set,
-        sets["validation"],
-        cfg,
-        out,
-        mtp_model.config["vocab_size"],
-        run.resume,
-        hooks.step,
-        hooks.evaluated,
-        stop,
-    )
-    if result.vocab is not None:  # draft from the tokens the head was trained on
-        head.draft_vocab = mx.array(result.vocab, dtype=mx.int32)
-    report.update(
-        train_tokens=train_set.tokens(),
-        chat_tokens=sets["train"].tokens() if "train" in sets else 0,
-        text_tokens=sets["text"].tokens() if "text" in sets else 0,
-        train_windows=train_set.rows,
-        validation_tokens=sets["validation"].tokens(),
-        config=_config_dict(cfg),
-        steps=result.steps,
-        best_step=result.best_step,
-        initial_agreement=result.initial_agreement,
-        agreement=result.best_agreement,
-        train_seconds=round(result.seconds, 1),
-    )
-    save_head(head, mtp_model.config, out, cfg.dtype, _head_info(report))
-    if result.stopped:
-        raise _Stopped("training")
-    return head
-
-
-def _evaluate(base, out, tokenizer, head, mtp_model, cfg, run, report, hooks):
-    """4) held-out acceptance, with the head as the runtime loads it."""
-    loaded, _ = load(base, mtp=out)
-    prompts = eval_prompts(run.eval_per_kind)
-    n = sum(len(p) for p in prompts.values()) * len(run.eval_draft_maxes)
-    hooks.phase("held-out acceptance (generations)", n)
-    results = evaluate.by_kind(
-        loaded, tokenizer, prompts, run.eval_draft_maxes, run.eval_tokens, hooks.advance
-    )
-    by_depth = results["all"][max(run.eval_draft_maxes)].per_position_acceptance
-    sample = render_prompt(tokenizer, next(iter(prompts.values()))[0])
-    costs = evaluate.measure_costs(loaded, sample, max(run.eval_draft_maxes))
-    report.update(
-        acceptance={
-            kind: {k: evaluate.summary(s) for k, s in per_k.items()}
-            for kind, per_k in results.items()
-        },
-        table=evaluate.table(results),
-        costs=costs,
-        expected_speedups=evaluate.expected_speedups(by_depth, costs),
-        recommended_draft_max=evaluate.recommend_draft_max(by_depth, costs),
-        acceptance_by_depth=[round(a, 4) for a in by_depth],
-    )
-    save_head(head, mtp_model.config, out, cfg.dtype, _head_info(report))
+    def _save(self, head) -> None:
+        config = self.mtp_model.config
+        save_head(head, config, self.out, self.cfg.dtype, _head_info(self.report))
 
 
 def _head_info(report: dict[str, Any]) -> dict[str, Any]:

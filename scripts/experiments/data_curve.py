@@ -3,7 +3,7 @@
 Reads the shards a ``train-head`` run left in ``RUN/work`` (text, chat,
 validation), and for each N in ``--tokens`` trains a fresh head on the first
 N target tokens of the text (plus all the run's chat windows at
-``--chat-share`` of each step) for ``--epochs`` passes over that text, then
+``--chat-share`` of each step) for ``--epochs`` passes over that text (``--min-steps`` at least), then
 writes it to ``CURVE/N/`` and prints one line per point: held-out
 teacher-forced agreement per depth, E = 1 + a1 + a1 a2 + a1 a2 a3, steps and
 seconds. Each point doubles the last, so the curve reads as gain per doubling.
@@ -47,6 +47,12 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--chat-share", type=float, default=0.25)
     ap.add_argument("--evals", type=int, default=5, help="evaluations per point")
+    ap.add_argument(
+        "--min-steps",
+        type=int,
+        default=30,
+        help="small points train at least this long (more epochs, early stopping)",
+    )
     args = ap.parse_args()
     mtp_model, _ = load(args.model)
     work = args.run / "work"
@@ -57,12 +63,13 @@ def main():
         part = text.first(rows_for_tokens(text, n))
         share = args.chat_share if chat is not None else 0.0
         train_set = ShardSet.join([chat, part] if chat is not None else [part])
-        steps = max(int(args.epochs * part.rows / ((1 - share) * args.batch_size)), 4)
+        epoch = part.rows / ((1 - share) * args.batch_size)
+        steps = max(int(args.epochs * epoch), args.min_steps)
         cfg = TrainConfig(
             steps=steps,
             batch_size=args.batch_size,
             warmup=max(steps // 10, 1),
-            eval_every=max(steps // args.evals, 1),
+            eval_every=max(steps // args.evals, 5),
             save_every=10**6,
             patience=3,
             chat_share=share,
