@@ -15,10 +15,17 @@ from mlx.utils import tree_flatten
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import generate, mtp_logits
 from mlx_mtp.loader import load
-from mlx_mtp.training import Hooks, TrainConfig, init_head, train, train_head
+from mlx_mtp.training import (
+    DataConfig,
+    Hooks,
+    RunConfig,
+    TrainConfig,
+    init_head,
+    train,
+    train_head,
+)
 from mlx_mtp.training.data import chunk_sequences, self_distill
 from mlx_mtp.training.head import chain_forward
-from mlx_mtp.training.run import DataConfig, RunConfig
 from mlx_mtp.training.shards import SHARD_WINDOWS, ShardSet, trunk_view, write_shards
 from mlx_mtp.training.trainer import Vocab, agreement, chain_losses, make_batch
 

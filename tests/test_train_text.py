@@ -236,9 +236,8 @@ def test_a_file_shorter_than_a_window_is_warned_about(llama_folder, tmp_path, ca
 def test_plain_progress_never_prints_a_line_twice():
     import io
 
-    from rich.console import Console
-
     from mlx_mtp.cli.train_head import _plain_hooks
+    from rich.console import Console
 
     buf = io.StringIO()
     hooks = _plain_hooks(Console(file=buf, width=200), every=0.0)
