@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlx_mtp.loader import load
 from mlx_mtp.training.head import init_head, save_head
@@ -37,6 +38,19 @@ def rows_for_tokens(shards: ShardSet, tokens: int) -> int:
     return min(int(np.searchsorted(np.cumsum(per), tokens)) + 1, shards.rows)
 
 
+def warm_start(head, folder: Path) -> None:
+    """Load a saved head's weights (``save_head``'s names) into ``head``."""
+    config = json.loads((folder / "mtp_config.json").read_text())
+    own = {k for k, _ in tree_flatten(head.trainable_parameters())}
+    weights = []
+    for k, v in mx.load(str(folder / "mtp.safetensors")).items():
+        name = k.removeprefix(config["prefix"])
+        name = name if name in own else f"block.{name}"
+        if name in own:  # the draft vocabulary is chosen again from the data
+            weights.append((name, v.astype(mx.float32)))
+    head.load_weights(weights, strict=False)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -47,6 +61,8 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--chat-share", type=float, default=0.25)
     ap.add_argument("--evals", type=int, default=5, help="evaluations per point")
+    ap.add_argument("--init", type=Path, help="start every point from this head")
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument(
         "--min-steps",
         type=int,
@@ -73,11 +89,14 @@ def main():
             save_every=10**6,
             patience=3,
             chat_share=share,
+            lr=args.lr,
         )
         out = args.curve / str(n)
         head = init_head(
             mtp_model, cfg.eh_init, sample=part.batch([0])["tokens"][0].tolist()
         )
+        if args.init:
+            warm_start(head, args.init)
         tic = time.time()
         result = train(head, train_set, val, cfg, out, mtp_model.config["vocab_size"])
         if result.vocab is not None:
