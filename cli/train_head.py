@@ -404,7 +404,14 @@ def _run(
     """Run with progress on the terminal (bars) or in a log (lines); report."""
     console = Console(stderr=True)
     stop = Stop(run.max_minutes)
-    args = dict(base=base, out=out, data=data, cfg=cfg, run=run, stop=stop)
+    args = {
+        "base": base,
+        "out": out,
+        "data": data,
+        "cfg": cfg,
+        "run": run,
+        "stop": stop,
+    }
     if console.is_terminal:
         with _progress(console) as progress:
             report = run_train_head(**args, hooks=_rich_hooks(progress, console))

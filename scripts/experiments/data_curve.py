@@ -27,7 +27,12 @@ from mlx_mtp.loader import load
 from mlx_mtp.training.head import init_head, save_head
 from mlx_mtp.training.run import _config_dict, base_identity
 from mlx_mtp.training.shards import ShardSet, target_mask
-from mlx_mtp.training.trainer import TrainConfig, expected_length, train
+from mlx_mtp.training.trainer import (
+    DEFAULT_CHAT_SHARE,
+    TrainConfig,
+    expected_length,
+    train,
+)
 
 
 def rows_for_tokens(shards: ShardSet, tokens: int) -> int:
@@ -59,7 +64,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", required=True)
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--chat-share", type=float, default=0.25)
+    ap.add_argument("--chat-share", type=float, default=DEFAULT_CHAT_SHARE)
     ap.add_argument("--evals", type=int, default=5, help="evaluations per point")
     ap.add_argument("--init", type=Path, help="start every point from this head")
     ap.add_argument("--lr", type=float, default=1e-3)
