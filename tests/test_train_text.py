@@ -272,24 +272,3 @@ def test_trunk_view_keeps_the_argmax_and_the_top8_distribution(llama_folder):
     best = np.sort(probs, axis=-1)[..., -SOFT_TOP:]
     assert np.allclose(np.sort(top, axis=-1), best, atol=1e-6)
 
-
-def test_draft_vocabulary_takes_the_trunks_likely_alternatives(llama_folder, tmp_path):
-    """The draft vocabulary ranks tokens by the trunk's top-8 mass: besides
-    every greedy target it holds tokens the trunk often rates second, which
-    text of another kind (code for a chat model) would otherwise leave out."""
-    from mlx_mtp.loader import load
-    from mlx_mtp.training.data import chunk_sequences
-    from mlx_mtp.training.shards import ShardSet, write_shards
-    from mlx_mtp.training.trainer import choose_vocab
-
-    model, tokenizer = load(llama_folder)
-    windows = chunk_sequences([(tokenizer.encode(CODE), 0)], 48)
-    write_shards(model.trunk, windows, 48, tmp_path, batch=8)
-    shards = ShardSet(tmp_path)
-    greedy = set(np.flatnonzero(shards.target_counts(tiny.VOCAB)).tolist())
-    keep = choose_vocab(shards, tiny.VOCAB, 10**6)
-    assert greedy < set(keep.tolist())
-    top = choose_vocab(shards, tiny.VOCAB, 5).tolist()
-    assert (
-        top == np.argsort(-shards.target_mass(tiny.VOCAB), kind="stable")[:5].tolist()
-    )

@@ -165,20 +165,6 @@ class ShardSet:
             sum(target_mask(sh["meta"], self.seq_len).sum() for sh in self.shards)
         )
 
-    def target_mass(self, vocab_size: int) -> np.ndarray:
-        """Each token's summed top-K probability over all target positions: how
-        often the trunk would say it, its likely alternatives included."""
-        mass = np.zeros(vocab_size, np.float64)
-        for sh in self.shards:
-            m = target_mask(sh["meta"], self.seq_len)
-            ids, probs = sh["soft_ids"][:, 1:][m], sh["soft_probs"][:, 1:][m]
-            mass += np.bincount(
-                ids.ravel(),
-                weights=probs.ravel().astype(np.float64),
-                minlength=vocab_size,
-            )
-        return mass
-
     def target_counts(self, vocab_size: int) -> np.ndarray:
         """How often each token is the trunk's greedy target, over all shards."""
         counts = np.zeros(vocab_size, np.int64)
