@@ -27,10 +27,10 @@ before spending device time.
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,7 +140,7 @@ def main():
     ap.add_argument("--model", help="an MLX model folder (default: convert the GGUF)")
     ap.add_argument(
         "--work",
-        default=os.environ.get("TMPDIR", "/tmp") + "/head-gpu",
+        default=str(Path(tempfile.gettempdir()) / "head-gpu"),
         help="shards and checkpoints (not copied to OUT)",
     )
     ap.add_argument("--tokens", type=int, default=2_000_000, help="text tokens")
