@@ -11,6 +11,7 @@ from rich.console import Console
 
 from mlx_mtp.training import Hooks, Stop, TrainConfig
 from mlx_mtp.training import train_head as run_train_head
+from mlx_mtp.training.corpus import DEFAULT_CORPUS_TOKENS
 from mlx_mtp.training.data import DEFAULT_DISTILL_BATCH, DEFAULT_DISTILL_TOKENS
 from mlx_mtp.training.head import EH_INITS
 from mlx_mtp.training.run import (
@@ -18,6 +19,8 @@ from mlx_mtp.training.run import (
     DEFAULT_EVAL_TOKENS,
     DEFAULT_TRUNK_BATCH,
     DEFAULT_VALIDATION_PROMPTS,
+    DataConfig,
+    RunConfig,
 )
 from mlx_mtp.training.trainer import DISTILL_TARGETS
 
@@ -43,20 +46,20 @@ Dtype = _choices("Dtype", ("bfloat16", "float16", "float32"))
 def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
     """One line per phase, progress every ``every`` seconds: for logs."""
     s = {"name": "", "total": 0, "done": 0, "t0": 0.0, "last": 0.0, "info": ""}
+    s["shown"] = -1  # the count of the last line printed: a line is never repeated
 
     def line():
         rate = s["done"] / max(time.time() - s["t0"], 1e-9)
         console.print(
             f"{s['name']}: {s['done']}/{s['total']} ({rate:.1f}/s){s['info']}"
         )
-        s["last"] = time.time()
+        s["last"], s["shown"] = time.time(), s["done"]
 
     def phase(name, total):
-        if s["name"] and s["done"]:
+        if s["name"] and s["done"] and s["done"] != s["shown"]:
             line()
-        s.update(
-            name=name, total=total, done=0, t0=time.time(), last=time.time(), info=""
-        )
+        s.update(name=name, total=total, done=0, t0=time.time(), last=time.time())
+        s.update(info="", shown=-1)
 
     def advance(n):
         s["done"] += n
@@ -72,7 +75,7 @@ def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
         advance=advance,
         step=step,
         evaluated=lambda n, acc: console.print(f"step {n}: {_agreement(acc)}"),
-        message=console.print,
+        message=lambda text: console.print(text, soft_wrap=True, markup=False),
     )
 
 
@@ -97,7 +100,7 @@ def _rich_hooks(progress, console: Console) -> Hooks:
         advance=lambda k: progress.advance(s["task"], k),
         step=step,
         evaluated=evaluated,
-        message=progress.console.print,
+        message=lambda text: progress.console.print(text, markup=False),
     )
 
 
@@ -107,8 +110,9 @@ def _agreement(per_depth) -> str:
 
 def _summary(report: dict) -> str:
     lines = [
-        f"trained on {report['train_tokens']} answer tokens "
-        f"({report['train_windows']} windows), {report['steps']} steps in "
+        f"trained on {report['train_tokens']} target tokens "
+        f"({report['chat_tokens']} chat, {report['text_tokens']} text; "
+        f"{report['train_windows']} windows), {report['steps']} steps in "
         f"{report['train_seconds']:.0f} s; best step {report['best_step']}",
         "held-out teacher-forced agreement by depth: "
         + ", ".join(
@@ -140,11 +144,42 @@ def train_head(
         help="Folder for the head (mtp.safetensors, mtp_config.json) and the "
         "run's data and checkpoints.",
     ),
+    text: list[Path] | None = typer.Option(
+        None,
+        "--text",
+        rich_help_panel=DATA,
+        help="Text files or folders (their text files, by suffix), read "
+        "teacher-forced with the trunk's top-8 as targets. Repeatable.",
+    ),
+    corpus: bool = typer.Option(
+        False,
+        "--corpus",
+        rich_help_panel=DATA,
+        help="Also read the ready corpus every install has: the Python standard "
+        "library's source and permissively licensed packages' READMEs, deduplicated.",
+    ),
+    text_tokens: int = typer.Option(
+        0,
+        "--text-tokens",
+        min=0,
+        rich_help_panel=DATA,
+        help=f"Tokens of --text/--corpus at most (0: all of --text; "
+        f"{DEFAULT_CORPUS_TOKENS:,} with --corpus).",
+    ),
+    chat_share: float = typer.Option(
+        d.chat_share,
+        "--chat-share",
+        min=0.0,
+        max=1.0,
+        rich_help_panel=DATA,
+        help="Share of training windows drawn from chat (--data, --self-distill) "
+        "when text is given too (0: in proportion to their sizes).",
+    ),
     data: list[Path] | None = typer.Option(
         None,
         "--data",
         rich_help_panel=DATA,
-        help='Training text: UTF-8 text, or JSON lines with "tokens" (and '
+        help='Chat data: UTF-8 text, or JSON lines with "tokens" (and '
         '"prompt_len") or "text". Repeatable.',
     ),
     self_distill: int = typer.Option(
@@ -341,43 +376,44 @@ def train_head(
         distill=Distill(distill).value,
         depth=depth,
         chain_weights=weights[:depth],
+        chat_share=chat_share,
     )
-    console = Console(stderr=True)
-    stop = Stop(max_minutes)
-    args = dict(
-        base=base,
-        out=out,
-        data=data or [],
-        self_distill_prompts=self_distill,
+    sources = DataConfig(
+        files=data or [],
+        text=text or [],
+        corpus=corpus,
+        text_tokens=text_tokens,
+        self_distill=self_distill,
         distill_tokens=distill_tokens,
-        cfg=cfg,
-        resume=resume,
-        eval_tokens=eval_tokens,
-        eval_draft_maxes=() if no_acceptance else DEFAULT_EVAL_DRAFT_MAXES,
         distill_batch=distill_batch,
         trunk_batch=trunk_batch,
         validation=validation,
-        stop=stop,
     )
-    if console.is_terminal:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+    run = RunConfig(
+        resume=resume,
+        eval_tokens=eval_tokens,
+        eval_draft_maxes=() if no_acceptance else DEFAULT_EVAL_DRAFT_MAXES,
+        max_minutes=max_minutes,
+    )
+    _run(base, out, sources, cfg, run, as_json)
 
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-        )
-        with Progress(*columns, console=console) as progress:
+
+def _run(
+    base: Path, out: Path, data: DataConfig, cfg: TrainConfig, run: RunConfig, as_json
+) -> None:
+    """Run with progress on the terminal (bars) or in a log (lines); report."""
+    console = Console(stderr=True)
+    stop = Stop(run.max_minutes)
+    args = {
+        "base": base,
+        "out": out,
+        "data": data,
+        "cfg": cfg,
+        "run": run,
+        "stop": stop,
+    }
+    if console.is_terminal:
+        with _progress(console) as progress:
             report = run_train_head(**args, hooks=_rich_hooks(progress, console))
     else:
         hooks = _plain_hooks(console)
@@ -400,3 +436,24 @@ def train_head(
         f"head written to {out}; use it with: mlx-mtp generate -m {base} --mtp {out}"
     )
     sys.stderr.flush()
+
+
+def _progress(console: Console):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    return Progress(*columns, console=console)

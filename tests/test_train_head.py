@@ -15,7 +15,15 @@ from mlx.utils import tree_flatten
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import generate, mtp_logits
 from mlx_mtp.loader import load
-from mlx_mtp.training import Hooks, TrainConfig, init_head, train, train_head
+from mlx_mtp.training import (
+    DataConfig,
+    Hooks,
+    RunConfig,
+    TrainConfig,
+    init_head,
+    train,
+    train_head,
+)
 from mlx_mtp.training.data import chunk_sequences, self_distill
 from mlx_mtp.training.head import chain_forward
 from mlx_mtp.training.shards import SHARD_WINDOWS, ShardSet, trunk_view, write_shards
@@ -241,13 +249,12 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(
         chain_weights=(1.0, 0.5),
     )
     args = dict(
-        data=[data_file],
-        self_distill_prompts=4,
-        distill_tokens=16,
-        validation=2,
+        data=DataConfig(
+            files=[data_file], self_distill=4, distill_tokens=16, validation=2
+        ),
         cfg=cfg,
-        eval_draft_maxes=(),
     )
+    args["run"] = RunConfig(eval_draft_maxes=())
     whole = train_head(llama_folder, tmp_path / "whole", **args)
     assert whole["complete"] and whole["steps"] == 12
 
@@ -263,9 +270,8 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(
     again = train_head(
         llama_folder,
         out,
-        resume=True,
         hooks=Hooks(step=lambda s, loss, n: steps.append(s)),
-        **args,
+        **{**args, "run": RunConfig(resume=True, eval_draft_maxes=())},
     )
     assert steps == list(range(6, 13)) and again["complete"]
     assert shard.stat().st_mtime_ns == stamp  # the shards were reused
@@ -313,13 +319,9 @@ def test_train_head_writes_a_head_the_runtime_attaches(
     report = train_head(
         llama_folder,
         out,
-        data=[data_file],
-        self_distill_prompts=4,
-        distill_tokens=24,
-        validation=2,
+        DataConfig(files=[data_file], self_distill=4, distill_tokens=24, validation=2),
         cfg=cfg,
-        eval_tokens=24,
-        eval_per_kind=1,
+        run=RunConfig(eval_tokens=24, eval_per_kind=1),
         hooks=Hooks(step=lambda s, loss, n: losses.append(loss)),
     )
     assert sum(losses[-5:]) < sum(losses[:5])
@@ -365,11 +367,9 @@ def test_vocab_subset_head_drafts_from_its_subset(llama_folder, data_file, tmp_p
     train_head(
         llama_folder,
         out,
-        data=[data_file],
+        DataConfig(files=[data_file], validation=2, distill_tokens=16),
         cfg=cfg,
-        validation=2,
-        distill_tokens=16,
-        eval_draft_maxes=(),
+        run=RunConfig(eval_draft_maxes=()),
     )
     model, tokenizer = load(llama_folder, mtp=out)
     vocab = model.head.draft_vocab

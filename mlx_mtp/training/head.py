@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import HEAD_CONFIG_FILE
 from ..errors import MTPError
@@ -41,7 +42,7 @@ def init_head(
     backbone = find_backbone(model)
     args = model.args
     block = deepseek.make_block(backbone, args, args.num_hidden_layers)
-    block.update(backbone.layers[-1].parameters())
+    block.update(float_parameters(backbone.layers[-1]))
     head = deepseek.DeepSeekMTP(args, block, has_embed=False, has_head=False)
     d = args.hidden_size
     eye, zero = mx.eye(d), mx.zeros((d, d))
@@ -54,6 +55,22 @@ def init_head(
     head.bind(backbone.embed_tokens, output_head(model))
     mx.eval(head.parameters())
     return head
+
+
+def float_parameters(layer: nn.Module) -> dict[str, Any]:
+    """``layer``'s parameters with its quantized linears dequantized: a plain
+    ``convert`` of a quantized GGUF keeps the trunk quantized, the head trains
+    in float."""
+    flat = dict(tree_flatten(layer.parameters()))
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            mode = {"mode": m.mode} if hasattr(m, "mode") else {}
+            flat[f"{name}.weight"] = mx.dequantize(
+                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, **mode
+            )
+            flat.pop(f"{name}.scales")
+            flat.pop(f"{name}.biases", None)
+    return tree_unflatten(list(flat.items()))
 
 
 def residual_rms(mtp_model: MTPModel, tokens: list[int]) -> float:

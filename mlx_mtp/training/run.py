@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..errors import MTPError
 from ..loader import load
 from . import evaluate
+from .corpus import read_text, short_warning, text_files
 from .data import (
     DEFAULT_DISTILL_BATCH,
     DEFAULT_DISTILL_TOKENS,
@@ -93,22 +94,47 @@ def base_identity(config: dict[str, Any], base: Path) -> dict[str, Any]:
     return {"name": Path(base).name, **{k: config.get(k) for k in keys}}
 
 
+@dataclass
+class DataConfig:
+    """Where the training text comes from, and how the trunk reads it."""
+
+    files: Sequence[Path] = ()  # --data: text or JSON lines, answers included
+    text: Sequence[Path] = ()  # --text: files or folders, read teacher-forced
+    corpus: bool = False  # --corpus: the ready corpus (``corpus.py``)
+    text_tokens: int = 0  # text tokens at most (0: all given; corpus: 1 M)
+    self_distill: int = 0  # the trunk's answers to this many generated prompts
+    distill_tokens: int = DEFAULT_DISTILL_TOKENS
+    distill_batch: int = DEFAULT_DISTILL_BATCH
+    trunk_batch: int = DEFAULT_TRUNK_BATCH
+    validation: int = DEFAULT_VALIDATION_PROMPTS
+
+
+@dataclass
+class RunConfig:
+    """How a run goes on, stops and ends."""
+
+    resume: bool = False
+    eval_tokens: int = DEFAULT_EVAL_TOKENS
+    eval_draft_maxes: Sequence[int] = DEFAULT_EVAL_DRAFT_MAXES
+    eval_per_kind: int = 4
+    max_minutes: float = 0.0
+
+
+class _Stopped(Exception):
+    """A phase ended early (time or Ctrl-C); its work so far is saved."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
 def train_head(
     base: Path,
     out: Path,
-    data: Sequence[Path] = (),
-    self_distill_prompts: int = 0,
-    distill_tokens: int = DEFAULT_DISTILL_TOKENS,
+    data: DataConfig,
     cfg: TrainConfig | None = None,
-    resume: bool = False,
-    eval_tokens: int = DEFAULT_EVAL_TOKENS,
-    eval_draft_maxes: Sequence[int] = DEFAULT_EVAL_DRAFT_MAXES,
+    run: RunConfig | None = None,
     hooks: Hooks | None = None,
-    distill_batch: int = DEFAULT_DISTILL_BATCH,
-    trunk_batch: int = DEFAULT_TRUNK_BATCH,
-    validation: int = DEFAULT_VALIDATION_PROMPTS,
-    max_minutes: float = 0.0,
-    eval_per_kind: int = 4,
     stop: Stop | None = None,
 ) -> dict[str, Any]:
     """Train an MTP head for the model folder ``base`` and write it to ``out``.
@@ -116,111 +142,171 @@ def train_head(
     Returns a report (data sizes, per-depth agreement, held-out acceptance,
     ``"complete": False`` when time or Ctrl-C ended the run first).
     """
-    cfg = cfg or TrainConfig()
-    hooks = hooks or Hooks()
-    stop = stop or Stop(max_minutes)
-    out = Path(out)
+    cfg, run = cfg or TrainConfig(), run or RunConfig()
+    stop = stop or Stop(run.max_minutes)
+    rows = _check(base, Path(out), data, cfg, run)  # before any model work
+    phases = _Phases(base, Path(out), data, cfg, run, hooks or Hooks(), stop)
+    with interruptible(stop):
+        try:
+            windows = phases.windows(rows)
+            sets = phases.hidden_states(windows)
+            head = phases.train(windows, sets)
+            if run.eval_draft_maxes:
+                phases.evaluate(head)
+        except _Stopped as s:
+            return {**phases.report, "complete": False, "stopped_in": s.phase}
+    phases.report["complete"] = True
+    return phases.report
+
+
+def _check(
+    base: Path, out: Path, data: DataConfig, cfg: TrainConfig, run: RunConfig
+) -> list[list[dict[str, Any]]]:
+    """Everything that can be refused before the model is loaded; the --data rows."""
     if out.exists() and not out.is_dir():
         raise MTPError(f"{out}: exists and is not a folder")
-    if not data and not self_distill_prompts:
-        raise MTPError("no training data: give --data FILE and/or --self-distill N")
-    rows = [check_data_file(Path(f)) for f in data]  # before any model work
+    if not (data.files or data.self_distill or data.text or data.corpus):
+        raise MTPError(
+            "no training data: give --text PATH, --corpus, --data FILE "
+            "and/or --self-distill N"
+        )
+    rows = [check_data_file(Path(f)) for f in data.files]
+    text_files(data.text)  # a missing path or an empty folder fails here
     ckpt = out / CHECKPOINT_DIR
-    if ckpt.exists() and not resume and any(ckpt.iterdir()):
+    if ckpt.exists() and not run.resume and any(ckpt.iterdir()):
         raise MTPError(
             f"{out}: holds a checkpoint; pass --resume or choose another folder"
         )
     if cfg.depth < 1 or len(cfg.chain_weights) < cfg.depth:
         raise MTPError(f"--depth {cfg.depth} needs as many chain weights")
-    mtp_model, tokenizer = load(base)
-    work = out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"base": base_identity(mtp_model.config, base)}
+    return rows
 
-    def stopped(phase: str) -> dict[str, Any]:
-        return {**report, "complete": False, "stopped_in": phase}
 
-    with interruptible(stop):
-        # 1) the trunk's own answers: validation prompts first, then training prompts
-        model = mtp_model.trunk.model
+class _Phases:
+    """One run's phases over what they share: the model, the configs, the
+    work folder, the report so far."""
 
-        def distill(prompts, name):
-            path = work / f"{name}.jsonl"
-            hooks.phase(f"self-distillation, {name} (answers)", len(prompts))
-            return self_distill(
-                model,
-                tokenizer,
-                prompts,
-                distill_tokens,
-                path,
-                distill_batch,
-                hooks.advance,
-                stop,
-            )
+    def __init__(self, base, out, data, cfg, run, hooks, stop):
+        self.base, self.out, self.data, self.cfg, self.run = base, out, data, cfg, run
+        self.hooks, self.stop = hooks, stop
+        self.mtp_model, self.tokenizer = load(base)
+        init_head(self.mtp_model, cfg.eh_init)  # a trunk the head cannot copy fails now
+        self.work = out / WORK_DIR
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {
+            "base": base_identity(self.mtp_model.config, base)
+        }
 
-        val_prompts = validation_prompts(validation, cfg.seed)
-        val_seqs = distill(val_prompts, "validation")
-        if len(val_seqs) < len(val_prompts):
-            return stopped("self-distillation")
-        seqs = [s for r in rows for s in encode_rows(r, tokenizer)]
-        if self_distill_prompts:
-            prompts = training_prompts(self_distill_prompts, cfg.seed, val_prompts)
-            tic, before = time.time(), _tokens(work / "distill.jsonl")
-            distilled = distill(prompts, "distill")
-            made = _tokens(work / "distill.jsonl") - before
+    def _distill(self, prompts, name):
+        self.hooks.phase(f"self-distillation, {name} (answers)", len(prompts))
+        seqs = self_distill(
+            self.mtp_model.trunk.model,
+            self.tokenizer,
+            prompts,
+            self.data.distill_tokens,
+            self.work / f"{name}.jsonl",
+            self.data.distill_batch,
+            self.hooks.advance,
+            self.stop,
+        )
+        if len(seqs) < len(prompts):
+            raise _Stopped("self-distillation")
+        return seqs
+
+    def windows(self, rows) -> dict[str, list]:
+        """1) the windows: validation answers, chat (--data and the trunk's
+        answers), text (--text and --corpus)."""
+        data, cfg, tokenizer = self.data, self.cfg, self.tokenizer
+        val_prompts = validation_prompts(data.validation, cfg.seed)
+        val = self._distill(val_prompts, "validation")
+        chat = []
+        for f, r in zip(data.files, rows):
+            seqs = encode_rows(r, tokenizer)
+            n = sum(len(t) for t, _ in seqs)
+            if n < cfg.seq_len:
+                self.hooks.message(short_warning(str(f), n, cfg.seq_len))
+            chat += seqs
+        if data.self_distill:
+            prompts = training_prompts(data.self_distill, cfg.seed, val_prompts)
+            tic, before = time.time(), _tokens(self.work / "distill.jsonl")
+            chat += self._distill(prompts, "distill")
+            made = _tokens(self.work / "distill.jsonl") - before
             if made:  # answer tokens per second of this run's generation
-                report["distill_tokens_per_second"] = made / (time.time() - tic)
-            if len(distilled) < len(prompts):
-                return stopped("self-distillation")
-            seqs += distilled
-        windows = chunk_sequences(seqs, cfg.seq_len)
-        val_windows = chunk_sequences(val_seqs, cfg.seq_len)
-        if not windows:
+                rate = made / (time.time() - tic)
+                self.report["distill_tokens_per_second"] = rate
+        text = []
+        if data.text or data.corpus:
+            extra = " and the ready corpus" if data.corpus else ""
+            self.hooks.message(f"reading text{extra}")
+            text = read_text(
+                data.text,
+                data.corpus,
+                tokenizer,
+                data.text_tokens,
+                cfg.seed,
+                self.hooks.message,
+                cfg.seq_len,
+            )
+        windows = {
+            "validation": chunk_sequences(val, cfg.seq_len),
+            "train": chunk_sequences(chat, cfg.seq_len),
+            "text": chunk_sequences(text, cfg.seq_len),
+        }
+        if not windows["train"] and not windows["text"]:
             raise MTPError(
                 "the training data is too short (need sequences of 8+ tokens)"
             )
+        return windows
 
-        # 2) the frozen trunk's view, streamed to shards
+    def hidden_states(self, windows) -> dict[str, ShardSet]:
+        """2) the frozen trunk's view of every window, streamed to shards."""
         sets = {}
-        for name, wins in (("validation", val_windows), ("train", windows)):
-            hooks.phase(
-                f"trunk hidden states, {name} (tokens)", sum(len(w) for w, _ in wins)
-            )
-            folder = work / f"shards-{name}"
+        for name, wins in windows.items():
+            if not wins:
+                continue
+            total = sum(len(w) for w, _ in wins)
+            self.hooks.phase(f"trunk hidden states, {name} (tokens)", total)
+            folder = self.work / f"shards-{name}"
             if not write_shards(
-                mtp_model.trunk,
+                self.mtp_model.trunk,
                 wins,
-                cfg.seq_len,
+                self.cfg.seq_len,
                 folder,
-                trunk_batch,
-                hooks.advance,
-                stop,
+                self.data.trunk_batch,
+                self.hooks.advance,
+                self.stop,
             ):
-                return stopped("hidden states")
+                raise _Stopped("hidden states")
             sets[name] = ShardSet(folder, shard_count(len(wins)))
-        train_set, val_set = sets["train"], sets["validation"]
+        return sets
 
-        # 3) train
-        head = init_head(mtp_model, cfg.eh_init, sample=windows[0][0])
+    def train(self, windows, sets):
+        """3) train; chat and text windows mixed at ``chat_share``."""
+        cfg, hooks = self.cfg, self.hooks
+        train_set = ShardSet.join([sets[n] for n in ("train", "text") if n in sets])
+        first = (windows["train"] or windows["text"])[0][0]
+        head = init_head(self.mtp_model, cfg.eh_init, sample=first)
         hooks.phase("training (steps)", cfg.steps)
         result = train(
             head,
             train_set,
-            val_set,
+            sets["validation"],
             cfg,
-            out,
-            mtp_model.config["vocab_size"],
-            resume,
+            self.out,
+            self.mtp_model.config["vocab_size"],
+            self.run.resume,
             hooks.step,
             hooks.evaluated,
-            stop,
+            self.stop,
         )
-        if result.vocab is not None:  # draft from the tokens the head was trained on
+        if result.vocab is not None:  # draft from the tokens it was trained on
             head.draft_vocab = mx.array(result.vocab, dtype=mx.int32)
-        report.update(
+        self.report.update(
             train_tokens=train_set.tokens(),
-            train_windows=len(windows),
-            validation_tokens=val_set.tokens(),
+            chat_tokens=sets["train"].tokens() if "train" in sets else 0,
+            text_tokens=sets["text"].tokens() if "text" in sets else 0,
+            train_windows=train_set.rows,
+            validation_tokens=sets["validation"].tokens(),
             config=_config_dict(cfg),
             steps=result.steps,
             best_step=result.best_step,
@@ -228,36 +314,45 @@ def train_head(
             agreement=result.best_agreement,
             train_seconds=round(result.seconds, 1),
         )
-        save_head(head, mtp_model.config, out, cfg.dtype, _head_info(report))
+        self._save(head)
         if result.stopped:
-            return stopped("training")
+            raise _Stopped("training")
+        return head
 
-        # 4) held-out acceptance, with the head as the runtime loads it
-        if eval_draft_maxes:
-            loaded, _ = load(base, mtp=out)
-            prompts = eval_prompts(eval_per_kind)
-            n = sum(len(p) for p in prompts.values()) * len(eval_draft_maxes)
-            hooks.phase("held-out acceptance (generations)", n)
-            results = evaluate.by_kind(
-                loaded, tokenizer, prompts, eval_draft_maxes, eval_tokens, hooks.advance
-            )
-            by_depth = results["all"][max(eval_draft_maxes)].per_position_acceptance
-            sample = render_prompt(tokenizer, next(iter(prompts.values()))[0])
-            costs = evaluate.measure_costs(loaded, sample, max(eval_draft_maxes))
-            report.update(
-                acceptance={
-                    kind: {k: evaluate.summary(s) for k, s in per_k.items()}
-                    for kind, per_k in results.items()
-                },
-                table=evaluate.table(results),
-                costs=costs,
-                expected_speedups=evaluate.expected_speedups(by_depth, costs),
-                recommended_draft_max=evaluate.recommend_draft_max(by_depth, costs),
-                acceptance_by_depth=[round(a, 4) for a in by_depth],
-            )
-            save_head(head, mtp_model.config, out, cfg.dtype, _head_info(report))
-    report["complete"] = True
-    return report
+    def evaluate(self, head) -> None:
+        """4) held-out acceptance, with the head as the runtime loads it."""
+        run = self.run
+        loaded, _ = load(self.base, mtp=self.out)
+        prompts = eval_prompts(run.eval_per_kind)
+        n = sum(len(p) for p in prompts.values()) * len(run.eval_draft_maxes)
+        self.hooks.phase("held-out acceptance (generations)", n)
+        results = evaluate.by_kind(
+            loaded,
+            self.tokenizer,
+            prompts,
+            run.eval_draft_maxes,
+            run.eval_tokens,
+            self.hooks.advance,
+        )
+        by_depth = results["all"][max(run.eval_draft_maxes)].per_position_acceptance
+        sample = render_prompt(self.tokenizer, next(iter(prompts.values()))[0])
+        costs = evaluate.measure_costs(loaded, sample, max(run.eval_draft_maxes))
+        self.report.update(
+            acceptance={
+                kind: {k: evaluate.summary(s) for k, s in per_k.items()}
+                for kind, per_k in results.items()
+            },
+            table=evaluate.table(results),
+            costs=costs,
+            expected_speedups=evaluate.expected_speedups(by_depth, costs),
+            recommended_draft_max=evaluate.recommend_draft_max(by_depth, costs),
+            acceptance_by_depth=[round(a, 4) for a in by_depth],
+        )
+        self._save(head)
+
+    def _save(self, head) -> None:
+        config = self.mtp_model.config
+        save_head(head, config, self.out, self.cfg.dtype, _head_info(self.report))
 
 
 def _head_info(report: dict[str, Any]) -> dict[str, Any]:

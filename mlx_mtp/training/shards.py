@@ -24,26 +24,31 @@ FIELDS = {
     "hidden": np.float16,  # [S, L, D] the trunk's hidden state h_i
     "greedy": np.int32,  # [S, L] the trunk's argmax at i (its guess for t_{i+1})
     "soft_ids": np.int32,  # [S, L, K] the trunk's top-K tokens at i
-    "soft_probs": np.float16,  # [S, L, K] and their probabilities
+    "soft_probs": np.float16,  # [S, L, K] their probabilities, summing to 1
     "meta": np.int32,  # [S, 2] window length, answer start
 }
 
 
 def trunk_view(trunk, windows: Sequence[tuple[list[int], int]], seq_len: int):
-    """The trunk's hidden states, greedy tokens and top-K over padded windows."""
+    """The trunk's hidden states, greedy tokens and top-K over padded windows.
+
+    The top-K probabilities are normalised over the K (the loss renormalises
+    them anyway): no softmax or argmax over the whole vocabulary, only one
+    partition of it per position.
+    """
     tokens = mx.array([w + [0] * (seq_len - len(w)) for w, _ in windows])
     logits, hidden = trunk(tokens, trunk.make_cache())
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     ids = mx.argpartition(-logits, SOFT_TOP - 1, axis=-1)[..., :SOFT_TOP]
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    probs = mx.exp(mx.take_along_axis(logp, ids, axis=-1))
+    top = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
+    best = mx.argmax(top, axis=-1, keepdims=True)
+    greedy = mx.take_along_axis(ids, best, axis=-1)[..., 0].astype(mx.int32)
     meta = mx.array([[len(w), s] for w, s in windows], dtype=mx.int32)
     out = {
         "tokens": tokens.astype(mx.int32),
         "hidden": hidden.astype(mx.float16),
         "greedy": greedy,
         "soft_ids": ids.astype(mx.int32),
-        "soft_probs": probs.astype(mx.float16),
+        "soft_probs": mx.softmax(top, axis=-1).astype(mx.float16),
         "meta": meta,
     }
     mx.eval(out)
@@ -110,9 +115,35 @@ class ShardSet:
             self.shards.append(
                 {n: np.load(folder / f"{s:05d}.{n}.npy", mmap_mode="r") for n in FIELDS}
             )
+        self._index()
+
+    def _index(self) -> None:
         sizes = [len(sh["meta"]) for sh in self.shards]
         self.offsets = np.cumsum([0] + sizes)
         self.rows = int(self.offsets[-1])
+        self.parts = [self.rows]  # rows per source, in order (see ``join``)
+
+    @classmethod
+    def join(cls, sets: Sequence["ShardSet"]) -> "ShardSet":
+        """One set over several: rows of ``sets[0]`` first, ``parts`` their sizes."""
+        joined = cls.__new__(cls)
+        joined.shards = [sh for s in sets for sh in s.shards]
+        joined._index()
+        joined.parts = [s.rows for s in sets]
+        return joined
+
+    def first(self, rows: int) -> "ShardSet":
+        """The first ``rows`` windows as a set of their own (views, no copy)."""
+        part = self.__class__.__new__(self.__class__)
+        part.shards, left = [], rows
+        for sh in self.shards:
+            if left <= 0:
+                break
+            n = min(left, len(sh["meta"]))
+            part.shards.append({k: v[:n] for k, v in sh.items()})
+            left -= n
+        part._index()
+        return part
 
     @property
     def seq_len(self) -> int:

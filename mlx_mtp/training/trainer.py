@@ -7,6 +7,7 @@ the per-depth losses. Held-out agreement per depth decides the best weights
 and early stopping; checkpoints hold everything ``resume`` needs.
 """
 
+import itertools
 import json
 import random
 import time
@@ -33,6 +34,7 @@ DEFAULT_DEPTH = 3
 DEFAULT_CHAIN_WEIGHTS = (1.0, 0.7, 0.5)
 DEFAULT_VOCAB_TOP = 8192
 DISTILL_TARGETS = ("top8", "full", "hard")
+DEFAULT_CHAT_SHARE = 0.5
 
 
 @dataclass
@@ -57,6 +59,9 @@ class TrainConfig:
     distill: str = "top8"  # target: the trunk's top-8, its full distribution, or argmax
     depth: int = DEFAULT_DEPTH  # chained drafts trained (1: the first draft only)
     chain_weights: tuple[float, ...] = DEFAULT_CHAIN_WEIGHTS  # loss weight per depth
+    # share of the windows drawn from the first part of a joined set (the chat
+    # answers) when the text follows it; 0: every window equally likely
+    chat_share: float = DEFAULT_CHAT_SHARE
 
 
 @dataclass
@@ -209,8 +214,26 @@ def _load_checkpoint(head, opt, ckpt: Path) -> dict:
     return json.loads((ckpt / "state.json").read_text())
 
 
-def _order(n: int, seed: int, skip: int):
-    """Window indices, reshuffled every epoch, deterministic from ``seed``."""
+def _order(parts: Sequence[int], share: float, seed: int, skip: int):
+    """Window indices, deterministic from ``seed``, after the first ``skip``.
+
+    One part: a new shuffle every epoch. Two parts with ``share`` > 0: each
+    draw comes from the first part with probability ``share``, else from the
+    second; each part runs through its own shuffles.
+    """
+    if len(parts) < 2 or not share or not all(parts):
+        yield from _shuffled(sum(parts), seed, skip)
+        return
+    first, second = _shuffled(parts[0], seed, 0), _shuffled(parts[1], seed + 1, 0)
+    rng = random.Random(seed * 7919 + 1)
+    for emitted in itertools.count():
+        i = next(first) if rng.random() < share else parts[0] + next(second)
+        if emitted >= skip:
+            yield i
+
+
+def _shuffled(n: int, seed: int, skip: int):
+    """``range(n)``, reshuffled every epoch."""
     epoch, emitted = 0, 0
     while True:
         perm = list(range(n))
@@ -220,6 +243,19 @@ def _order(n: int, seed: int, skip: int):
                 yield i
             emitted += 1
         epoch += 1
+
+
+def _keep_best(head: MTPHead, acc: list[float], step: int, state: dict, ckpt: Path):
+    """Score a held-out evaluation; the head's weights (also saved) when best."""
+    score = expected_length(acc)
+    if score <= state["best_score"]:
+        state["bad_evals"] += 1
+        return None
+    state.update(best_step=step, best_score=score, bad_evals=0, best_agreement=acc)
+    weights = dict(tree_flatten(head.trainable_parameters()))
+    ckpt.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(ckpt / "best.safetensors"), weights)
+    return weights
 
 
 def train(
@@ -265,7 +301,8 @@ def train(
         best_weights = mx.load(str(ckpt / "best.safetensors"))
 
     loss_and_grad = nn.value_and_grad(head, chain_losses)
-    order = _order(train_set.rows, cfg.seed, state["step"] * cfg.batch_size)
+    skip = state["step"] * cfg.batch_size
+    order = _order(train_set.parts, cfg.chat_share, cfg.seed, skip)
     losses: list[float] = []
     t0, step, stopped = time.time(), state["step"], False
     while step < cfg.steps:
@@ -280,20 +317,13 @@ def train(
         mx.eval(head.parameters(), opt.state, loss)
         losses.append(loss.item())
         if on_step is not None:
-            on_step(step, losses[-1], int(batch["mask"].sum().item()))
+            n = int(target_mask(raw["meta"], raw["tokens"].shape[1]).sum())
+            on_step(step, losses[-1], n)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             acc = agreement(head, val_set, vocab, eval_depth)
             if on_eval is not None:
                 on_eval(step, acc)
-            score = expected_length(acc)
-            if score > state["best_score"]:
-                state.update(best_step=step, best_score=score, bad_evals=0)
-                state["best_agreement"] = acc
-                best_weights = dict(tree_flatten(head.trainable_parameters()))
-                ckpt.mkdir(parents=True, exist_ok=True)
-                mx.save_safetensors(str(ckpt / "best.safetensors"), best_weights)
-            else:
-                state["bad_evals"] += 1
+            best_weights = _keep_best(head, acc, step, state, ckpt) or best_weights
         state["step"] = step
         if step % cfg.save_every == 0:
             _save_checkpoint(head, opt, state, ckpt)
