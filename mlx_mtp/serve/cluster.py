@@ -39,9 +39,11 @@ from starlette.responses import JSONResponse
 
 from ..distributed import PeerLost, gather
 from ..errors import MTPError
+from .app import run
 from .engine import Engine, Event, Request
 from .prompt_cache import PromptCache
 from .ranks import Liveness, exit_soon
+from .service import Service, engine_request
 
 PLAN_BYTES = 2048  # a turn's plan travels in one row this long, when it fits
 
@@ -485,9 +487,6 @@ class ClusterEngine(Engine):
 def serve(model, tokenizer, name: str, config, liveness: Liveness, sock, log) -> None:
     """Serve ``model`` (this rank's shard) with every rank of its group: rank 0
     listens on ``sock`` until interrupted; the others follow it."""
-    from .app import run
-    from .service import Service, engine_request
-
     group = model.sharding.group
     engine = ClusterEngine(model, tokenizer, config, group, liveness)
     try:

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import __version__
 from ..distributed import PeerLost, gather
 from ..errors import MTPError
 
@@ -36,8 +37,6 @@ CONNECT_TIMEOUT = 30.0
 def fingerprint(model, settings: Dict[str, object]) -> Dict[str, str]:
     """What must be the same on every rank, each as a short hash: the model
     folder (its path and its config.json), and ``settings`` (option -> value)."""
-    import mlx_mtp
-
     folder = Path(str(model)).expanduser() if model is not None else None
     config = b""
     if folder is not None and (folder / "config.json").is_file():
@@ -45,7 +44,7 @@ def fingerprint(model, settings: Dict[str, object]) -> Dict[str, str]:
     values = {
         "model folder": str(folder),
         "model config.json": config,
-        "mlx-mtp and MLX versions": f"{mlx_mtp.__version__} {mx.__version__}",
+        "mlx-mtp and MLX versions": f"{__version__} {mx.__version__}",
         **settings,
     }
 
