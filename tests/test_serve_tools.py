@@ -377,7 +377,8 @@ def test_forced_call_streams_argument_deltas(client):
     )
     deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
     assert deltas[0].id.startswith("call_") and deltas[0].function.name
-    pieces = [d.function.arguments for d in deltas[1:]]
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    pieces = [d.function.arguments for d in deltas]
     assert len(pieces) > 3  # written a few tokens at a time, not at the end
     assert {d.index for d in deltas} == {0}
     args = json.loads("".join(pieces))
@@ -597,3 +598,84 @@ def test_parallel_tool_calls_false_passes_on_one_call(parallel, expected):
 def test_parallel_tool_calls_must_be_a_boolean():
     with pytest.raises(ToolError):
         tool_plan({"tools": TOOLS, "parallel_tool_calls": "no"}, ANSWERS[0][0])
+
+
+# -- the grammars of calls -----------------------------------------------------------
+
+DS_V3 = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, parse_deepseek)
+DS_V31 = ToolFormat("deepseek_v31", DS_CALLS_BEGIN, DS_CALLS_END, parse_deepseek)
+# one call of get_weather in each format: (format, the call, a call with a
+# property the schema does not have)
+ONE_CALL = [
+    (
+        _format(json_tools, "json_tools"),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n'
+        "</tool_call>",
+    ),
+    (
+        _format(glm47, "glm47"),
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n</tool_call>",
+        "<tool_call>get_weather\n<arg_key>town</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n</tool_call>",
+    ),
+    (
+        _format(qwen3_coder, "qwen3_coder"),
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=town>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+    ),
+    (
+        DS_V3,
+        f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": "Paris"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+        f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": 3}}\n```{DS_CALL_END}{DS_CALLS_END}',
+    ),
+    (
+        DS_V31,
+        f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_weather{DS_SEP}{{"city": "Paris"}}'
+        f"{DS_CALL_END}{DS_CALLS_END}",
+        f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_time{DS_SEP}{{"city": "Paris"}}'
+        f"{DS_CALL_END}{DS_CALLS_END}",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def byte_grammar_tokenizer(tiny_folders):
+    """llguidance's view of a byte-level tokenizer with no marker tokens."""
+    from mlx_mtp.constrain import grammar_tokenizer
+
+    _, tokenizer = mlx_mtp.load(tiny_folders("deepseek_v3")[0])
+    return tokenizer, grammar_tokenizer(tokenizer, 288)
+
+
+@pytest.mark.parametrize(
+    "fmt,call,wrong", ONE_CALL, ids=lambda a: getattr(a, "name", "")
+)
+def test_call_grammar_of_each_format(fmt, call, wrong, byte_grammar_tokenizer):
+    """Once the start marker is written, the grammar takes the call the format
+    writes (and the splitter reads) and refuses one the schema does not."""
+    from llguidance import LLMatcher
+
+    from mlx_mtp.serve.tool_grammar import call_grammar
+
+    tokenizer, ll = byte_grammar_tokenizer
+    grammar = call_grammar(fmt, TOOLS, fmt.start, lambda text: None)
+
+    def accepts(text: str) -> bool:
+        tokens = tokenizer.encode(text[len(fmt.start) :], add_special_tokens=False)
+        matcher = LLMatcher(ll, grammar, log_level=0)
+        valid = matcher.validate_tokens(tokens)
+        matcher.consume_tokens(tokens[:valid])
+        return valid == len(tokens) and matcher.is_accepting()
+
+    assert accepts(call) and not accepts(wrong)
+    _, calls = _run(ToolSplitter(fmt, TOOLS), [call])
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]

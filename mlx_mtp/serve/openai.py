@@ -132,7 +132,11 @@ class _Answer:
                 if text:
                     flush(False)
                     text = ""
-                calls.append(self.call_delta(part))
+                delta = self.call_delta(part)
+                if calls and part.kind == "args":  # one entry per call a chunk
+                    calls[-1]["function"]["arguments"] += part.text
+                else:
+                    calls.append(delta)
         flush(True)
         return out
 

@@ -112,9 +112,9 @@ def _xml_args(fmt, schema: dict, i: int, rules: list, lit) -> str:
         if fmt.name == "glm47":
             body = f"\n<arg_key>{key}</arg_key>\n<arg_value>"
             rule = f"{lit(body)} {value} {lit('</arg_value>')}"
-        else:
-            body = f"<parameter={key}>\n"
-            rule = f"{lit(body)} {value} {lit(chr(10) + '</parameter>' + chr(10))}"
+        else:  # a string's closing newline is read as part of it, and stripped
+            close = "</parameter>\n" if value == _XML_TEXT else "\n</parameter>\n"
+            rule = f"{lit(f'<parameter={key}>' + chr(10))} {value} {lit(close)}"
         rules.append(f"arg{i}_{j}: {rule}")
         parts.append(f"arg{i}_{j}" + ("" if key in required else "?"))
     return " ".join(parts)
