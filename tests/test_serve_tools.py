@@ -486,6 +486,10 @@ def test_bad_tool_requests_get_400s(server, client):
             tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
         ),
         dict(tools=TOOLS, tool_choice="sometimes"),
+        # a schema constrained decoding cannot take
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "("}},
+        }}}]),  # fmt: skip
     ]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError) as e:

@@ -59,7 +59,7 @@ class Service:
     def constraint(self, params, prompt_len: int):
         """The logits processor holding an answer (or, with a trigger, the
         parts it opens) to ``params.grammar``."""
-        param = "response_format" if params.grammar_trigger is None else "tools"
+        param = "response_format"
         ll = self.grammar_tokenizer(param)
         try:
             if params.grammar_trigger is None:
@@ -87,7 +87,12 @@ class Service:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return ids[0] if len(ids) == 1 and ll.is_special_token(ids[0]) else None
 
-        params.grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
+        grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
+        try:  # a tool's schema llguidance refuses is the tools' fault
+            JSONConstraint(grammar, ll, 0)
+        except MTPError as e:
+            raise APIError(str(e), param="tools", code="invalid_value") from None
+        params.grammar = grammar
         params.grammar_trigger = None if plan.prefix else fmt.start
 
     def check_model(self, model: Optional[str]) -> None:
