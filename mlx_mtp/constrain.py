@@ -76,8 +76,11 @@ class JSONConstraint:
         self.masks: List[mx.array] = []  # masks[i]: after consumed[:i]
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        generated = tokens[self.prompt_len :].tolist()
-        if not self._follow(generated):
+        return self.apply(tokens[self.prompt_len :].tolist(), logits)
+
+    def apply(self, generated: Sequence[int], logits: mx.array) -> mx.array:
+        """``logits`` masked to what the grammar allows after ``generated``."""
+        if self.follow(generated) < len(generated):
             # the prefix holds a token the grammar forbids: only a rejected
             # draft can put one there, so this row is never used
             return logits
@@ -87,8 +90,9 @@ class JSONConstraint:
             mask = mx.pad(mask, (0, max(0, width - mask.size)))[:width]
         return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
 
-    def _follow(self, generated: Sequence[int]) -> bool:
-        """Bring the matcher to ``generated``; False where the grammar forbids it."""
+    def follow(self, generated: Sequence[int]) -> int:
+        """Bring the matcher to the longest start of ``generated`` the grammar
+        allows; its length."""
         common = 0
         for a, b in zip(self.consumed, generated):
             if a != b:
@@ -103,7 +107,11 @@ class JSONConstraint:
         if valid:
             self.matcher.consume_tokens(rest[:valid])
             self.consumed.extend(rest[:valid])
-        return valid == len(rest)
+        return common + valid
+
+    def complete(self) -> bool:
+        """Whether what was followed is a whole sentence of the grammar."""
+        return self.matcher.is_accepting()
 
     def _mask(self) -> mx.array:
         """Allowed tokens after ``consumed``, as booleans, from the cache if kept."""
@@ -119,6 +127,59 @@ class JSONConstraint:
         self.masks.extend([None] * (n + 1 - len(self.masks)))  # lengths not asked
         self.masks[n] = mx.array(allowed.astype(bool))
         return self.masks[n]
+
+
+class TriggeredConstraint:
+    """Free text, until the tokens ``trigger`` open a part held to ``grammar``;
+    free again once that part is complete (a tool call opened in ``auto``).
+
+    Outside the held parts nothing is masked, so special tokens and any text
+    stay the model's own. Each opened part has its own ``JSONConstraint``,
+    found again by where it opened when drafts are rolled back.
+    """
+
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, trigger):
+        self.grammar, self.ll_tokenizer = grammar, ll_tokenizer
+        self.prompt_len, self.trigger = prompt_len, list(trigger)
+        self.parts: Dict[int, JSONConstraint] = {}  # by where each opened
+        JSONConstraint(grammar, ll_tokenizer, 0)  # a bad grammar fails here
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens[self.prompt_len :].tolist()
+        start = self._open_part(generated)
+        if start is None:
+            return logits
+        return self.parts[start].apply(generated[start:], logits)
+
+    def _open_part(self, generated: List[int]) -> Optional[int]:
+        """Where the part still being written opened; None in free text."""
+        n, at = len(self.trigger), 0
+        while True:
+            start = _find(generated, self.trigger, at)
+            if start is None:
+                return None
+            start += n
+            part = self.parts.get(start)
+            if part is None:
+                part = JSONConstraint(self.grammar, self.ll_tokenizer, 0)
+                self.parts[start] = part
+            followed = part.follow(generated[start:])
+            if not part.complete():
+                return start  # being written (or a rejected draft's row)
+            if followed == len(generated) - start:
+                return None  # just closed
+            at = start + followed
+
+
+def _find(tokens: List[int], pattern: List[int], at: int) -> Optional[int]:
+    while True:
+        try:
+            i = tokens.index(pattern[0], at)
+        except ValueError:
+            return None
+        if tokens[i : i + len(pattern)] == pattern:
+            return i
+        at = i + 1
 
 
 def response_format_grammar(response_format: Any) -> Optional[str]:

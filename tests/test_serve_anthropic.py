@@ -8,6 +8,7 @@ without drafts; forced tool calls come back as ``tool_use`` blocks.
 import json
 
 import anthropic
+import jsonschema
 import pytest
 import tool_model
 from live_server import module_fixtures
@@ -135,11 +136,7 @@ def _bias(text):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "choice,answer",
-    [
-        ({"type": "tool", "name": "get_weather"}, tool_model.ARGS),
-        ({"type": "any"}, tool_model.CALL),
-        ({"type": "auto"}, tool_model.AUTO),
-    ],
+    [({"type": "auto"}, tool_model.AUTO)],
 )
 def test_tool_use(client, choice, answer, stream):
     kwargs = dict(
@@ -165,6 +162,58 @@ def test_tool_use(client, choice, answer, stream):
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
     assert use.id.startswith("toolu_")
     assert r.stop_reason == "tool_use" and r.stop_sequence is None
+
+
+# a schema a random model can finish (its strings would never end otherwise)
+FORECAST = {
+    "name": "get_forecast",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+            "days": {"type": "integer", "enum": [1, 2, 3]},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice", [{"type": "any"}, {"type": "tool", "name": "get_forecast"}]
+)
+def test_forced_tool_use_validates(client, choice, stream):
+    """The random model's own output is no valid call; held to the schema,
+    each forced call is one, streamed as ``input_json_delta``s as written."""
+    kwargs = dict(
+        model=MODEL, max_tokens=128, messages=USER, tools=[FORECAST],
+        tool_choice=choice,
+    )  # fmt: skip
+    if stream:
+        with client.messages.stream(**kwargs) as s:
+            events = list(s)
+            r = s.get_final_message()
+        kinds = [e.type for e in events if e.type.startswith("content_block")]
+        deltas = [e.delta.partial_json for e in events
+                  if e.type == "content_block_delta"]  # fmt: skip
+        assert kinds[0] == "content_block_start" and kinds[-1] == "content_block_stop"
+        assert len(deltas) > 3  # as written, not at the end
+        assert json.loads("".join(deltas)) == r.content[0].input
+    else:
+        r = client.messages.create(**kwargs)
+    (use,) = r.content
+    assert use.type == "tool_use" and use.name == "get_forecast"
+    jsonschema.validate(use.input, FORECAST["input_schema"])
+    assert r.stop_reason == "tool_use"
+
+
+def test_forced_tool_use_cut_by_max_tokens(client):
+    r = client.messages.create(
+        model=MODEL, max_tokens=6, messages=USER, tools=[FORECAST],
+        tool_choice={"type": "any"},
+    )  # fmt: skip
+    assert r.stop_reason == "max_tokens" and r.content == []
 
 
 def test_tools_in_the_prompt_keep_greedy_output(client, loaded):

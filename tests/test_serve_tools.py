@@ -9,6 +9,7 @@ token (``tool_model.py``).
 
 import json
 
+import jsonschema
 import mlx_lm.tool_parsers.glm47 as glm47
 import mlx_lm.tool_parsers.json_tools as json_tools
 import mlx_lm.tool_parsers.qwen3_coder as qwen3_coder
@@ -98,13 +99,21 @@ ANSWERS = [
 
 
 def _run(splitter, pieces):
-    content, calls = [], []
+    """(content, closed calls); each call's streamed arguments are its own."""
+    parts = []
     for piece in pieces:
-        text, new = splitter.feed(piece)
-        content.append(text)
-        calls += new
-    text, new = splitter.finish()
-    return "".join(content) + text, calls + new
+        parts += splitter.feed(piece)
+    parts += splitter.finish()
+    content = "".join(p.text for p in parts if p.kind == "text")
+    calls = [p.call for p in parts if p.kind == "close"]
+    for call in calls:
+        args = "".join(p.text for p in parts if p.kind == "args" and p.call is call)
+        assert json.loads(args) == call.arguments
+    return content, calls
+
+
+def _texts(parts):
+    return "".join(p.text for p in parts if p.kind == "text")
 
 
 @pytest.mark.parametrize("fmt,answer", ANSWERS, ids=lambda a: getattr(a, "name", ""))
@@ -128,18 +137,37 @@ def test_splitter_reads_each_format(fmt, answer, step):
 
 def test_splitter_holds_back_only_what_may_be_a_marker():
     splitter = ToolSplitter(_format(json_tools, "json_tools"), TOOLS)
-    assert splitter.feed("a < b <tool") == ("a < b ", [])
-    assert splitter.feed("box>") == ("<toolbox>", [])
-    assert splitter.finish() == ("", [])
+    assert _texts(splitter.feed("a < b <tool")) == "a < b "
+    assert _texts(splitter.feed("box>")) == "<toolbox>"
+    assert splitter.finish() == []
     assert splitter.finish_reason("stop") == "stop"
+
+
+def test_arguments_stream_as_written():
+    """A JSON call opens once its name is read; its arguments follow as they
+    come, less what may be the call's tail."""
+    splitter = ToolSplitter(_format(json_tools, "json_tools"), TOOLS)
+    steps = [
+        ('Hi<tool_call>\n{"name": "get_weather", ', [("text", "Hi")]),
+        ('"arguments": {"ci', [("open", ""), ("args", '{"ci')]),
+        ('ty": "Pa', [("args", 'ty": "Pa')]),
+        ('ris"}', [("args", 'ris"')]),  # the } may be the call's own
+        ("}\n</tool", [("args", "}")]),
+        ("_call>", [("close", "")]),
+    ]
+    for piece, expected in steps:
+        assert [(p.kind, p.text) for p in splitter.feed(piece)] == expected
+    assert splitter.calls[0].arguments == {"city": "Paris"}
 
 
 def test_a_call_that_does_not_parse_stays_content():
     fmt = _format(json_tools, "json_tools")
     broken = 'x<tool_call>\n{"name": "get_weather", "argum</tool_call>y'
     assert _run(ToolSplitter(fmt, TOOLS), [broken]) == (broken, [])
-    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
-    assert _run(ToolSplitter(fmt, TOOLS), [cut]) == (cut, [])
+    # a call cut off (max_tokens) leaves no markers in the content
+    cut = 'x<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert _run(ToolSplitter(fmt, TOOLS), [cut]) == ("x", [])
+    assert _run(ToolSplitter(fmt, TOOLS), ['x<tool_call>\n{"na']) == ("x", [])
 
 
 def test_forced_start_is_read_back_before_parsing():
@@ -281,59 +309,127 @@ def _chat(client, **kwargs):
     )
 
 
-def test_named_tool_choice_makes_the_call(client):
-    r = _chat(
-        client,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        stop=["DONE"],
-        extra_body=_bias(tool_model.ARGS),
-    )
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and call.id.startswith("call_")
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
+# a schema a random model can finish (its strings would never end otherwise)
+BOUNDED = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "enum": [1, 2, 3]},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+FORCED = [
+    "required",
+    {"type": "function", "function": {"name": "get_forecast"}},
+]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_tool_choice_makes_the_call(client, stream):
-    kwargs = dict(
-        tool_choice="required", stop=["DONE"], extra_body=_bias(tool_model.CALL)
+def _valid(call) -> dict:
+    """The call's arguments, checked against its tool's schema."""
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_time":  # no parameters
+        assert args == {}
+        return args
+    assert call.function.name == "get_forecast"
+    jsonschema.validate(args, BOUNDED["function"]["parameters"])
+    return args
+
+
+def test_unconstrained_answers_would_not_validate(loaded):
+    """The fixture's point: what the random model writes after a forced
+    start on its own is no call of the tool."""
+    model, tokenizer = loaded
+    prefix = '<tool_call>\n{"name": "get_forecast", "arguments": '
+    messages = [template_message(m, dict(m), "") for m in MESSAGES]
+    prompt = render(tokenizer, messages, [BOUNDED]) + prefix
+    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, 48))
+    with pytest.raises(ValueError):
+        json.loads(text.split("}\n</tool_call>")[0] + "}")
+
+
+@pytest.mark.parametrize("choice", FORCED, ids=["required", "named"])
+@pytest.mark.parametrize("draft_max", [0, 3])
+def test_forced_calls_validate(client, choice, draft_max):
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=[BOUNDED, TIME], tool_choice=choice,
+        max_tokens=128, extra_body={"draft_max": draft_max},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and not c.message.content
+    (call,) = c.message.tool_calls
+    _valid(call)
+    assert call.id.startswith("call_")
+
+
+def test_forced_call_streams_argument_deltas(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=[BOUNDED], tool_choice="required",
+            max_tokens=128, stream=True, extra_body={"draft_max": 0},
+        )  # fmt: skip
     )
-    if not stream:
-        calls = _chat(client, **kwargs).choices[0].message.tool_calls
-        assert [(c.function.name, c.function.arguments) for c in calls] == [
-            ("get_weather", '{"city": "Paris"}')
-        ]
-        return
-    chunks = list(_chat(client, stream=True, **kwargs))
-    deltas = [c.choices[0].delta for c in chunks]
-    calls = [t for d in deltas for t in d.tool_calls or ()]
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
-        (0, "get_weather", '{"city": "Paris"}')
-    ]
-    assert calls[0].type == "function" and calls[0].id.startswith("call_")
-    assert not "".join(d.content or "" for d in deltas)
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    pieces = [d.function.arguments for d in deltas]
+    assert len(pieces) > 3  # written a few tokens at a time, not at the end
+    assert {d.index for d in deltas} == {0}
+    args = json.loads("".join(pieces))
+    jsonschema.validate(args, BOUNDED["function"]["parameters"])
+    assert not any(c.choices[0].delta.content for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_call_after_content(client, stream):
-    kwargs = dict(stop=["DONE"], extra_body=_bias(tool_model.AUTO))
-    if stream:
-        chunks = list(_chat(client, stream=True, **kwargs))
-        deltas = [c.choices[0].delta for c in chunks]
-        content = "".join(d.content or "" for d in deltas)
-        calls = [t for d in deltas for t in d.tool_calls or ()]
-        finish = chunks[-1].choices[0].finish_reason
-    else:
-        choice = _chat(client, **kwargs).choices[0]
-        content, calls = choice.message.content, choice.message.tool_calls
-        finish = choice.finish_reason
-    assert content == "Let me look."
-    assert [c.function.name for c in calls] == ["get_weather"]
-    assert finish == "tool_calls"
+def test_call_cut_by_max_tokens(client, stream):
+    """No call and no raw markers: the answer ended with the call half
+    written, which ``finish_reason: "length"`` says."""
+    kwargs = dict(
+        model=NAME, messages=MESSAGES, tools=[BOUNDED], tool_choice="required",
+        max_tokens=5,
+    )  # fmt: skip
+    if not stream:
+        c = client.chat.completions.create(**kwargs).choices[0]
+        assert c.finish_reason == "length"
+        assert not c.message.content and not c.message.tool_calls
+        return
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_call_is_held_once_opened(client, stream):
+    """``logit_bias`` makes the model open calls on its own; each is then
+    held to the schema, and the last, cut by max_tokens, is dropped."""
+    kwargs = dict(
+        model=NAME, messages=MESSAGES, tools=[BOUNDED], max_tokens=200,
+        extra_body={"logit_bias": {str(tool_model.token_id("<tool_call>")): 30}},
+    )  # fmt: skip
+    if not stream:
+        final = client.chat.completions.create(**kwargs).choices[0]
+        assert final.finish_reason == "length"
+        assert "<tool_call>" not in (final.message.content or "")
+        assert final.message.tool_calls
+        assert all(_valid(c) for c in final.message.tool_calls)
+        return
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert "<tool_call>" not in content
+    args = {}
+    for t in (t for c in chunks for t in c.choices[0].delta.tool_calls or ()):
+        args[t.index] = args.get(t.index, "") + t.function.arguments
+    assert len(args) >= 2  # the last one cut short
+    for i in sorted(args)[:-1]:
+        jsonschema.validate(json.loads(args[i]), BOUNDED["function"]["parameters"])
 
 
 def test_tool_choice_none_renders_no_tools(client, loaded):
@@ -346,26 +442,17 @@ def test_tool_choice_none_renders_no_tools(client, loaded):
     assert r.choices[0].message.content.startswith(tool_model.AUTO)
 
 
-def test_forced_greedy_answers_equal_plain_decoding(client, loaded):
-    """A forced call the random model cannot finish comes back as content:
-    the forced start and then, with drafts or without, the tokens of plain
-    greedy decoding of the prompt that ends in it."""
-    model, tokenizer = loaded
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
-    messages = [template_message(m, dict(m), "") for m in MESSAGES]
-    prompt = render(tokenizer, messages, TOOLS) + prefix
-    out = stream_generate(model, tokenizer, prompt, 24, mtp=False)
-    plain = "".join(r.text for r in out)
+def test_forced_calls_are_the_same_with_drafts(client):
+    """Greedy calls held to the schema are those of constrained plain
+    decoding, whatever the draft count."""
     answers = []
     for k in (0, 1, 4):
-        r = _chat(
-            client, tool_choice=choice, max_tokens=24, extra_body={"draft_max": k}
-        )
-        assert r.choices[0].finish_reason == "length"
-        assert r.choices[0].message.tool_calls is None
-        answers.append(r.choices[0].message.content)
-    assert answers == [prefix + plain] * 3
+        r = client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=[BOUNDED], tool_choice=FORCED[1],
+            max_tokens=128, extra_body={"draft_max": k},
+        )  # fmt: skip
+        answers.append(_valid(r.choices[0].message.tool_calls[0]))
+    assert answers[1:] == answers[:1] * 2
     assert r.usage.mtp["drafted"] > 0
 
 
@@ -399,6 +486,10 @@ def test_bad_tool_requests_get_400s(server, client):
             tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
         ),
         dict(tools=TOOLS, tool_choice="sometimes"),
+        # a schema constrained decoding cannot take
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "("}},
+        }}}]),  # fmt: skip
     ]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
@@ -445,33 +536,32 @@ def ds_client(ds_loaded):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_deepseek_named_call(ds_client, stream):
-    bias = {str(tool_model.token_id(tool_model.DS_ARGS, "deepseek")): 100}
     kwargs = dict(
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        stop=["DONE"],
-        extra_body={"logit_bias": bias},
-    )
+        model=NAME, messages=MESSAGES, tools=[BOUNDED], tool_choice=FORCED[1],
+        max_tokens=128,
+    )  # fmt: skip
     if stream:
-        chunks = list(_chat(ds_client, stream=True, **kwargs))
-        calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+        chunks = list(ds_client.chat.completions.create(stream=True, **kwargs))
+        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+        assert len(deltas) > 3
+        args = json.loads("".join(d.function.arguments for d in deltas))
+        jsonschema.validate(args, BOUNDED["function"]["parameters"])
         finish = chunks[-1].choices[0].finish_reason
     else:
-        choice = _chat(ds_client, **kwargs).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-    assert [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", '{"city": "Paris"}')
-    ]
+        choice = ds_client.chat.completions.create(**kwargs).choices[0]
+        _valid(choice.message.tool_calls[0])
+        finish = choice.finish_reason
     assert finish == "tool_calls"
 
 
-def test_deepseek_forced_greedy_and_history(ds_client, ds_loaded):
-    """The forced start of DeepSeek-V3's call, then plain greedy decoding with
-    drafts or without; an earlier call reaches its template as JSON text."""
+def test_deepseek_forced_call_after_history(ds_client, ds_loaded):
+    """An earlier call reaches DeepSeek-V3's template as JSON text; the forced
+    call validates, with drafts or without."""
     model, tokenizer = ds_loaded
     call = {
         "id": "c1",
         "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        "function": {"name": "get_forecast", "arguments": '{"city": "Oslo"}'},
     }
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -481,23 +571,18 @@ def test_deepseek_forced_greedy_and_history(ds_client, ds_loaded):
         template_message(m, {**m, "content": m["content"] or ""}, "") for m in history
     ]
     fmt = tool_format(tokenizer)
-    choice = {"type": "function", "function": {"name": "get_time"}}
-    prefix = tool_plan({"tools": TOOLS, "tool_choice": choice}, fmt).prefix
-    prompt = render(tokenizer, turns, TOOLS) + prefix
+    prefix = tool_plan({"tools": [BOUNDED], "tool_choice": FORCED[1]}, fmt).prefix
+    prompt = render(tokenizer, turns, [BOUNDED]) + prefix
     assert '```json\n{"city": "Oslo"}\n```' in prompt
-    out = stream_generate(model, tokenizer, prompt, 16, mtp=False)
-    plain = "".join(r.text for r in out)
+    answers = []
     for k in (0, 4):
         r = ds_client.chat.completions.create(
-            model=NAME,
-            messages=history,
-            tools=TOOLS,
-            tool_choice=choice,
-            max_tokens=16,
-            extra_body={"draft_max": k},
-        )
-        assert r.choices[0].message.content == prefix + plain
+            model=NAME, messages=history, tools=[BOUNDED], tool_choice=FORCED[1],
+            max_tokens=128, extra_body={"draft_max": k},
+        )  # fmt: skip
+        answers.append(_valid(r.choices[0].message.tool_calls[0]))
         assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("parallel,expected", [(None, 2), (True, 2), (False, 1)])
@@ -505,13 +590,96 @@ def test_parallel_tool_calls_false_passes_on_one_call(parallel, expected):
     fmt, answer = ANSWERS[0]
     body = {"tools": TOOLS, "parallel_tool_calls": parallel}
     splitter = tool_plan(body, fmt).splitter()
-    calls = []
+    parts = []
     for piece in (answer[:10], answer[10:]):
-        calls += split(splitter, piece, None)[1]
-    calls += split(splitter, "", "stop")[1]
-    assert [c.name for c in calls] == ["get_weather", "get_time"][:expected]
+        parts += split(splitter, piece, None)[0]
+    parts += split(splitter, "", "stop")[0]
+    opened = [p.call.name for p in parts if p.kind == "open"]
+    closed = [p.call.name for p in parts if p.kind == "close"]
+    assert opened == closed == ["get_weather", "get_time"][:expected]
 
 
 def test_parallel_tool_calls_must_be_a_boolean():
     with pytest.raises(ToolError):
         tool_plan({"tools": TOOLS, "parallel_tool_calls": "no"}, ANSWERS[0][0])
+
+
+# -- the grammars of calls -----------------------------------------------------------
+
+DS_V3 = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, parse_deepseek)
+DS_V31 = ToolFormat("deepseek_v31", DS_CALLS_BEGIN, DS_CALLS_END, parse_deepseek)
+# one call of get_weather in each format: (format, the call, a call with a
+# property the schema does not have)
+ONE_CALL = [
+    (
+        _format(json_tools, "json_tools"),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n'
+        "</tool_call>",
+    ),
+    (
+        _format(glm47, "glm47"),
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n</tool_call>",
+        "<tool_call>get_weather\n<arg_key>town</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n</tool_call>",
+    ),
+    (
+        _format(qwen3_coder, "qwen3_coder"),
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=town>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+    ),
+    (
+        DS_V3,
+        f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": "Paris"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+        f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": 3}}\n```{DS_CALL_END}{DS_CALLS_END}',
+    ),
+    (
+        DS_V31,
+        f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_weather{DS_SEP}{{"city": "Paris"}}'
+        f"{DS_CALL_END}{DS_CALLS_END}",
+        f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_time{DS_SEP}{{"city": "Paris"}}'
+        f"{DS_CALL_END}{DS_CALLS_END}",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def byte_grammar_tokenizer(tiny_folders):
+    """llguidance's view of a byte-level tokenizer with no marker tokens."""
+    from mlx_mtp.constrain import grammar_tokenizer
+
+    _, tokenizer = mlx_mtp.load(tiny_folders("deepseek_v3")[0])
+    return tokenizer, grammar_tokenizer(tokenizer, 288)
+
+
+@pytest.mark.parametrize(
+    "fmt,call,wrong", ONE_CALL, ids=lambda a: getattr(a, "name", "")
+)
+def test_call_grammar_of_each_format(fmt, call, wrong, byte_grammar_tokenizer):
+    """Once the start marker is written, the grammar takes the call the format
+    writes (and the splitter reads) and refuses one the schema does not."""
+    from llguidance import LLMatcher
+
+    from mlx_mtp.serve.tool_grammar import call_grammar
+
+    tokenizer, ll = byte_grammar_tokenizer
+    grammar = call_grammar(fmt, TOOLS, fmt.start, lambda text: None)
+
+    def accepts(text: str) -> bool:
+        tokens = tokenizer.encode(text[len(fmt.start) :], add_special_tokens=False)
+        matcher = LLMatcher(ll, grammar, log_level=0)
+        valid = matcher.validate_tokens(tokens)
+        matcher.consume_tokens(tokens[:valid])
+        return valid == len(tokens) and matcher.is_accepting()
+
+    assert accepts(call) and not accepts(wrong)
+    _, calls = _run(ToolSplitter(fmt, TOOLS), [call])
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]

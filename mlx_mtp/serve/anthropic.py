@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from . import parse
 from .http import APIError, read_body
-from .tools import ToolCall, ToolError, split, tool_plan
+from .tools import Part, ToolError, split, tool_plan
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -213,57 +213,54 @@ class _Stops:
 
 
 class _Blocks:
-    """The answer's content blocks, with the stream events that build them."""
+    """The answer's content blocks, with the stream events that build them:
+    text as it comes, a tool call's arguments as ``input_json_delta``s as
+    they are written."""
 
     def __init__(self):
         self.blocks: List[dict] = []
-        self.text_open = False
+        self.open: Optional[str] = None  # the kind of the block being written
 
-    def add(self, text: str, calls: List[ToolCall]) -> List[dict]:
+    def add(self, parts: List[Part]) -> List[dict]:
         events = []
-        if text:
-            if not self.text_open:
-                self.blocks.append({"type": "text", "text": ""})
-                events.append(
-                    self._event(
-                        "content_block_start",
-                        content_block={"type": "text", "text": ""},
-                    )
-                )
-                self.text_open = True
-            self.blocks[-1]["text"] += text
-            events.append(
-                self._event(
-                    "content_block_delta", delta={"type": "text_delta", "text": text}
-                )
-            )
-        for call in calls:
-            events += self.close()
-            block = {
-                "type": "tool_use",
-                "id": f"toolu_{call.id}",
-                "name": call.name,
-                "input": call.arguments,
-            }
-            self.blocks.append(block)
-            arguments = json.dumps(call.arguments, ensure_ascii=False)
-            events += [
-                self._event(
-                    "content_block_start", content_block={**block, "input": {}}
-                ),
-                self._event(
-                    "content_block_delta",
-                    delta={"type": "input_json_delta", "partial_json": arguments},
-                ),
-                self._event("content_block_stop"),
-            ]
+        for part in parts:
+            if part.kind == "text" and part.text:
+                if self.open != "text":
+                    events += self.close()
+                    self.blocks.append({"type": "text", "text": ""})
+                    start = {"type": "text", "text": ""}
+                    events.append(self._event("content_block_start",
+                                              content_block=start))  # fmt: skip
+                    self.open = "text"
+                self.blocks[-1]["text"] += part.text
+                delta = {"type": "text_delta", "text": part.text}
+                events.append(self._event("content_block_delta", delta=delta))
+            elif part.kind == "open":
+                events += self.close()
+                call = part.call
+                block = {"type": "tool_use", "id": f"toolu_{call.id}",
+                         "name": call.name, "input": None}  # fmt: skip
+                self.blocks.append(block)
+                start = {**block, "input": {}}
+                events.append(self._event("content_block_start", content_block=start))
+                self.open = "tool_use"
+            elif part.kind == "args":
+                delta = {"type": "input_json_delta", "partial_json": part.text}
+                events.append(self._event("content_block_delta", delta=delta))
+            elif part.kind == "close":
+                self.blocks[-1]["input"] = part.call.arguments
+                events += self.close()
         return events
 
     def close(self) -> List[dict]:
-        if not self.text_open:
+        if self.open is None:
             return []
-        self.text_open = False
+        self.open = None
         return [self._event("content_block_stop")]
+
+    def whole(self) -> List[dict]:
+        """The blocks of the answer, less a call cut off before its end."""
+        return [b for b in self.blocks if b.get("input", {}) is not None]
 
     def _event(self, kind: str, **fields) -> dict:
         return {"type": kind, "index": len(self.blocks) - 1, **fields}
@@ -290,6 +287,7 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         if count:
             return JSONResponse({"input_tokens": len(tokens)})
         p = parse.params(service, chat)
+        service.hold_calls(plan, p)
         stops, p.stop = _Stops(p.stop), []
         submitted = service.submit(http, tokens, p, "messages")
     except ToolError as e:
@@ -330,7 +328,7 @@ async def messages(service, http: HTTPRequest, count: bool = False):
     return JSONResponse(
         {
             **message,
-            "content": answer.blocks.blocks,
+            "content": answer.blocks.whole(),
             **_stop(answer.finish, stops),
             "usage": usage,
         }
@@ -372,8 +370,8 @@ class _Answer:
                 )
             elif finish is not None:
                 self.output_tokens = event.usage["completion_tokens"]
-            content, calls, finish = split(self.splitter, text, finish)
-            for e in self.blocks.add(content, calls):
+            parts, finish = split(self.splitter, text, finish)
+            for e in self.blocks.add(parts):
                 yield e
             if finish is not None:
                 self.finish = finish

@@ -32,6 +32,7 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
         if kind == "chat":
             plan = tool_plan(body, service.tool_format)
             tokens = parse.chat_tokens(service, body, plan)
+            service.hold_calls(plan, p)
         else:
             tokens = parse.completion_tokens(service, body)
         param = "messages" if kind == "chat" else "prompt"
@@ -71,6 +72,7 @@ class _Answer:
     def __init__(self, service, http, submitted: Submitted, kind, meta, splitter):
         self.service, self.http, self.submitted = service, http, submitted
         self.kind, self.meta, self.splitter = kind, meta, splitter
+        self.call_index = -1  # the streamed call being written
 
     def logprobs(self, entries: list, offset: int = 0):
         if self.submitted.request.params.logprobs is None:
@@ -90,13 +92,12 @@ class _Answer:
                 if event.error is not None:
                     yield _sse(internal_error(event.error))
                     break
-                text, calls, finish = split(splitter, event.text, event.finish_reason)
-                if text or finish or calls or event.logprobs:
-                    made = len(splitter.calls) - len(calls) if calls else 0
+                parts, finish = split(splitter, event.text, event.finish_reason)
+                if parts or finish or event.logprobs:
                     lp = self.logprobs(event.logprobs, sent)
                     sent += len(event.text)
-                    chunk = _chunk(kind, meta, text, finish, False, lp, calls, made)
-                    yield _sse(_with_usage(chunk, include_usage))
+                    for chunk in self.chunks(parts, finish, lp):
+                        yield _sse(_with_usage(chunk, include_usage))
                 if event.finish_reason is not None:
                     note_usage(self.http, event.usage)
                     if include_usage:
@@ -109,6 +110,44 @@ class _Answer:
             if not done:  # the client went away: free its stream
                 self.submitted.cancel()
 
+    def chunks(self, parts: list, finish: Optional[str], lp):
+        """The stream's chunks for ``parts``: content and argument deltas as
+        they come (consecutive text in one chunk); the finish reason and
+        logprobs on the last."""
+        kind, meta, out = self.kind, self.meta, []
+        text, calls = "", []
+
+        def flush(last: bool):
+            if text or calls or last:
+                fin, logprobs = (finish, lp) if last else (None, None)
+                out.append(_chunk(kind, meta, text, fin, False, logprobs, calls))
+
+        for part in parts:
+            if part.kind == "text":
+                if calls:
+                    flush(False)
+                    calls = []
+                text += part.text
+            elif part.kind in ("open", "args"):
+                if text:
+                    flush(False)
+                    text = ""
+                delta = self.call_delta(part)
+                if calls and part.kind == "args":  # one entry per call a chunk
+                    calls[-1]["function"]["arguments"] += part.text
+                else:
+                    calls.append(delta)
+        flush(True)
+        return out
+
+    def call_delta(self, part) -> dict:
+        """A streamed call's piece: its id and name first, then arguments."""
+        if part.kind == "open":
+            self.call_index += 1
+            return {**part.call.openai(self.call_index),
+                    "function": {"name": part.call.name, "arguments": ""}}  # fmt: skip
+        return {"index": self.call_index, "function": {"arguments": part.text}}
+
     async def whole(self):
         parts, calls, entries = [], [], []
         try:
@@ -118,11 +157,9 @@ class _Answer:
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 if event.error is not None:
                     return JSONResponse(internal_error(event.error), status_code=500)
-                text, made, finish = split(
-                    self.splitter, event.text, event.finish_reason
-                )
-                parts.append(text)
-                calls += made
+                made, finish = split(self.splitter, event.text, event.finish_reason)
+                parts += [p.text for p in made if p.kind == "text"]
+                calls += [p.call for p in made if p.kind == "close"]
                 entries += event.logprobs
                 if finish is not None:
                     note_usage(self.http, event.usage)
@@ -140,13 +177,14 @@ class _Answer:
 
 
 def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool,
-           lp=None, calls=(), index: int = 0):  # fmt: skip
+           lp=None, calls=()):  # fmt: skip
+    """``calls``: the chunk's ``tool_calls`` deltas."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
         if calls:
-            delta["tool_calls"] = [c.openai(index + i) for i, c in enumerate(calls)]
+            delta["tool_calls"] = list(calls)
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}

@@ -54,6 +54,9 @@ class Params(GenerationRequest):
     stream: bool = False
     include_usage: bool = False
     grammar: Optional[str] = None  # what ``response_format`` holds answers to
+    # text whose tokens open a part held to ``grammar`` (a tool call in
+    # "auto"); None: the whole answer is held to it
+    grammar_trigger: Optional[str] = None
 
 
 def params(service, body: dict) -> Params:

@@ -11,13 +11,13 @@ import re
 import time
 from typing import List, Optional
 
-from ..constrain import JSONConstraint, grammar_tokenizer
+from ..constrain import JSONConstraint, TriggeredConstraint, grammar_tokenizer
 from ..errors import MTPError
 from ..prompts import context_length, fit_context
-from . import ServeConfig
+from . import ServeConfig, tool_grammar
 from .engine import Engine, Event, Request
 from .http import APIError, wait_disconnect
-from .tools import tool_format
+from .tools import ToolPlan, tool_format
 
 
 def model_aliases(name: str) -> set:
@@ -49,21 +49,53 @@ class Service:
         self._grammar_tokenizer = None
         self.tool_format = tool_format(tokenizer)
 
-    def constraint(self, grammar: str, prompt_len: int) -> JSONConstraint:
-        """The logits processor holding an answer to ``grammar``."""
+    def grammar_tokenizer(self, param: str):
+        """llguidance's view of the tokenizer, built on first use."""
         if self._grammar_tokenizer is None:
             try:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
             except MTPError as e:
-                raise APIError(
-                    str(e), param="response_format", code="unsupported_value"
-                ) from None
+                raise APIError(str(e), param=param, code="unsupported_value") from None
+        return self._grammar_tokenizer
+
+    def constraint(self, params, prompt_len: int):
+        """The logits processor holding an answer (or, with a trigger, the
+        parts it opens) to ``params.grammar``."""
+        param = "response_format"
+        ll = self.grammar_tokenizer(param)
         try:
-            return JSONConstraint(grammar, self._grammar_tokenizer, prompt_len)
+            if params.grammar_trigger is None:
+                return JSONConstraint(params.grammar, ll, prompt_len)
+            trigger = self.tokenizer.encode(
+                params.grammar_trigger, add_special_tokens=False
+            )
+            return TriggeredConstraint(params.grammar, ll, prompt_len, trigger)
         except MTPError as e:
-            raise APIError(
-                str(e), param="response_format", code="invalid_value"
-            ) from None
+            raise APIError(str(e), param=param, code="invalid_value") from None
+
+    def hold_calls(self, plan: ToolPlan, params) -> None:
+        """Hold the request's tool calls to the tools' schemas: a forced call
+        from its start, an ``auto`` one once the model opens it (unless
+        ``response_format`` holds the answer already)."""
+        fmt = plan.format
+        if plan.tools is None or not tool_grammar.supported(fmt):
+            return
+        if not plan.prefix and params.grammar is not None:
+            return
+        written = plan.prefix or fmt.start
+        ll = self.grammar_tokenizer("tools")
+
+        def token_of(text: str) -> Optional[int]:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 and ll.is_special_token(ids[0]) else None
+
+        grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
+        try:  # a tool's schema llguidance refuses is the tools' fault
+            JSONConstraint(grammar, ll, 0)
+        except MTPError as e:
+            raise APIError(str(e), param="tools", code="invalid_value") from None
+        params.grammar = grammar
+        params.grammar_trigger = None if plan.prefix else fmt.start
 
     def check_model(self, model: Optional[str]) -> None:
         """Any name is this model's unless ``strict_model_names`` is set: a
@@ -106,7 +138,7 @@ def engine_request(service: Service, tokens, params, param: str, emit) -> Reques
     """The engine's record of a checked request: the one place it is built."""
     params.max_tokens = service.fit(tokens, params.max_tokens, param)
     if params.grammar is not None:
-        params.logits_processors = [service.constraint(params.grammar, len(tokens))]
+        params.logits_processors = [service.constraint(params, len(tokens))]
     return Request(prompt=tokens, params=params, emit=emit)
 
 

@@ -278,10 +278,11 @@ def _as_strings(m: dict) -> dict:
 
 @dataclass
 class ToolCall:
-    """A call the model made: its function's name and arguments."""
+    """A call the model made: its function's name and arguments (None while
+    they are being written)."""
 
     name: str
-    arguments: dict
+    arguments: Optional[dict] = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     def openai(self, index: Optional[int] = None) -> dict:
@@ -296,6 +297,59 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+@dataclass
+class Part:
+    """A piece of the answer as it is written: ``"text"`` (content),
+    ``"open"`` (a call whose name is known), ``"args"`` (the next characters
+    of its JSON arguments) or ``"close"`` (the call, complete and parsed)."""
+
+    kind: str
+    text: str = ""
+    call: Optional[ToolCall] = None
+
+
+@dataclass
+class _Streamed:
+    """How a format's calls are read as they are written: ``head`` (matched
+    where a call begins: the name, then the JSON arguments follow), ``end``
+    (what ends one call), ``hold`` (the end of the arguments written so far
+    that may be the call's tail), ``tail`` (the tail, cut off the arguments
+    at ``end``), ``many`` (several calls in one section)."""
+
+    head: "re.Pattern"
+    end: str
+    hold: "re.Pattern"
+    tail: "re.Pattern"
+    many: bool = False
+
+
+_DS_HEAD = re.compile(
+    r"\s*" + re.escape(DS_CALL_BEGIN) + r"(?:function" + re.escape(DS_SEP)
+    + r"(?P<name>[^\n]*?)\n```json\n|(?!function" + re.escape(DS_SEP)
+    + r")(?P<name31>[^\n]*?)" + re.escape(DS_SEP)
+    + r")(?=\S)"
+)  # fmt: skip
+_STREAMED = {
+    "json_tools": _Streamed(
+        re.compile(
+            r'\s*\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*'
+            r'"arguments"\s*:\s*(?=\S)'
+        ),
+        "</tool_call>",
+        re.compile(r"\s*\}?\s*$"),
+        re.compile(r"\s*\}\s*$"),
+    ),
+    "deepseek_v3": _Streamed(
+        _DS_HEAD,
+        DS_CALL_END,
+        re.compile(r"(?:\n`{0,3})?$"),
+        re.compile(r"\s*(?:\n```)?\s*$"),
+        many=True,
+    ),
+}
+_STREAMED["deepseek_v31"] = _STREAMED["deepseek_v3"]
+
+
 def _held(text: str, marker: str) -> int:
     """Characters at the end of ``text`` that may begin ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -305,84 +359,163 @@ def _held(text: str, marker: str) -> int:
 
 
 class ToolSplitter:
-    """Splits an answer, fed in pieces, into content and completed tool calls.
+    """Splits an answer, fed in pieces, into content and tool calls, as parts
+    (``Part``) in the order they were written.
 
-    Text that may be the start of a call's marker is held back until it is
-    known not to be one. A call that does not parse (cut off by
-    ``max_tokens``, or malformed) comes out as content, markers and all.
+    Content streams as it comes, less what may be the start of a call's
+    marker. A call of a JSON format streams its arguments as they are
+    written, less what may be its tail; other formats' calls come whole once
+    they end. A section that does not parse comes out as content, markers and
+    all; a call still open when the answer ends (cut by ``max_tokens``) is
+    dropped: its markers never reach the content.
     """
 
     def __init__(self, fmt: ToolFormat, tools: List[dict], prefix: str = ""):
         self.format, self.tools = fmt, tools
-        self.pending = ""  # held back, or the call being written
-        self.in_call = False
-        self.calls: List[ToolCall] = []
+        self.streamed = _STREAMED.get(fmt.name)
+        self.pending = ""  # held back, or the section being written
+        self.mode = "text"  # or "section" (a call may begin) or "args"
+        self.section = ""  # the section's text so far, for reading it whole
+        self.open: Optional[ToolCall] = None
+        self.args = ""  # the open call's arguments sent so far
+        self.calls: List[ToolCall] = []  # calls closed and passed on
         self.most: Optional[int] = None  # calls passed on at most (None: all)
-        self.sent = 0  # calls passed on
+        self.opened = 0
         self.gap = ""  # whitespace after a call, sent only if text follows
+        self.out: List[Part] = []
         self.feed(prefix)
 
-    def feed(self, text: str) -> Tuple[str, List[ToolCall]]:
-        """Take the answer's next text; return content to send and new calls."""
-        fmt, out, calls = self.format, [], []
+    def feed(self, text: str) -> List[Part]:
+        """Take the answer's next text; return the parts it completes."""
         self.pending += text
-        while self.pending:
-            if self.in_call:
-                i = self.pending.find(fmt.end) if fmt.end else -1
-                if i < 0:
-                    break
-                body = self.pending[:i]
-                self.pending = self.pending[i + len(fmt.end) :]
-                self.in_call = False
-                calls += self._parse(body, out, fmt.end)
-                continue
-            i = self.pending.find(fmt.start)
-            if i >= 0:
-                out.append(self._content(self.pending[:i]))
-                self.pending = self.pending[i + len(fmt.start) :]
-                self.in_call = True
-                continue
-            keep = _held(self.pending, fmt.start)
-            out.append(self._content(self.pending[: len(self.pending) - keep]))
-            self.pending = self.pending[len(self.pending) - keep :]
-            break
-        return "".join(out), calls
+        while self.pending and self._step():
+            pass
+        return self._take()
 
-    def finish(self) -> Tuple[str, List[ToolCall]]:
+    def finish(self) -> List[Part]:
         """The rest at the end of the answer."""
-        out: List[str] = []
-        calls = self._parse(self.pending, out, "") if self.in_call else []
-        if not self.in_call:
-            out.append(self._content(self.pending))
-        self.pending, self.in_call, self.gap = "", False, ""
-        return "".join(out), calls
+        if self.mode == "text":
+            self._text(self.pending)
+        self.pending, self.mode, self.open, self.gap = "", "text", None, ""
+        return self._take()
 
     def finish_reason(self, reason: str) -> str:
         """``"tool_calls"`` for an answer that ended after calling tools."""
         return "tool_calls" if self.calls and reason == "stop" else reason
 
-    def _parse(self, body: str, out: List[str], end: str) -> List[ToolCall]:
+    def _take(self) -> List[Part]:
+        out, self.out = self.out, []
+        return out
+
+    def _step(self) -> bool:
+        """Read what ``pending`` allows; False where more text is needed."""
+        fmt, s = self.format, self.streamed
+        if self.mode == "text":
+            i = self.pending.find(fmt.start)
+            if i < 0:
+                keep = _held(self.pending, fmt.start)
+                self._text(self.pending[: len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep :]
+                return False
+            self._text(self.pending[:i])
+            self.pending = self.pending[i + len(fmt.start) :]
+            self.mode, self.section = "section", ""
+            return True
+        if self.mode == "args":
+            return self._args()
+        if s is not None and s.many and self.pending.lstrip().startswith(fmt.end):
+            self.pending = self.pending.lstrip()[len(fmt.end) :]
+            self.mode = "text"
+            return True
+        m = s.head.match(self.pending) if s is not None else None
+        if m is not None:
+            self.section += self.pending[: m.end()]
+            self._open(m.group("name") or m.groupdict().get("name31") or "")
+            self.pending = self.pending[m.end() :]
+            self.mode = "args"
+            return True
+        i = self.pending.find(fmt.end) if fmt.end else -1
+        if i < 0:
+            return False
+        self._whole(self.section + self.pending[:i])  # read whole, as written
+        self.pending = self.pending[i + len(fmt.end) :]
+        self.mode = "text"
+        return True
+
+    def _args(self) -> bool:
+        s = self.streamed
+        i = self.pending.find(s.end)
+        if i < 0:
+            keep = _held(self.pending, s.end)
+            written = self.pending[: len(self.pending) - keep]
+            sent = s.hold.search(written).start()
+            self._delta(written[:sent])
+            self.pending = self.pending[sent:]
+            return False
+        whole = self.args + self.pending[:i]
+        whole = whole[: s.tail.search(whole).start()]
+        self._delta(whole[len(self.args) :])
+        self.section += self.pending[: i + len(s.end)]
+        self.pending = self.pending[i + len(s.end) :]
+        self.mode = "section" if s.many else "text"
+        call, self.open, self.args = self.open, None, ""
+        try:
+            call.arguments = _arguments(whole)
+        except ValueError:
+            return True  # sent as written; it does not parse, so it is no call
+        self._close(call)
+        return True
+
+    def _open(self, name: str) -> None:
+        self.open, self.args = ToolCall(name), ""
+        self.opened += 1
+        if self._passed():
+            self.out.append(Part("open", call=self.open))
+
+    def _delta(self, text: str) -> None:
+        if text:
+            self.args += text
+            if self._passed():
+                self.out.append(Part("args", text, self.open))
+
+    def _close(self, call: ToolCall) -> None:
+        if self._passed():
+            self.calls.append(call)
+            self.out.append(Part("close", call=call))
+        self.gap = ""
+
+    def _passed(self) -> bool:
+        """Whether the call being read is one to pass on (``most``)."""
+        return self.most is None or self.opened <= self.most
+
+    def _whole(self, body: str) -> None:
+        """A section read whole: its calls, or its text if it does not parse."""
         try:
             parsed = self.format.parse(body, self.tools)
             parsed = parsed if isinstance(parsed, list) else [parsed]
             calls = [ToolCall(p["name"], _arguments(p.get("arguments")))
                      for p in parsed]  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError):
-            out.append(self._content(self.format.start + body + end))
-            return []
-        self.calls += calls
-        self.gap = ""
-        return calls
+            self._text(self.format.start + body + self.format.end)
+            return
+        for call in calls:
+            self._open(call.name)
+            self.open.id = call.id
+            args = json.dumps(call.arguments, ensure_ascii=False)
+            self._delta(args)
+            self.open.arguments = call.arguments
+            self._close(self.open)
+        self.open = None
 
-    def _content(self, text: str) -> str:
+    def _text(self, text: str) -> None:
         # whitespace between calls and after the last is no content
-        if not self.calls:
-            return text
-        if not (self.gap + text).strip():
+        if self.calls and not (self.gap + text).strip():
             self.gap += text
-            return ""
-        text, self.gap = self.gap + text, ""
-        return text
+            return
+        if self.calls:
+            text, self.gap = self.gap + text, ""
+        if text:
+            self.out.append(Part("text", text))
 
 
 def _arguments(args) -> dict:
@@ -397,17 +530,13 @@ def _arguments(args) -> dict:
 
 def split(
     splitter: Optional[ToolSplitter], text: str, finish: Optional[str]
-) -> Tuple[str, List[ToolCall], Optional[str]]:
-    """An event's text and finish reason as (content, new calls, finish
-    reason), through ``splitter`` where the request has tools."""
+) -> Tuple[List[Part], Optional[str]]:
+    """An event's text and finish reason as (parts, finish reason), through
+    ``splitter`` where the request has tools."""
     if splitter is None:
-        return text, [], finish
-    content, calls = splitter.feed(text)
+        return ([Part("text", text)] if text else []), finish
+    parts = splitter.feed(text)
     if finish is not None:
-        rest, last = splitter.finish()
-        content, calls = content + rest, calls + last
+        parts += splitter.finish()
         finish = splitter.finish_reason(finish)
-    if splitter.most is not None:  # calls past the most asked for are dropped
-        calls = calls[: max(0, splitter.most - splitter.sent)]
-    splitter.sent += len(calls)
-    return content, calls, finish
+    return parts, finish
