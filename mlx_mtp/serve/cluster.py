@@ -46,6 +46,9 @@ from .ranks import Liveness, exit_soon
 from .service import Service, engine_request
 
 PLAN_BYTES = 2048  # a turn's plan travels in one row this long, when it fits
+# after a failed turn, how long the line to the other ranks may take to say
+# that one of them died (the failure was then its garbage collective)
+LOST_WAIT = 2.0
 
 
 @dataclass
@@ -407,12 +410,23 @@ class ClusterEngine(Engine):
         except PeerLost:
             raise
         except Exception as e:  # the same on every rank: each starts afresh
+            if self._peer_gone():
+                raise PeerLost(self.lost) from None
             traceback.print_exc(file=sys.stderr)
             self._fail_all(f"{type(e).__name__}: {e}")
         self.stats.turns += 1
         active = {id(j.request) for j in self.reading.values()}
         active |= {id(j.request) for j in self.jobs.values()}
         self.ids = {k: v for k, v in self.ids.items() if k in active or k in self.live}
+
+    def _peer_gone(self, wait: float = LOST_WAIT) -> bool:
+        """Whether a rank is lost. A collective with a dead ring peer returns
+        garbage (which then fails a check) about as soon as the line to that
+        rank says it closed, so a failed turn gives the line ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.lost is not None
 
     def _fail_all(self, message: str) -> None:
         super()._fail_all(message)
