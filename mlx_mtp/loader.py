@@ -242,82 +242,22 @@ def load_model(
     ``config.json``'s entries and ``adapter_path`` applies LoRA adapters to the
     trunk, as in ``mlx_lm.load``.
     """
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
-    model_type = config["model_type"]
-    _check_model_type(config)
     family = family_for(config)
     split: Dict[str, mx.array] = {}
-    weight_files = glob.glob(str(path / "model*.safetensors"))
-    if not weight_files:
-        raise MTPError(f"{path}: no model*.safetensors weights")
-    for f in weight_files + glob.glob(str(path / HEAD_FILE_GLOB)):
-        check_safetensors(Path(f))
-    try:
-        model, config = mlx_lm_load_model(
-            path,
-            lazy=True,
-            model_config=model_config,
-            get_model_classes=_model_classes(config, family, split),
-        )
-    except MTPError:
-        raise
-    except Exception as e:
-        raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
+    # 1) the trunk, the head's tensors split off on the way
+    model, config = _load_trunk(path, config, family, split, model_config)
     if adapter_path is not None:
         model = _load_adapters(model, Path(adapter_path))
-
-    tap = hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post")
-    trunk = Trunk(model, tap)
-    head_config = None
-    if mtp is not None:
-        mtp = Path(mtp)
-        if not mtp.exists():
-            raise MTPError(f"--mtp {mtp}: no such file or folder")
-        if mtp.is_dir() and is_assistant(mtp):
-            head_config, head_weights = read_assistant(mtp)
-        else:
-            files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
-            if not files:
-                raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
-            head_weights = read_safetensors(files)
-    else:
-        head_weights = {
-            **split,
-            **read_safetensors(glob.glob(str(path / HEAD_FILE_GLOB))),
-        }
-    head_dir = path if mtp is None else (mtp if mtp.is_dir() else mtp.parent)
-    if head_config is None:
-        head_config = read_head_config(head_dir)
+    trunk = Trunk(model, hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post"))
+    # 2) the head: from ``mtp`` or the folder, built where the family has one
+    head_dir, head_config, head_weights = _head_source(path, mtp, split)
     family = trained_head_family(head_config, head_dir) or family
     if "assistant" in head_config:  # a drafter with a config of its own
         config = {**config, "assistant": head_config["assistant"]}
-
-    head, notice = None, None
-    if family is None and not_yet(config):
-        notice = (
-            f"{model_type}: its MTP head is not supported yet ({not_yet(config)}),"
-            " generating without MTP"
-        )
-    elif family is None:
-        notice = f"{model_type}: no MTP support for this family, generating without MTP"
-    elif not any(family.is_mtp_key(k, config) for k in head_weights):
-        if mtp is not None:  # asked for by name: not a head is an error
-            raise MTPError(
-                f"--mtp {mtp}: no MTP tensors of a {model_type} head in it "
-                f"(their names start {family.prefix(config, 0)})"
-            )
-        missing = getattr(family, "NO_HEAD_NOTICE", "no MTP tensors in this checkpoint")
-        notice = f"{path.name}: {missing}, generating without MTP"
-    else:
-        head = _build_head(model, trunk, family, config, head_weights)
-        if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
-            family.patch_trunk(model)
-    if head is not None and not can_rollback(trunk.make_cache()):
-        notice = f"{model_type}: its caches cannot roll back, generating without MTP"
-        head = None
+    head, notice = _attach_head(model, trunk, family, config, head_weights, path, mtp)
+    # 3) sharding, then every array evaluated on this thread
     if shard is not None:
         shard(model, head, config)
     if not lazy:
@@ -341,6 +281,89 @@ def load_model(
     if head is not None and head_config.get("tuned"):
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
     return loaded
+
+
+def _load_trunk(path: Path, config, family, split, model_config):
+    """mlx-lm's model for ``path`` (lazy), with the MTP tensors moved into
+    ``split``; each weight file is checked first, and a failure is one line."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    _check_model_type(config)
+    weight_files = glob.glob(str(path / "model*.safetensors"))
+    if not weight_files:
+        raise MTPError(f"{path}: no model*.safetensors weights")
+    for f in weight_files + glob.glob(str(path / HEAD_FILE_GLOB)):
+        check_safetensors(Path(f))
+    try:
+        return mlx_lm_load_model(
+            path,
+            lazy=True,
+            model_config=model_config,
+            get_model_classes=_model_classes(config, family, split),
+        )
+    except MTPError:
+        raise
+    except Exception as e:
+        raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
+
+
+def _head_source(path: Path, mtp, split):
+    """Where the head comes from: its folder, its config and its tensors (a
+    separate ``mtp`` head or assistant, else the model folder's)."""
+    head_config = None
+    if mtp is None:
+        head_dir = path
+        files = glob.glob(str(path / HEAD_FILE_GLOB))
+        head_weights = {**split, **read_safetensors(files)}
+    else:
+        mtp = Path(mtp)
+        if not mtp.exists():
+            raise MTPError(f"--mtp {mtp}: no such file or folder")
+        head_dir = mtp if mtp.is_dir() else mtp.parent
+        if mtp.is_dir() and is_assistant(mtp):
+            head_config, head_weights = read_assistant(mtp)
+        else:
+            files = [mtp] if mtp.is_file() else glob.glob(str(mtp / HEAD_FILE_GLOB))
+            if not files:
+                raise MTPError(f"{mtp}: no MTP head found ({HEAD_FILE_GLOB})")
+            head_weights = read_safetensors(files)
+    if head_config is None:
+        head_config = read_head_config(head_dir)
+    return head_dir, head_config, head_weights
+
+
+def _attach_head(model, trunk, family, config, head_weights, path: Path, mtp):
+    """The head built from ``head_weights``, or None and the notice saying why
+    the model generates without MTP; a ``mtp`` head with no MTP tensors is an
+    error."""
+    model_type = config["model_type"]
+    if family is None and not_yet(config):
+        return None, (
+            f"{model_type}: its MTP head is not supported yet ({not_yet(config)}),"
+            " generating without MTP"
+        )
+    if family is None:
+        return (
+            None,
+            f"{model_type}: no MTP support for this family, generating without MTP",
+        )
+    if not any(family.is_mtp_key(k, config) for k in head_weights):
+        if mtp is not None:  # asked for by name: not a head is an error
+            raise MTPError(
+                f"--mtp {mtp}: no MTP tensors of a {model_type} head in it "
+                f"(their names start {family.prefix(config, 0)})"
+            )
+        missing = getattr(family, "NO_HEAD_NOTICE", "no MTP tensors in this checkpoint")
+        return None, f"{path.name}: {missing}, generating without MTP"
+    head = _build_head(model, trunk, family, config, head_weights)
+    if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
+        family.patch_trunk(model)
+    if not can_rollback(trunk.make_cache()):
+        return (
+            None,
+            f"{model_type}: its caches cannot roll back, generating without MTP",
+        )
+    return head, None
 
 
 def _load_adapters(model: nn.Module, folder: Path) -> nn.Module:
