@@ -96,17 +96,15 @@ class _Batch:
     def read(self) -> None:
         """Every prompt being read takes its next chunk, all of one length."""
         jobs = [self.reading[id(s)] for s in self.reader.streams]
-        left = [len(j.prompt) - 1 - j.read for j in jobs]
-        n = min(min(left), self.step)
-        tic = time.perf_counter()
-        self.reader.prefill([j.prompt[j.read : j.read + n] for j in jobs])
-        seconds = time.perf_counter() - tic
+        n, seconds, read = self.reader.read_chunk(
+            [j.prompt for j in jobs], [j.read for j in jobs], self.step
+        )
         self.counters.prompt_time += seconds
         self.counters.prompt_tokens += n * len(jobs)
         for j in jobs:
             j.read += n
             j.stream.stats.prompt_time += seconds
-        done = [j for j, m in zip(jobs, left) if m == n]
+        done = [j for j, r in zip(jobs, read) if r]
         if done:
             self.reader.remove([j.stream for j in done])
             for j in done:

@@ -170,6 +170,17 @@ class Decoder:
         pending = [q.hidden for s in self.streams for q in s.cache.pending]
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
+    def read_chunk(self, prompts: List[List[int]], read: List[int], step: int):
+        """Each stream reads its prompt's next chunk, all of one length (the
+        shortest remainder, at most ``step``; a prompt's last token is left
+        to its first round). Returns the length and the seconds it took, and
+        which streams' prompts are now read."""
+        left = [len(p) - 1 - r for p, r in zip(prompts, read)]
+        n = min(min(left), step)
+        tic = time.perf_counter()
+        self.prefill([p[r : r + n] for p, r in zip(prompts, read)])
+        return n, time.perf_counter() - tic, [m == n for m in left]
+
     def cap(self, s: Stream) -> int:
         """The most head drafts stream ``s`` may take this round."""
         if self.model.head is None:

@@ -363,15 +363,15 @@ class Engine:
     def _read_prompts(self) -> None:
         """Every prompt being read takes its next chunk, all of one length."""
         jobs = [self.reading[id(s)] for s in self.reader.streams]
-        left = [len(j.request.prompt) - 1 - j.read for j in jobs]
-        n = min(min(left), self.config.prefill_step)
-        tic = time.perf_counter()
-        self.reader.prefill([j.request.prompt[j.read : j.read + n] for j in jobs])
-        seconds = time.perf_counter() - tic
+        n, seconds, read = self.reader.read_chunk(
+            [j.request.prompt for j in jobs],
+            [j.read for j in jobs],
+            self.config.prefill_step,
+        )
         for job in jobs:
             job.read += n
             job.stream.stats.prompt_time += seconds
-        done = [j for j, m in zip(jobs, left) if m == n]
+        done = [j for j, r in zip(jobs, read) if r]
         if done:
             self.reader.remove([j.stream for j in done])
             for j in done:
