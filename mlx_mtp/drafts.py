@@ -203,12 +203,12 @@ def check_draft_max(draft_max: Optional[int]) -> Optional[int]:
     return draft_max
 
 
-def make_lookup(model, mode: str) -> Optional[PromptLookup]:
-    """A prompt lookup for ``mode`` ("ngram" or "auto"), or None where it cannot
+def make_lookup(model) -> Optional[PromptLookup]:
+    """A prompt lookup for ``model``, or None where it cannot
     pay or cannot be checked: where even drafts that are always kept cannot beat
     a plain step (a CPU with MLX's bundled BLAS: a verify over t tokens costs t
     steps), and on a trunk whose caches cannot drop rejected drafts."""
-    lookup = PromptLookup(mode, machine_costs(model))
+    lookup = PromptLookup(machine_costs(model))
     if not lookup.can_pay() or not can_rollback(model.make_cache().trunk):
         return None
     return lookup
@@ -233,7 +233,7 @@ def make_source(
     head: Optional[HeadDrafts] = None
     if model.head is not None and draft_max > 0 and name != "ngram":
         head = HeadDrafts(make_policy(model, draft_max, adaptive))
-    lookup = make_lookup(model, name) if name != "mtp" else None
+    lookup = make_lookup(model) if name != "mtp" else None
     if head is not None and lookup is not None:
         return AutoDrafts(head, lookup)
     if lookup is not None:

@@ -99,26 +99,19 @@ class NgramIndex:
 
 
 class PromptLookup:
-    """The n-gram draft source of one generation (see the module's docstring).
-
-    ``mode`` "ngram" drafts a proposal whenever checking it is expected to
-    beat a plain step; "auto" also weighs it against the MTP head's round.
-    """
+    """The n-gram lookups of one generation (see the module's docstring): a
+    proposal is drafted when checking it is expected to beat what it is
+    weighed against (a plain step, or in ``drafts.AutoDrafts`` the MTP head's
+    round)."""
 
     def __init__(
         self,
-        mode: str = "auto",
         costs: Optional[Costs] = None,
         prior: Optional[Sequence[float]] = None,
         draft_max: int = DEFAULT_LOOKUP_MAX,
         n_max: int = DEFAULT_N_MAX,
         n_min: int = DEFAULT_N_MIN,
     ):
-        if mode not in ("ngram", "auto"):
-            raise ValueError(
-                f"an n-gram draft source is 'ngram' or 'auto', not {mode!r}"
-            )
-        self.mode = mode
         self.costs = costs or prior_costs()
         self.draft_max = draft_max
         self.index = NgramIndex(n_max, n_min)

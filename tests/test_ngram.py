@@ -66,9 +66,9 @@ def test_match_counts_how_far_the_context_agrees_with_the_source():
 def test_a_longer_agreement_drafts_more():
     # fresh estimates: a proposal after a 2-token agreement starts at
     # MATCH_PRIORS[0], one after 16 or more at MATCH_PRIORS[-1]
-    short = PromptLookup("ngram", prior_costs())
+    short = PromptLookup(prior_costs())
     short.sync([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 6, 1, 2])
-    long = PromptLookup("ngram", prior_costs())
+    long = PromptLookup(prior_costs())
     run = list(range(100, 120))
     long.sync(run + list(range(20)) + [99] + run)
     assert len(short.drafts(8)) == 1
@@ -91,7 +91,7 @@ def test_a_long_history_stays_fast():
 
 
 def test_lookup_source_syncs_and_starts_over_on_a_shorter_history():
-    lookup = PromptLookup("ngram", prior_costs())
+    lookup = PromptLookup(prior_costs())
     lookup.sync([1, 2, 3, 1, 2])
     assert lookup.index.propose(1) == [3]
     lookup.sync([1, 2, 3, 1, 2, 3])
@@ -102,7 +102,7 @@ def test_lookup_source_syncs_and_starts_over_on_a_shorter_history():
 
 def test_a_compute_bound_machine_never_checks_a_proposal():
     # a verify over t tokens costs t plain steps: no proposal can pay
-    lookup = PromptLookup("ngram", prior_costs(compute_bound=True), prior=[0.9])
+    lookup = PromptLookup(prior_costs(compute_bound=True), prior=[0.9])
     lookup.sync([1, 2, 3, 4, 1, 2])
     assert lookup.drafts(4) == [] and lookup.proposed == 1
 
@@ -125,7 +125,7 @@ def reference_greedy(reference, prompt, max_tokens, stop=()):
 
 def run(model, prompt, max_tokens, policy, mode="ngram", stop=(), config=None):
     stats = MTPStats()
-    lookup = PromptLookup(mode, prior_costs(), prior=[0.9])
+    lookup = PromptLookup(prior_costs(), prior=[0.9])
     source = (
         AutoDrafts(HeadDrafts(policy), lookup) if mode == "auto" else LookupDrafts(lookup)
     )

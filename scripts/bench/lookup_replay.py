@@ -49,10 +49,10 @@ def record(model_path, out, prompt_files):
 
 
 def replay(stream, n, costs):
-    """Predicted speed-up over plain steps of ``PromptLookup("ngram")`` on the
+    """Predicted speed-up over plain steps of ``PromptLookup`` (drafts "ngram") on the
     first ``n`` tokens of a recorded answer."""
     answer = stream["answer"][:n]
-    lookup = PromptLookup("ngram", prior_costs())
+    lookup = PromptLookup(prior_costs())
     history = stream["prompt"] + answer[:1]  # the prefill's token
     done, cost = 1, 0.0
     while done < len(answer):
