@@ -121,7 +121,7 @@ def main():
     ap.add_argument("--json", type=Path, help="write every run here")
     args = ap.parse_args()
     if args.model is None:
-        from mlx_mtp.default_model import default_model_path
+        from mlx_mtp.convert.default_model import default_model_path
 
         args.model = default_model_path(print)
     model = args.model.resolve()
