@@ -15,6 +15,13 @@ tokens are those it would get alone. Models whose caches have no batch form
 here (a Gemma 4 assistant reads the target's caches) decode as a batch of
 one on the stream's own caches, through the same rounds.
 
+A round without drafts (no stream drafts, as the policy picks where drafts
+do not pay) runs one ahead, as mlx-lm's batch generation does: the next
+round's forward starts on this round's tokens, still lazy, before they are
+read, so building it and the caller's work on the tokens overlap the
+computation (``_Ahead``). A stream that leaves while such a round is under
+way has its extra token taken back from its cache before it gets it.
+
 The Python API's single-stream generator (``speculative.py``) is the fast
 path for one stream: the same rounds and sources, plus plain steps that run
 one ahead while no round drafts.
@@ -32,6 +39,38 @@ from .batch_policy import BatchDraftLength
 from .cache import rollback as own_rollback
 from .rounds import Item, Stream
 from .sampling import Draft
+
+
+class _Ahead:
+    """A round without drafts that has started and is not read yet.
+
+    The trunk has read each stream's next token: its history's last, or the
+    token of the round before it, still lazy (``pending``). ``tokens[b]`` is
+    stream ``b``'s next token, sampled and left lazy. Its rows are the
+    decoder's streams (a stream that joins first has it read: ``Decoder.add``).
+    """
+
+    def __init__(self, model, trunk, streams, inputs: mx.array, pending):
+        self.logits, self.hidden = model.trunk(inputs.reshape(-1, 1), trunk)
+        self.tokens = mx.concatenate(
+            [
+                s.verifier.sample(self.logits[b, -1:], s.history, p).reshape(1)
+                for b, (s, p) in enumerate(zip(streams, pending))
+            ]
+        ).astype(mx.int32)
+        mx.async_eval(self.tokens)
+
+    def read(self) -> List[int]:
+        """The tokens, once computed. An op of its own would queue behind the
+        next round's and wait for it: ``tokens`` is read as it is."""
+        return self.tokens.tolist()
+
+    def keep(self, rows: List[int]) -> None:
+        """Keep only the rows ``rows``, in that order."""
+        idx = mx.array(rows, dtype=mx.int32)
+        self.logits, self.hidden = self.logits[idx], self.hidden[idx]
+        self.tokens = self.tokens[idx]
+        mx.async_eval(self.tokens)
 
 
 def _extract(cache, b: int, kind: type):
@@ -62,6 +101,10 @@ class Decoder:
         self.kinds: List[type] = []  # the trunk's single-stream cache classes
         self.policy = (policy or BatchDraftLength()) if adaptive else None
         self.peak = 0  # the most streams a round has decoded
+        self.agree = None  # over processes: rank 0's tokens (``serve.cluster``)
+        self.ahead: Optional[_Ahead] = None  # the round under way, not read yet
+        self.next_k: Optional[int] = None  # the next round's K, once chosen
+        self.landed: Optional[dict] = None  # tokens read by ``add``, by stream
         cache = model.make_cache()
         self.batched = batchable(cache.trunk) and batchable(cache.head)
 
@@ -75,6 +118,9 @@ class Decoder:
 
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
+        if self.ahead is not None:  # read the round under way: they have no row
+            out = self._plain(time.perf_counter(), start_next=False)
+            self.landed = dict(zip(map(id, self.streams), out))
         if not self.batched:  # a batch of one, on the stream's own caches
             if len(self.streams) + len(streams) > 1:
                 raise ValueError("this model's caches decode one stream at a time")
@@ -103,6 +149,14 @@ class Decoder:
             return
         index = {id(s): b for b, s in enumerate(self.streams)}
         gone = [index[id(s)] for s in streams]
+        if self.ahead is not None:  # leaving streams' rows go, their tokens unread
+            if extract:  # the trunk read one token past each one's history
+                batch_rollback(self.trunk, [int(b in gone) for b in range(len(self))])
+            left = [b for b in range(len(self)) if b not in set(gone)]
+            if left:
+                self.ahead.keep(left)
+            else:
+                self.ahead = None
         if extract:
             for s, b in zip(streams, gone):
                 s.cache.trunk = [
@@ -202,17 +256,22 @@ class Decoder:
         model, streams = self.model, self.streams
         tic = time.perf_counter()
         self.peak = max(self.peak, len(streams))
+        if self.landed is not None:  # the round ``add`` read
+            landed, self.landed = self.landed, None
+            return [landed.get(id(s), []) for s in streams]
+        if self.ahead is not None:
+            return self._plain(tic)
         # 1) the round's draft length, and each stream's plan
         caps = [self.cap(s) for s in streams]
-        k = max(caps)
-        if self.policy is not None:
-            k = self.policy.choose(
-                len(streams), [s.source.rates() for s in streams], caps
-            )
+        k, self.next_k = self._choose(caps) if self.next_k is None else self.next_k, None
         ready = [self._plan(s, c, k) for s, c in zip(streams, caps)]
         # 2) the head drafts for the streams without a proposal; one verify
         drafts, tentative = [list(r) for r in ready], None
         ks = [0 if r else min(c, k) for c, r in zip(caps, ready)]
+        if max(ks) == 0 and not any(ready) and self._may_run_ahead():
+            inputs = mx.array([s.history[-1] for s in streams], dtype=mx.int32)
+            self.ahead = _Ahead(model, self.trunk, streams, inputs, [[]] * len(streams))
+            return self._plain(tic)
         if max(ks) > 0:
             drafted, tentative = rounds.draft(
                 model, self, streams, ks, self.draft_p_min
@@ -231,6 +290,58 @@ class Decoder:
         # a round widened by lookup drafts is no sample of the head's K
         if self.policy is not None and max(map(len, drafts)) <= k:
             self.policy.record(len(streams), k, seconds)
+        for s in streams:
+            s.stats.generation_time += seconds
+        return [e[:m] for e, m in zip(emitted, kept)]
+
+    def _choose(self, caps: List[int]) -> int:
+        """The round's draft length: the policy's, or every stream's cap."""
+        k = max(caps, default=0)
+        if self.policy is not None:
+            k = self.policy.choose(
+                len(self.streams), [s.source.rates() for s in self.streams], caps
+            )
+        return k
+
+    def _may_run_ahead(self) -> bool:
+        """Whether a round without drafts may start the next before its tokens
+        are read: caches that take a token back by length alone (attention,
+        not a recurrent state), samplers that take lazy tokens, and no rank
+        to agree with first."""
+        return (
+            self.batched
+            and self.agree is None
+            and all(isinstance(c, RaggedKVCache) for c in self.trunk)
+            and all(hasattr(s.verifier, "sample") for s in self.streams)
+        )
+
+    def _plain(self, tic: float, start_next: bool = True) -> List[List[int]]:
+        """Read the round under way (``self.ahead``); first, where the next
+        round drafts nothing either, start it on this round's lazy tokens."""
+        model, streams = self.model, self.streams
+        now, self.ahead = self.ahead, None
+        caps = [self.cap(s) for s in streams]
+        if start_next and self._may_run_ahead():
+            self.next_k = self._choose(caps)
+            if self.next_k == 0 and not any(
+                s.source.may_propose_after(s.history) for s in streams
+            ):
+                self.next_k = None
+                pending = [[now.tokens[b : b + 1]] for b in range(len(streams))]
+                self.ahead = _Ahead(model, self.trunk, streams, now.tokens, pending)
+        # the round's one host sync: this round's tokens (the next computes)
+        emitted = [[t] for t in now.read()]
+        n = len(streams)
+        kept = rounds.settle(
+            model, self, streams, [[]] * n, None, emitted, now.logits, now.hidden,
+            model.head is not None,
+        )  # fmt: skip
+        for s, cap in zip(streams, caps):
+            if cap:  # undrafted positions drift back up: a low rate is retried
+                s.source.update("mtp", 0, 0)
+        seconds = time.perf_counter() - tic
+        if self.policy is not None and start_next:  # (``add`` saw only its end)
+            self.policy.record(n, 0, seconds)
         for s in streams:
             s.stats.generation_time += seconds
         return [e[:m] for e, m in zip(emitted, kept)]

@@ -295,6 +295,126 @@ def test_a_one_token_prompt_drafts_from_position_zero(folders):
     )
 
 
+def _plain_stream(model, prompt, max_tokens, verifier=None, stop=()):
+    cache = model.make_cache()
+    prefill(model, cache, prompt, PREFILL, True)
+    stream = Stream(
+        history=list(prompt),
+        cache=cache,
+        verifier=verifier or ExactMatchVerifier(),
+        max_tokens=max_tokens,
+        stop_tokens=set(stop),
+    )
+    stream.source = HeadDrafts(FixedDraft(0))
+    return stream
+
+
+def _decode(decoder, first, late, join_at=3, extract=True):
+    """Run ``decoder`` to the end; ``late`` join after ``join_at`` rounds.
+    Returns each stream's tokens and how many rounds started one ahead."""
+    decoder.add(first)
+    out, rounds, ahead = {}, 0, 0
+    while decoder.streams or late:
+        if rounds == join_at and late:
+            decoder.add(late)
+            late = []
+        for s, tokens in zip(list(decoder.streams), decoder.step()):
+            out.setdefault(id(s), []).extend(tokens)
+        ahead += decoder.ahead is not None
+        done = [s for s in decoder.streams if s.done]
+        if done:
+            decoder.remove(done, extract=extract)
+        rounds += 1
+    return out, ahead
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_rounds_without_drafts_run_one_ahead_and_keep_every_token(folders, family):
+    """With no drafts each round starts the next on its lazy tokens (caches
+    with a length: attention; a recurrent state decodes in step): streams
+    that join while a round is under way, stop on a stop token or at their
+    limit, and leave with their caches get the tokens and caches they get alone."""
+    model = mlx_mtp.load_model(folders(family))
+    prompts = [tiny.random_prompt(n, seed=10 + i) for i, n in enumerate([6, 19, 3, 27, 11])]
+    limits = [30, 12, 30, 21, 30]
+    # a stop token the first stream writes first at its ``at``-th token
+    first = [t for t, _ in speculative_generate_step(
+        prompts[0], model, max_tokens=limits[0], drafts=FixedDraft(0))]  # fmt: skip
+    at = next(i for i in range(5, len(first)) if first[i] not in first[:i])
+    stop = first[at]
+    streams = [_plain_stream(model, p, n, stop=[stop] if i == 0 else ())
+               for i, (p, n) in enumerate(zip(prompts, limits))]  # fmt: skip
+    out, ahead = _decode(BatchDecoder(model, adaptive=False), streams[:3], streams[3:])
+    assert (ahead > 0) == (family == "deepseek_v3")
+    for i, s in enumerate(streams):
+        cache = model.make_cache()
+        expected = [
+            t
+            for t, _ in speculative_generate_step(
+                prompts[i], model, max_tokens=limits[i], drafts=FixedDraft(0),
+                stop_tokens=[stop] if i == 0 else (), prefill_step_size=PREFILL,
+                prompt_cache=cache,
+            )
+        ]  # fmt: skip
+        assert out[id(s)] == expected, f"stream {i}"
+        assert s.history == prompts[i] + expected
+        # the caches it leaves with hold all but its last token, as alone
+        for a, b in zip(cache.trunk, s.cache.trunk):
+            if hasattr(a, "offset"):
+                assert a.offset == b.offset == len(s.history) - 1
+            for x, y in zip(_layer_arrays(a), _layer_arrays(b)):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    assert out[id(streams[0])][-1] == stop and len(out[id(streams[0])]) == at + 1
+
+
+def test_a_cache_left_one_ahead_resumes_as_if_never_left(folders):
+    """A stream that leaves while the next round is under way takes that
+    token back: generating on from its caches continues its tokens exactly."""
+    model = mlx_mtp.load_model(folders("deepseek_v3"))
+    prompt = tiny.random_prompt(13, seed=3)
+    whole = [t for t, _ in speculative_generate_step(
+        prompt, model, max_tokens=24, drafts=FixedDraft(0))]  # fmt: skip
+    s = _plain_stream(model, prompt, 10)
+    decoder = BatchDecoder(model, adaptive=False)
+    out, ahead = _decode(decoder, [s, _plain_stream(model, [5, 6, 7], 30)], [])
+    assert ahead and out[id(s)] == whole[:10]
+    rest = [t for t, _ in speculative_generate_step(
+        [s.history[-1]], model, max_tokens=14, drafts=FixedDraft(0),
+        prompt_cache=s.cache, cached_tokens=s.history[:-1])]  # fmt: skip
+    assert rest == whole[10:]
+
+
+def test_sampled_rounds_one_ahead_equal_rounds_in_step(folders, monkeypatch):
+    """Sampling (seeded, penalties that read the lazy token) and
+    log-probabilities are the same whether a round starts one ahead or not."""
+    from mlx_mtp.rounds import Logprobs
+    from mlx_mtp.sampling import SamplingConfig, SamplingVerifier
+
+    model = mlx_mtp.load_model(folders("deepseek_v3"))
+    config = SamplingConfig(temp=0.8, top_p=0.9, repetition_penalty=1.3, seed=7)
+
+    def run():
+        streams = []
+        for i, n in enumerate([4, 15, 9]):
+            s = _plain_stream(
+                model, tiny.random_prompt(n, seed=i), 20, SamplingVerifier(config)
+            )
+            s.logprobs = Logprobs(top=2)
+            streams.append(s)
+        out, ahead = _decode(BatchDecoder(model, adaptive=False), streams, [])
+        return [(out[id(s)], s.logprobs.entries) for s in streams], ahead
+
+    got, ahead = run()
+    monkeypatch.setattr(BatchDecoder, "_may_run_ahead", lambda self: False)
+    expected, none = run()
+    assert ahead > 0 and none == 0
+    for (tokens, entries), (tokens_, entries_) in zip(got, expected):
+        assert tokens == tokens_
+        for (t, lp, top), (t_, lp_, top_) in zip(entries, entries_):
+            assert t == t_ and lp == pytest.approx(lp_, abs=1e-4)
+            assert [x for x, _ in top] == [x for x, _ in top_]
+
+
 # -- the draft length of a batched round ------------------------------------------
 
 
