@@ -187,18 +187,16 @@ class Decoder:
                 t = mx.concatenate([t, mx.zeros((L - n,), mx.int32)])
             hidden.append(h)
             tokens.append(t)
-        layer_caches = head.layer_cache(self.head, j)
-        logits, out = head.layer(j)(
-            mx.concatenate(hidden), mx.stack(tokens), layer_caches
-        )
+        layer, layer_caches = head.layer(j), head.layer_cache(self.head, j)
+        h, out = layer.states(mx.concatenate(hidden), mx.stack(tokens), layer_caches)
         if L > min(lengths):
             self.rollback(layer_caches, [L - n for n in lengths])
-        # a head may return logits for its last inputs only (a Gemma 4 assistant)
-        skip = L - logits.shape[1]
-        last = [
-            logits[b : b + 1, n - 1 - skip] if n else None
-            for b, n in enumerate(lengths)
-        ]
+        # the output projection at each stream's last input alone (a head may
+        # give its states at its last inputs only: a Gemma 4 assistant)
+        skip = L - h.shape[1]
+        at = mx.array([max(n - 1 - skip, 0) for n in lengths], dtype=mx.int32)
+        logits = layer.logits(mx.take_along_axis(h, at[:, None, None], axis=1))
+        last = [logits[b : b + 1, 0] if n else None for b, n in enumerate(lengths)]
         outs = [out[b : b + 1, :n] if n else None for b, n in enumerate(lengths)]
         return last, outs
 

@@ -122,10 +122,9 @@ class OneStream:
         (hidden, tokens), head = items[0], self.model.head
         if not isinstance(tokens, mx.array):
             tokens = mx.array(tokens)
-        logits, out = head.layer(j)(
-            hidden, tokens[None], head.layer_cache(self.head, j)
-        )
-        return [logits[:, -1]], [out]
+        layer = head.layer(j)
+        h, out = layer.states(hidden, tokens[None], head.layer_cache(self.head, j))
+        return [layer.logits(h[:, -1:])[:, -1]], [out]
 
     def rollback(self, caches: List[Any], counts: List[int]) -> None:
         rollback(caches, counts[0])

@@ -111,6 +111,16 @@ class MTPHead(nn.Module):
         [B, L] the tokens ``t_{i+1}..t_{i+L}``. The output hidden state is what
         the next draft in a chain feeds back in place of ``h``.
         """
+        h, out = self.states(hidden, tokens, cache)
+        return self.logits(h), out
+
+    def states(
+        self, hidden: mx.array, tokens: mx.array, cache: List[Any]
+    ) -> Tuple[mx.array, mx.array]:
+        """``__call__`` before the output projection: the states ``logits``
+        takes, and the output hidden state. A draft needs the logits at one
+        position of the L: the projection (a large share of a draft) is
+        then applied to that one alone."""
         # cache=None runs the block without a cache from position 0 (training).
         c = cache[0] if cache is not None else None
         e = self.embed(tokens)
@@ -120,7 +130,7 @@ class MTPHead(nn.Module):
         mask = create_attention_mask(x, c, return_array=True)
         x = self.block(x, mask, c)
         h = self.final_norm(x)
-        return self.logits(h), (h if self.chain_hidden == "post" else x)
+        return h, (h if self.chain_hidden == "post" else x)
 
     def make_cache(self) -> List[Any]:
         return [KVCache()]

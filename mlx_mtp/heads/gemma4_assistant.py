@@ -219,6 +219,13 @@ class Gemma4Assistant(MTPHead):
         next step's hidden state ``[B, 1, backbone]``. Earlier pairs only
         advance the count of positions read: the assistant keeps nothing of
         them (the target's caches hold the context)."""
+        h, out = self.states(hidden, tokens, cache)
+        return self.logits(h), out
+
+    def states(
+        self, hidden: mx.array, tokens: mx.array, cache: List[Any]
+    ) -> Tuple[mx.array, mx.array]:
+        """``__call__`` before the output projection (``MTPHead.states``)."""
         if cache is None or cache[0].trunk is None:
             raise ValueError(
                 "a Gemma 4 assistant drafts only beside its target's caches"
@@ -236,7 +243,7 @@ class Gemma4Assistant(MTPHead):
             )
         h = self.model.norm(h)
         c.offset += tokens.shape[1]
-        return self.logits(h), self.post_projection(h)
+        return h, self.post_projection(h)
 
 
 def kv_layers(backbone: nn.Module) -> Dict[str, int]:
