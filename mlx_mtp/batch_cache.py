@@ -23,6 +23,7 @@ Both build from, and give back, the single-stream caches (``merge``,
 from typing import Any, List, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from .recurrent.keep_states import KeepStatesCache
@@ -32,6 +33,28 @@ Counts = Union[int, Sequence[int]]
 
 def _per_stream(n: Counts, size: int) -> List[int]:
     return [n] * size if isinstance(n, int) else [int(x) for x in n]
+
+
+_POSITIONS: dict = {}
+
+
+def _positions(lengths: tuple, T: int) -> mx.array:
+    """``[B, 1, T, 1]``: stream ``b``'s next ``T`` positions (``T`` 0: ``[B]``,
+    where each stream's next token goes). Every layer of a
+    forward asks with the same lengths: built once, then shared (arrays are
+    immutable)."""
+    key = (lengths, T)
+    at = _POSITIONS.get(key)
+    if at is None:
+        if len(_POSITIONS) > 16:
+            _POSITIONS.clear()
+        if T == 0:
+            at = _POSITIONS[key] = mx.array(lengths, dtype=mx.int32)
+            return at
+        at = np.add.outer(np.array(lengths, np.int32), np.arange(T, dtype=np.int32))
+        # a constant, not an op: no stream's queue to wait on, any thread's
+        at = _POSITIONS[key] = mx.array(at[:, None, :, None])
+    return at
 
 
 class RaggedKVCache:
@@ -49,7 +72,7 @@ class RaggedKVCache:
         """Where each stream's next token goes (an int when they all agree)."""
         if len(set(self.lengths)) <= 1:
             return self.lengths[0] if self.lengths else 0
-        return mx.array(self.lengths, dtype=mx.int32)
+        return _positions(tuple(self.lengths), 0)
 
     def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:
@@ -73,10 +96,10 @@ class RaggedKVCache:
             s = start[0]
             self.keys[..., s : s + T, :] = keys
             self.values[..., s : s + T, :] = values
-        else:
-            for b, s in enumerate(start):
-                self.keys[b : b + 1, :, s : s + T, :] = keys[b : b + 1]
-                self.values[b : b + 1, :, s : s + T, :] = values[b : b + 1]
+        else:  # one scatter for all streams (a slice per stream is B ops a layer)
+            at = _positions(tuple(start), T)
+            self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, at, values, axis=2)
         self.lengths = [s + T for s in start]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
