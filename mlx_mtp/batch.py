@@ -94,14 +94,14 @@ class _Batch:
                 self._join([job])
 
     def read(self) -> None:
-        """Every prompt being read takes its next chunk, all of one length."""
+        """Every prompt being read takes its next chunk, in one forward."""
         jobs = [self.reading[id(s)] for s in self.reader.streams]
-        n, seconds, read = self.reader.read_chunk(
+        takes, seconds, read = self.reader.read_chunk(
             [j.prompt for j in jobs], [j.read for j in jobs], self.step
         )
         self.counters.prompt_time += seconds
-        self.counters.prompt_tokens += n * len(jobs)
-        for j in jobs:
+        self.counters.prompt_tokens += sum(takes)
+        for j, n in zip(jobs, takes):
             j.read += n
             j.stream.stats.prompt_time += seconds
         done = [j for j, r in zip(jobs, read) if r]

@@ -209,29 +209,54 @@ class Decoder:
     # -- rounds --------------------------------------------------------------
 
     def prefill(self, tokens: List[List[int]]) -> None:
-        """Stream ``b`` reads ``tokens[b]``; all of the same length, so the
-        recurrent layers run unpadded (as ``speculative.prefill`` reads a chunk)."""
+        """Stream ``b`` reads ``tokens[b]``. Chunks of one length run unpadded
+        (the recurrent layers need it, as ``speculative.prefill`` reads a
+        chunk); shorter ones are right-padded, which only attention caches
+        take (``chunks``): a causal mask keeps the padding from every real
+        token, and each stream's padding is rolled back after."""
         model = self.model
-        _, hidden = model.trunk(mx.array(tokens), self.trunk)
+        width = max(map(len, tokens))
+        pads = [width - len(t) for t in tokens]
+        padded = [t + [0] * p for t, p in zip(tokens, pads)]
+        _, hidden = model.trunk(mx.array(padded), self.trunk)
+        if any(pads):
+            batch_rollback(self.trunk, pads)
         if model.head is None:
             mx.eval([c.state for c in self.trunk])
             return
         for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
-            s.cache.pending[0].push(hidden[b : b + 1], chunk)
+            s.cache.pending[0].push(hidden[b : b + 1, : len(chunk)], chunk)
         rounds.catch_up(model, self, self.streams)
         pending = [q.hidden for s in self.streams for q in s.cache.pending]
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
+    def chunks(self, left: List[int], step: int) -> List[int]:
+        """How many prompt tokens each stream reads next, of ``left`` still
+        to read (at most ``step``; each of ``left`` > 0).
+
+        Attention caches read ragged chunks in one forward, right-padded to
+        the longest: as wide as the padding (wasted work) stays within the
+        real tokens, so that 8 prompts of different lengths take one forward,
+        not one per length. Other caches (a recurrent state cannot take
+        padding back) read the shortest remainder, all of one length."""
+        want = [min(m, step) for m in left]
+        if not (self.batched and all(isinstance(c, RaggedKVCache) for c in self.trunk)):
+            return [min(want)] * len(want)
+        for width in sorted(set(want), reverse=True):
+            takes = [min(w, width) for w in want]
+            if len(takes) * width - sum(takes) <= sum(takes):
+                return takes
+        return want  # unreachable: the shortest width pads nothing
+
     def read_chunk(self, prompts: List[List[int]], read: List[int], step: int):
-        """Each stream reads its prompt's next chunk, all of one length (the
-        shortest remainder, at most ``step``; a prompt's last token is left
-        to its first round). Returns the length and the seconds it took, and
-        which streams' prompts are now read."""
+        """Each stream reads its prompt's next chunk (``chunks``; a prompt's
+        last token is left to its first round). Returns how many tokens each
+        read, the seconds it took, and which streams' prompts are now read."""
         left = [len(p) - 1 - r for p, r in zip(prompts, read)]
-        n = min(min(left), step)
+        takes = self.chunks(left, step)
         tic = time.perf_counter()
-        self.prefill([p[r : r + n] for p, r in zip(prompts, read)])
-        return n, time.perf_counter() - tic, [m == n for m in left]
+        self.prefill([p[r : r + n] for p, r, n in zip(prompts, read, takes)])
+        return takes, time.perf_counter() - tic, [m == n for m, n in zip(left, takes)]
 
     def cap(self, s: Stream) -> int:
         """The most head drafts stream ``s`` may take this round."""

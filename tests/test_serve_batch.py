@@ -271,6 +271,57 @@ def test_streams_join_and_leave_between_rounds(folders, family):
         assert alone.start == s.cache.start
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "multi", "qwen3_next"])
+def test_prompts_of_different_lengths_are_read_together(folders, family):
+    """Attention caches read prompts of different lengths in one forward,
+    right-padded (recurrent ones in chunks of one length): each stream's
+    caches are then those of reading its prompt alone, and it decodes the
+    same tokens."""
+    model = mlx_mtp.load_model(folders(family))
+    prompts = [tiny.random_prompt(n, seed=i) for i, n in enumerate([9, 14, 6, 12])]
+    reader = BatchDecoder(model)
+    streams = []
+    for p in prompts:
+        c = model.make_cache()
+        streams.append(Stream(history=list(p), cache=c,
+                              verifier=ExactMatchVerifier(), max_tokens=8))  # fmt: skip
+    reader.add(streams)
+    read, forwards = [0] * 4, 0
+    while any(r < len(p) - 1 for r, p in zip(read, prompts)):
+        live = [b for b, s in enumerate(streams) if s in reader.streams]
+        takes, _, done = reader.read_chunk(
+            [prompts[b] for b in live], [read[b] for b in live], 512
+        )
+        forwards += 1
+        for b, n in zip(live, takes):
+            read[b] += n
+        reader.remove([streams[b] for b, d in zip(live, done) if d])
+    recurrent = family == "qwen3_next"
+    assert forwards == (4 if recurrent else 1)
+    for p, s in zip(prompts, streams):
+        alone = model.make_cache()
+        prefill(model, alone, p, 512, True)
+        for c in (alone, s.cache):
+            catch_up(model, OneStream(model, c), [OneStreamState([], c, None, 0)])
+        for a, b in zip(alone.state_list(), s.cache.state_list()):
+            assert a.offset == b.offset if hasattr(a, "offset") else True
+            for x, y in zip(_layer_arrays(a), _layer_arrays(b)):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+        for qa, qb in zip(alone.pending, s.cache.pending):
+            assert (qa.size, qa.tokens) == (qb.size, qb.tokens)
+
+
+def test_ragged_prompt_chunks_pad_no_more_than_they_read(folders):
+    """A chunk is as wide as its padding stays within its real tokens."""
+    reader = BatchDecoder(mlx_mtp.load_model(folders("deepseek_v3")))
+    reader.add([_plain_stream(reader.model, [1, 2, 3], 4) for _ in range(4)])
+    assert reader.chunks([40, 35, 30, 45], 512) == [40, 35, 30, 45]
+    assert reader.chunks([40, 35, 30, 45], 32) == [32, 32, 30, 32]
+    assert reader.chunks([100, 2, 2, 2], 512) == [2, 2, 2, 2]
+    assert reader.chunks([100, 60, 2, 2], 512) == [60, 60, 2, 2]
+    assert reader.chunks([7], 512) == [7]
+
+
 def test_a_one_token_prompt_drafts_from_position_zero(folders):
     """The head reads position 0 inside a batch (per-stream position-0 zeroing)."""
     model = mlx_mtp.load_model(folders("deepseek_v3"))

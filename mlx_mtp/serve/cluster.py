@@ -384,8 +384,8 @@ class ClusterEngine(Engine):
         if self.reading:
             jobs = [self.reading[id(s)] for s in self.reader.streams]
             left = [len(j.request.prompt) - 1 - j.read for j in jobs]
-            n = min(min(left), self.config.prefill_step)
-            streams += [j.stream for j, m in zip(jobs, left) if m == n]
+            takes = self.reader.chunks(left, self.config.prefill_step)
+            streams += [j.stream for j, m, n in zip(jobs, left, takes) if m == n]
         if not streams:
             return 0
         caps = [self.decoder.cap(s) for s in streams]

@@ -5,9 +5,10 @@ Each turn of its loop
 1) takes new requests, and drops cancelled ones (their state is freed);
 2) starts waiting requests while the batch has room: each gets the prompt
    cache's best entry for its prompt;
-3) reads one chunk of the started prompts, together: every prompt still
-   being read takes the same number of tokens, so they share one forward
-   unpadded (a long prompt does not stall the streams already decoding);
+3) reads one chunk of the started prompts, together, in one forward
+   (``Decoder.chunks``: ragged chunks right-padded where the caches are
+   attention, one length where a recurrent state is read), so a long prompt
+   does not stall the streams already decoding;
    a stream whose prompt is read joins the decoding batch;
 4) runs one speculative round of the whole batch (``mlx_mtp.decoder``) and turns
    each stream's tokens into text: end-of-sequence tokens, ``max_tokens`` and
@@ -361,14 +362,14 @@ class Engine:
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
 
     def _read_prompts(self) -> None:
-        """Every prompt being read takes its next chunk, all of one length."""
+        """Every prompt being read takes its next chunk, in one forward."""
         jobs = [self.reading[id(s)] for s in self.reader.streams]
-        n, seconds, read = self.reader.read_chunk(
+        takes, seconds, read = self.reader.read_chunk(
             [j.request.prompt for j in jobs],
             [j.read for j in jobs],
             self.config.prefill_step,
         )
-        for job in jobs:
+        for job, n in zip(jobs, takes):
             job.read += n
             job.stream.stats.prompt_time += seconds
         done = [j for j, r in zip(jobs, read) if r]
