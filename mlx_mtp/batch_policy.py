@@ -14,12 +14,15 @@ So the round's ``K`` is the one with the most expected tokens per second:
   ``K`` (a median: one slow round, another process's burst, does not sway
   it); between measured lengths the time is interpolated linearly.
 
-Until the largest ``K`` and ``K = 0`` have ``MIN_SAMPLES`` rounds each, rounds
-alternate between them (a first round at a new shape is slow: one sample is
+The largest ``K`` is measured first, then ``K = 0``, until each has
+``MIN_SAMPLES`` rounds (a first round at a new shape is slow: one sample is
 no evidence); a batch size not seen yet starts from the nearest one's times.
 Every ``explore`` rounds one length, each in turn, is measured again
-(contexts grow, the machine's load changes). The largest ``K`` (the drafts
-asked for) stays unless another is expected ``MARGIN`` faster.
+(contexts grow, the machine's load changes). ``K = 0`` is measured in runs
+of rounds: a plain round that follows one starts before the one before it is
+read (``decoder``), which is what a plain round costs once chosen, and the
+decoder records only those. The largest ``K`` (the drafts asked for) stays
+unless another is expected ``MARGIN`` faster.
 """
 
 import statistics
@@ -43,6 +46,7 @@ class BatchDraftLength:
         self.samples: Dict[int, Dict[int, Deque[float]]] = {}
         self.rounds = 0
         self.chosen: Dict[int, int] = {}  # K -> rounds that drafted K
+        self.again = False  # an exploring plain round asks for a second
 
     def times(self, batch: int) -> Dict[int, Deque[float]]:
         """Round times per K at ``batch`` streams; a batch size not seen yet
@@ -64,11 +68,16 @@ class BatchDraftLength:
             return 0
         samples = self.times(batch)
         ends = [len(samples.get(k, ())) for k in (top, 0)]
-        if min(ends) < MIN_SAMPLES:  # the largest K first, then alternate
-            return top if ends[0] <= ends[1] else 0
+        if min(ends) < MIN_SAMPLES:  # the largest K first, then K = 0
+            return top if ends[0] < MIN_SAMPLES else 0
         self.rounds += 1
+        if self.again:  # the plain round measured runs on from the one before
+            self.again = False
+            return 0
         if self.rounds % self.explore == 0:
-            return (self.rounds // self.explore) % (top + 1)
+            k = (self.rounds // self.explore) % (top + 1)
+            self.again = k == 0
+            return k
         times = {k: statistics.median(v) for k, v in samples.items()}
 
         def speed(k: int) -> float:

@@ -294,7 +294,7 @@ class Decoder:
         if max(ks) == 0 and not any(ready) and self._may_run_ahead():
             inputs = mx.array([s.history[-1] for s in streams], dtype=mx.int32)
             self.ahead = _Ahead(model, self.trunk, streams, inputs, [[]] * len(streams))
-            return self._plain(tic)
+            return self._plain(tic, cold=True)
         if max(ks) > 0:
             drafted, tentative = rounds.draft(
                 model, self, streams, ks, self.draft_p_min
@@ -338,16 +338,24 @@ class Decoder:
             and all(hasattr(s.verifier, "sample") for s in self.streams)
         )
 
-    def _plain(self, tic: float, start_next: bool = True) -> List[List[int]]:
+    def _plain(
+        self, tic: float, start_next: bool = True, cold: bool = False
+    ) -> List[List[int]]:
         """Read the round under way (``self.ahead``); first, where the next
-        round drafts nothing either, start it on this round's lazy tokens."""
+        round drafts nothing either, start it on this round's lazy tokens.
+
+        The round's time is the policy's sample of ``K = 0`` unless it is
+        ``cold`` (it did not run on from a round before it) and leads a run:
+        a plain round, once chosen, costs what the rounds of a run cost."""
         model, streams = self.model, self.streams
         now, self.ahead = self.ahead, None
         caps = [self.cap(s) for s in streams]
         if start_next and self._may_run_ahead():
             self.next_k = self._choose(caps)
-            if self.next_k == 0 and not any(
-                s.source.may_propose_after(s.history) for s in streams
+            # with others in the batch a proposal rides only within K (``_plan``)
+            if self.next_k == 0 and (
+                len(streams) > 1
+                or not any(s.source.may_propose_after(s.history) for s in streams)
             ):
                 self.next_k = None
                 pending = [[now.tokens[b : b + 1]] for b in range(len(streams))]
@@ -363,7 +371,8 @@ class Decoder:
             if cap:  # undrafted positions drift back up: a low rate is retried
                 s.source.update("mtp", 0, 0)
         seconds = time.perf_counter() - tic
-        if self.policy is not None and start_next:  # (``add`` saw only its end)
+        # (``add`` reads a round's end alone: no sample)
+        if self.policy is not None and start_next and not (cold and self.ahead):
             self.policy.record(n, 0, seconds)
         for s in streams:
             s.stats.generation_time += seconds
