@@ -17,12 +17,17 @@ So the round's ``K`` is the one with the most expected tokens per second:
 The largest ``K`` is measured first, then ``K = 0``, until each has
 ``MIN_SAMPLES`` rounds (a first round at a new shape is slow: one sample is
 no evidence); a batch size not seen yet starts from the nearest one's times.
-Every ``explore`` rounds one length, each in turn, is measured again
-(contexts grow, the machine's load changes). ``K = 0`` is measured in runs
-of rounds: a plain round that follows one starts before the one before it is
-read (``decoder``), which is what a plain round costs once chosen, and the
-decoder records only those. The largest ``K`` (the drafts asked for) stays
-unless another is expected ``MARGIN`` faster.
+Every ``explore`` rounds one length is measured again (contexts grow, the
+machine's load changes): the one most overdue, each as often as keeps its
+expected loss (the time its round takes beyond what the chosen length needs
+for as many tokens) within its share of ``EXPLORE_COST`` of the time, and at
+least every ``MAX_GAP`` rounds. So a length near the best is measured every
+few ``explore`` rounds, and one far behind (3 drafts where a verify is
+compute-bound cost 4 plain rounds) every ``MAX_GAP``. ``K = 0`` is measured in runs of rounds: a
+plain round that follows one starts before the one before it is read
+(``decoder``), which is what a plain round costs once chosen, and the decoder
+records only those. The largest ``K`` (the drafts asked for) stays unless
+another is expected ``MARGIN`` faster.
 """
 
 import statistics
@@ -35,6 +40,8 @@ DEFAULT_EXPLORE = 16
 DEFAULT_WINDOW = 8
 MIN_SAMPLES = 3
 MARGIN = 0.05
+EXPLORE_COST = 0.01  # what measuring other lengths may cost, of the time
+MAX_GAP = 512  # rounds: every length is measured again at least this often
 
 
 class BatchDraftLength:
@@ -47,6 +54,7 @@ class BatchDraftLength:
         self.rounds = 0
         self.chosen: Dict[int, int] = {}  # K -> rounds that drafted K
         self.again = False  # an exploring plain round asks for a second
+        self.last: Dict[int, int] = {}  # K -> the round it was last chosen
 
     def times(self, batch: int) -> Dict[int, Deque[float]]:
         """Round times per K at ``batch`` streams; a batch size not seen yet
@@ -73,20 +81,41 @@ class BatchDraftLength:
         self.rounds += 1
         if self.again:  # the plain round measured runs on from the one before
             self.again = False
-            return 0
-        if self.rounds % self.explore == 0:
-            k = (self.rounds // self.explore) % (top + 1)
-            self.again = k == 0
-            return k
+            return self._take(0)
         times = {k: statistics.median(v) for k, v in samples.items()}
 
+        def tokens(k: int) -> float:
+            return sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+
         def speed(k: int) -> float:
-            tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
-            return tokens / self._seconds(times, k)
+            return tokens(k) / self._seconds(times, k)
 
         best = max(range(top + 1), key=speed)
         # the drafts asked for, unless clearly slower (noise must not move it)
-        return best if speed(best) > speed(top) * (1 + MARGIN) else top
+        choice = best if speed(best) > speed(top) * (1 + MARGIN) else top
+        if self.rounds % self.explore == 0:
+            # each length's loss: the time its round takes beyond what the
+            # choice takes for as many tokens
+            loss = {
+                k: self._seconds(times, k) - tokens(k) / speed(choice)
+                for k in range(top + 1)
+                if k != choice
+            }
+            per_round = EXPLORE_COST * self._seconds(times, choice) / len(loss)
+            due = {
+                k: (self.rounds - self.last.get(k, -MAX_GAP))
+                / min(max(self.explore, loss[k] / per_round), MAX_GAP)
+                for k in loss
+            }
+            k = max(due, key=lambda k: (due[k], -k), default=None)
+            if k is not None and due[k] >= 1:
+                self.again = k == 0
+                return self._take(k)
+        return self._take(choice)
+
+    def _take(self, k: int) -> int:
+        self.last[k] = self.rounds
+        return k
 
     def record(self, batch: int, k: int, seconds: float) -> None:
         self.chosen[k] = self.chosen.get(k, 0) + 1

@@ -515,15 +515,44 @@ def test_policy_measures_both_ends_then_picks_the_fastest():
 
 def test_policy_interpolates_and_explores():
     policy = BatchDraftLength(explore=2)
-    _measured(policy, 2, {0: 1.0, 4: 2.0})
+    _measured(policy, 2, {0: 1.0, 4: 1.1})
     times = {k: statistics.median(v) for k, v in policy.times(2).items()}
-    assert policy._seconds(times, 2) == pytest.approx(1.5)
+    assert policy._seconds(times, 2) == pytest.approx(1.05)
     picks = [policy.choose(2, [[1.0] * 4] * 2, [4, 4]) for _ in range(11)]
-    # the best, and every other round each length in turn; K = 0 for two
-    # rounds (the second runs on from the first)
-    assert picks[0::2][:5] == [4] * 5 and picks[1::2] == [1, 2, 3, 4, 0]
-    assert picks[10] == 0
+    # the best, and every other round another length, the most overdue
+    # first; K = 0 for two rounds (the second runs on from the first)
+    assert picks[0:7:2] == [4] * 4 and sorted(picks[1:8:2]) == [0, 1, 2, 3]
+    assert picks[picks.index(0) + 1] == 0
     assert policy.choose(2, [[1.0] * 4] * 2, [0, 0]) == 0
+
+
+def _explored(policy, rates, caps, rounds):
+    picks = [policy.choose(8, rates, caps) for _ in range(rounds)]
+    return {k: picks.count(k) for k in range(max(caps) + 1)}
+
+
+def test_policy_explores_within_its_cost():
+    """Measuring other lengths costs at most about 1% of the time: a length
+    far behind the best is measured rarely (but at least every 512 rounds),
+    one near it every few ``explore`` rounds."""
+    rates, caps = [[0.4] * 3] * 8, [3] * 8
+    # compute-bound: K drafts cost K + 1 plain rounds; K = 0 is the choice
+    slow = BatchDraftLength(explore=16)
+    _measured(slow, 8, {0: 1.0, 3: 4.0})
+    n = _explored(slow, rates, caps, 1024)
+    extra = {1: 2 - 1.4, 2: 3 - 1.56, 3: 4 - 1.624}  # seconds beyond K = 0's
+    cost = sum(extra[k] * n[k] for k in extra) / 1024
+    assert cost <= 0.015 and n[3] >= 1024 // 512 and n[1] > n[2] >= n[3]
+    # every length in turn each 64 rounds would have cost 6.9%
+    assert sum(extra.values()) / 64 > 0.06
+    # memory-bound, low acceptance: 1 and 2 drafts near the best (3), each
+    # measured every other ``explore`` slot; K = 0 (a quarter fewer tokens
+    # a second) less often, two rounds at a time
+    near = BatchDraftLength(explore=16)
+    _measured(near, 8, {0: 1.0, 3: 1.05})
+    n = _explored(near, [[0.3] * 3] * 8, caps, 960)
+    assert min(n[1], n[2]) >= 960 // 32 - 4 and 8 <= n[0] < n[1]
+    assert n[3] == 960 - n[0] - n[1] - n[2]
 
 
 def test_rope_offsets_per_stream_match_single_streams():
