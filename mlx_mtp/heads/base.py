@@ -208,6 +208,9 @@ class MultiLayerHead(MTPHead):
     def __call__(self, hidden, tokens, cache):
         return self.layers[0](hidden, tokens, self.layer_cache(cache, 0))
 
+    def states(self, hidden, tokens, cache):
+        return self.layers[0].states(hidden, tokens, self.layer_cache(cache, 0))
+
     def make_cache(self) -> List[Any]:
         return [c for layer in self.layers for c in layer.make_cache()]
 
