@@ -119,6 +119,10 @@ def main():
     ap.add_argument("--checkout", type=Path, help="run this checkout's mlx_mtp")
     ap.add_argument("--py-spy", type=Path, help="py-spy's raw samples of serve here")
     ap.add_argument("--json", type=Path, help="write every run here")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="no warm-up: the first repetition meets fresh servers, "
+                    "as a user's first requests do (in one serve process: "
+                    "the first of its two sides asked)")  # fmt: skip
     args = ap.parse_args()
     if args.model is None:
         from mlx_mtp.convert.default_model import default_model_path
@@ -135,8 +139,8 @@ def main():
     names = list(sides)
     runs, spy = [], None
     try:
-        for name in names:  # warm up: kernels, allocators, draft timings
-            for n in args.streams:
+        for name in names if not args.no_warmup else []:
+            for n in args.streams:  # warm up: kernels, allocators, draft timings
                 run(*sides[name][:2], prompts[:n], 8, sides[name][2])
         if args.py_spy is not None:
             spy = subprocess.Popen(
