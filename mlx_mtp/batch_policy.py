@@ -23,11 +23,11 @@ expected loss (the time its round takes beyond what the chosen length needs
 for as many tokens) within its share of ``EXPLORE_COST`` of the time, and at
 least every ``MAX_GAP`` rounds. So a length near the best is measured every
 few ``explore`` rounds, and one far behind (3 drafts where a verify is
-compute-bound cost 4 plain rounds) every ``MAX_GAP``. ``K = 0`` is measured in runs of rounds: a
-plain round that follows one starts before the one before it is read
-(``decoder``), which is what a plain round costs once chosen, and the decoder
-records only those. The largest ``K`` (the drafts asked for) stays unless
-another is expected ``MARGIN`` faster.
+compute-bound cost 4 plain rounds) every ``MAX_GAP``. ``K = 0`` is measured
+in runs of rounds: a plain round that follows one starts before the one
+before it is read (``decoder``), which is what a plain round costs once
+chosen, and the decoder records only those. The largest ``K`` (the drafts
+asked for) stays unless another is expected ``MARGIN`` faster.
 """
 
 import statistics

@@ -240,7 +240,7 @@ class Decoder:
         not one per length. Other caches (a recurrent state cannot take
         padding back) read the shortest remainder, all of one length."""
         want = [min(m, step) for m in left]
-        if not (self.batched and all(isinstance(c, RaggedKVCache) for c in self.trunk)):
+        if not self._attention():
             return [min(want)] * len(want)
         for width in sorted(set(want), reverse=True):
             takes = [min(w, width) for w in want]
@@ -332,11 +332,15 @@ class Decoder:
         not a recurrent state), samplers that take lazy tokens, and no rank
         to agree with first."""
         return (
-            self.batched
+            self._attention()
             and self.agree is None
-            and all(isinstance(c, RaggedKVCache) for c in self.trunk)
             and all(hasattr(s.verifier, "sample") for s in self.streams)
         )
+
+    def _attention(self) -> bool:
+        """Whether every trunk cache is a batched attention cache, which takes
+        tokens back by length alone (padding, a token read ahead)."""
+        return self.batched and all(isinstance(c, RaggedKVCache) for c in self.trunk)
 
     def _plain(
         self, tic: float, start_next: bool = True, cold: bool = False
