@@ -231,17 +231,22 @@ class MTPCache:
             rollback(self.trunk, trunk_n - keep)  # the head never ran (no MTP)
             return keep
         first = self.pending[0]
-        read = cache_length(layer_cache(self.head, 0))
+        n0 = cache_length(layer_cache(self.head, 0))
+        read = self.start[0] + n0  # the position past layer 0's last
+        fresh = False
         if first.hidden is not None and keep > read:
             first.keep_first(keep - read)
             last = read - 1  # layer 0's last position
-        else:
-            keep = max(0, keep - 1)
+        elif self.start[0] < keep <= read + 1:
+            keep -= 1
             rollback(layer_cache(self.head, 0), read - keep)
             self.pending[0] = Pending()
             last = keep - 1
+        else:  # cut below layer 0's first position, or past what it can read
+            rollback(layer_cache(self.head, 0), n0)  # (``restart_head``)
+            self.pending[0] = Pending()
+            self.start[0], last, fresh = keep, keep - 1, True
         rollback(self.trunk, trunk_n - keep)
-        fresh = False
         for j in range(1, len(self.pending)):
             caches, queue = layer_cache(self.head, j), self.pending[j]
             n = cache_length(caches)
@@ -260,6 +265,29 @@ class MTPCache:
             self.start[j] = last + 2
             last = self.start[j] - 1
         return keep
+
+    def head_follows(self, layer_cache: Callable[[List[Any], int], List[Any]]) -> bool:
+        """Whether head layer 0 has read, or holds pending, every hidden state
+        the trunk has made. It does not where a generation on this cache took
+        no head drafts (``rounds.reads_along``) or mlx-lm's functions advanced
+        the trunk. (A head whose caches do not count positions: True.)"""
+        if not self.head:
+            return True
+        first = [cache_offset(c) for c in layer_cache(self.head, 0)]
+        if all(n is None for n in first):
+            return True
+        read = self.start[0] + cache_length(layer_cache(self.head, 0))
+        return read + self.pending[0].size == self.offset
+
+    def restart_head(self, fresh: List[Any]) -> None:
+        """The head starts afresh where the trunk stands, on ``fresh`` (new
+        head caches, as ``model.make_cache()`` makes them): its drafts lose
+        the context before, the output does not change (the verify decides)."""
+        n = self.offset
+        self.head = fresh
+        self.__post_init__()
+        self.pending = [Pending() for _ in self.pending]
+        self.start = [n + j for j in range(len(self.pending))]
 
     def copy_pending(self) -> List[Pending]:
         return [p.copy() for p in self.pending]

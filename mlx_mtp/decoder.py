@@ -118,6 +118,9 @@ class Decoder:
 
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
+        for s in streams:
+            if rounds.reads_along(self.model, s):
+                rounds.follow(self.model, s.cache)
         if self.ahead is not None:  # read the round under way: they have no row
             out = self._plain(time.perf_counter(), start_next=False)
             self.landed = dict(zip(map(id, self.streams), out))
@@ -221,13 +224,16 @@ class Decoder:
         _, hidden = model.trunk(mx.array(padded), self.trunk)
         if any(pads):
             batch_rollback(self.trunk, pads)
-        if model.head is None:
+        reads = [rounds.reads_along(model, s) for s in self.streams]
+        if not any(reads):
             mx.eval([c.state for c in self.trunk])
             return
         for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
-            s.cache.pending[0].push(hidden[b : b + 1, : len(chunk)], chunk)
+            if reads[b]:
+                s.cache.pending[0].push(hidden[b : b + 1, : len(chunk)], chunk)
         rounds.catch_up(model, self, self.streams)
         pending = [q.hidden for s in self.streams for q in s.cache.pending]
+        pending = [h for h in pending if h is not None]
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
     def chunks(self, left: List[int], step: int) -> List[int]:

@@ -89,6 +89,22 @@ class Stream:
         return self.max_tokens - self.generated
 
 
+def reads_along(model, s: Stream) -> bool:
+    """Whether stream ``s``'s head reads the trunk's states as they come: a
+    stream whose draft source takes no head drafts (``draft_max`` 0: plain
+    decoding, or prompt lookup alone) does not pay for feeding the head, as
+    ``speculative.generate`` does not."""
+    return model.head is not None and (s.source is None or s.source.draft_max > 0)
+
+
+def follow(model, cache: MTPCache) -> None:
+    """Before a generation that reads along: a head that did not follow the
+    trunk (a generation before took no head drafts) starts afresh where the
+    trunk stands (``MTPCache.restart_head``), its pairs aligned again."""
+    if model.head is not None and not cache.head_follows(model.head.layer_cache):
+        cache.restart_head(model.make_cache().head)
+
+
 class RoundCaches(Protocol):
     """The caches a round works on, for every stream of the round."""
 
@@ -313,7 +329,8 @@ def settle(
     to a stream that asks for them).
     Each stream keeps through its first stop token and at most its remaining
     tokens; the trunk goes back to the tokens kept, every head layer past its
-    tentative entries, and (``feed_head``) the kept states wait for the head.
+    tentative entries, and (``feed_head``) the kept states of each stream that
+    reads along (``reads_along``) wait for the head.
     Extends each stream's history and stats; returns how many each kept.
     """
     width = 1 + max(len(d) for d in drafts)
@@ -334,7 +351,7 @@ def settle(
         if s.logprobs is not None:
             rows = logprobs(s.verifier, logits[b, :m], s.history, emitted[b][:m])
             s.logprobs.record(rows, emitted[b][:m])
-        if feed_head:
+        if feed_head and reads_along(model, s):
             read = [s.history[-1]] + emitted[b][: m - 1]
             s.cache.pending[0].push(hidden[b : b + 1, :m], read)
         s.history.extend(emitted[b][:m])

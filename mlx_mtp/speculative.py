@@ -22,7 +22,7 @@ import mlx.core as mx
 from .cache import MTPCache
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import Plan, as_source
-from .rounds import Logprobs, OneStream, Stream, catch_up, settle, verify
+from .rounds import Logprobs, OneStream, Stream, catch_up, follow, settle, verify
 from .rounds import draft as draft_round
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
@@ -136,6 +136,8 @@ def speculative_generate_step(
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
 
     tic = time.perf_counter()
+    if use_mtp:
+        follow(model, cache)
     prefill(model, cache, prompt, prefill_step_size, use_mtp, prefill_progress)
     stats.prompt_tokens += len(prompt)
     stats.prompt_time += time.perf_counter() - tic

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import mlx_mtp
 import mlx_mtp.chat
+from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import cache_offset
 from mlx_mtp.chat import ChatSession, truncate
 from mlx_mtp.generate import stream_generate
@@ -341,3 +342,60 @@ def test_stats_after_a_dropped_turn_count_the_answered_one(loaded, monkeypatch):
         list(session.send("a much longer third message that shares less"))
     assert session.last.interrupted
     assert session.answered is answered  # the dropped turn's reuse counts nowhere
+
+
+def _tokens(model, prompt, cache, k, n=6):
+    return [
+        t
+        for t, _ in mlx_mtp.speculative_generate_step(
+            prompt, model, max_tokens=n, prompt_cache=cache, drafts=FixedDraft(k)
+        )
+    ]
+
+
+@pytest.mark.parametrize("before", ["never", "partly"])
+@pytest.mark.parametrize("cut", [None, "below", "at", "inside"])
+def test_a_head_left_behind_starts_again_where_the_trunk_stands(loaded, before, cut):
+    """A generation without head drafts leaves the head behind the trunk
+    (it never ran, or stopped part way with states pending). The next one that
+    drafts starts the head where the trunk stands: its caches are those of a
+    head that read from there, the output that of a fresh generation; a cut
+    below, at or inside the new start keeps both so."""
+    model, _ = loaded("glm4_moe")
+    head = model.head.layer_cache
+    prompt = list(range(60, 90))
+    cache = model.make_cache()
+    history = list(prompt)
+    if before == "partly":  # the head reads the prompt, then stops
+        history += _tokens(model, prompt, cache, 2) + [5, 6]
+        history += _tokens(model, history[cache.offset :], cache, 0)
+    else:
+        history += _tokens(model, prompt, cache, 0)
+    assert cache.offset == len(history) - 1
+    assert not cache.head_follows(head)
+    start = cache.offset
+    history += [7, 8]
+    history += _tokens(model, history[start:], cache, 3)
+    assert cache.start[0] == start and cache.head_follows(head)
+    # the head's caches: a head that read the pairs from ``start`` on
+    n = cache.offset
+    fresh = model.make_cache()
+    _, hidden = model.trunk(mx.array(history[:n])[None], fresh.trunk)
+    m = cache.head_offset
+    head_fresh = model.head.make_cache()
+    model.head(
+        hidden[:, start : start + m],
+        mx.array(history[start + 1 : start + m + 1])[None],
+        head_fresh,
+    )
+    assert_kv_close(cache.head, head_fresh)
+    if cut is not None:
+        keep = {"below": start - 4, "at": start, "inside": start + 3}[cut]
+        kept = truncate(model, cache, keep)
+        assert kept in (keep, keep - 1)
+        assert cache.head_follows(head)
+        history = history[:kept]
+    more = _tokens(model, history[cache.offset :] + [9, 10], cache, 3)
+    ref = _tokens(model, history + [9, 10], model.make_cache(), 0)
+    assert more == ref
+    assert cache.head_follows(head)

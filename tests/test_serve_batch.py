@@ -585,3 +585,44 @@ def test_stream_rates_are_the_single_stream_estimator():
         rates.update(0, 0)  # rounds that drafted nothing
     assert rates.rates == pytest.approx([0.3, 0.3, 0.3], abs=1e-3)
     assert AcceptanceEstimate(2).rates == [0.5, 0.5]  # nothing measured: a guess
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_streams_that_take_no_head_drafts_leave_the_head_alone(folders, family):
+    """A stream whose source takes no head drafts (``draft_max`` 0) reads its
+    prompt and decodes beside streams that draft, without feeding the head
+    (mlx-lm's plain decoding does no such work): its head reads nothing and
+    holds nothing; every stream's tokens are those of decoding alone."""
+    model = mlx_mtp.load_model(folders(family))
+    prompts = [tiny.random_prompt(n, seed=i) for i, n in enumerate([9, 14, 6, 12])]
+    drafts = [0, 2, 0, 3]
+    streams = []
+    for p, k in zip(prompts, drafts):
+        s = Stream(history=list(p), cache=model.make_cache(),
+                   verifier=ExactMatchVerifier(), max_tokens=20)  # fmt: skip
+        s.source = HeadDrafts(FixedDraft(k))
+        streams.append(s)
+    reader, decoder = BatchDecoder(model), BatchDecoder(model, adaptive=False)
+    reader.add(streams)
+    read = [0] * len(prompts)
+    while reader.streams:
+        live = [b for b, s in enumerate(streams) if s in reader.streams]
+        takes, _, done = reader.read_chunk(
+            [prompts[b] for b in live], [read[b] for b in live], 512
+        )
+        for b, n in zip(live, takes):
+            read[b] += n
+        reader.remove([streams[b] for b, d in zip(live, done) if d])
+    decoder.add(streams)
+    got = [[] for _ in streams]
+    while decoder.streams:
+        for s, tokens in zip(list(decoder.streams), decoder.step()):
+            got[streams.index(s)].extend(tokens)
+        decoder.remove([s for s in decoder.streams if s.done])
+    for p, k, s, tokens in zip(prompts, drafts, streams, got):
+        alone = speculative_generate_step(p, model, max_tokens=20,
+                                          drafts=FixedDraft(k))  # fmt: skip
+        assert tokens == [t for t, _ in alone]
+        fed = s.cache.head_offset + s.cache.pending[0].size
+        assert (fed == 0) == (k == 0)
+        assert s.cache.head_follows(model.head.layer_cache) == (k > 0)
