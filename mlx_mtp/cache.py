@@ -230,8 +230,8 @@ class MTPCache:
         if not self.head or (self.pending[0].hidden is None and self.head_offset == 0):
             rollback(self.trunk, trunk_n - keep)  # the head never ran (no MTP)
             return keep
-        first = self.pending[0]
-        n0 = cache_length(layer_cache(self.head, 0))
+        first, layer0 = self.pending[0], layer_cache(self.head, 0)
+        n0 = cache_length(layer0)
         read = self.start[0] + n0  # the position past layer 0's last
         fresh = False
         if first.hidden is not None and keep > read:
@@ -239,11 +239,11 @@ class MTPCache:
             last = read - 1  # layer 0's last position
         elif self.start[0] < keep <= read + 1:
             keep -= 1
-            rollback(layer_cache(self.head, 0), read - keep)
+            rollback(layer0, read - keep)
             self.pending[0] = Pending()
             last = keep - 1
         else:  # cut below layer 0's first position, or past what it can read
-            rollback(layer_cache(self.head, 0), n0)  # (``restart_head``)
+            rollback(layer0, n0)  # (``restart_head``)
             self.pending[0] = Pending()
             self.start[0], last, fresh = keep, keep - 1, True
         rollback(self.trunk, trunk_n - keep)
@@ -273,10 +273,10 @@ class MTPCache:
         the trunk. (A head whose caches do not count positions: True.)"""
         if not self.head:
             return True
-        first = [cache_offset(c) for c in layer_cache(self.head, 0)]
-        if all(n is None for n in first):
+        layer0 = layer_cache(self.head, 0)
+        if all(cache_offset(c) is None for c in layer0):
             return True
-        read = self.start[0] + cache_length(layer_cache(self.head, 0))
+        read = self.start[0] + cache_length(layer0)
         return read + self.pending[0].size == self.offset
 
     def restart_head(self, fresh: List[Any]) -> None:

@@ -119,7 +119,7 @@ class Decoder:
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
         for s in streams:
-            if rounds.reads_along(self.model, s):
+            if rounds.reads_along(self.model, s.source):
                 rounds.follow(self.model, s.cache)
         if self.ahead is not None:  # read the round under way: they have no row
             out = self._plain(time.perf_counter(), start_next=False)
@@ -224,7 +224,7 @@ class Decoder:
         _, hidden = model.trunk(mx.array(padded), self.trunk)
         if any(pads):
             batch_rollback(self.trunk, pads)
-        reads = [rounds.reads_along(model, s) for s in self.streams]
+        reads = [rounds.reads_along(model, s.source) for s in self.streams]
         if not any(reads):
             mx.eval([c.state for c in self.trunk])
             return
@@ -232,8 +232,7 @@ class Decoder:
             if reads[b]:
                 s.cache.pending[0].push(hidden[b : b + 1, : len(chunk)], chunk)
         rounds.catch_up(model, self, self.streams)
-        pending = [q.hidden for s in self.streams for q in s.cache.pending]
-        pending = [h for h in pending if h is not None]
+        pending = [q.hidden for s in self.streams for q in s.cache.pending if q.size]
         mx.eval(pending, [c.state for c in self.trunk + self.head])
 
     def chunks(self, left: List[int], step: int) -> List[int]:

@@ -89,12 +89,12 @@ class Stream:
         return self.max_tokens - self.generated
 
 
-def reads_along(model, s: Stream) -> bool:
-    """Whether stream ``s``'s head reads the trunk's states as they come: a
-    stream whose draft source takes no head drafts (``draft_max`` 0: plain
-    decoding, or prompt lookup alone) does not pay for feeding the head, as
-    ``speculative.generate`` does not."""
-    return model.head is not None and (s.source is None or s.source.draft_max > 0)
+def reads_along(model, source) -> bool:
+    """Whether the head reads the trunk's states as they come for a stream
+    with draft source ``source`` (None: the head's drafts alone). One that
+    takes no head drafts (``draft_max`` 0: plain decoding, or prompt lookup
+    alone) does not pay for feeding the head, one stream or a batch."""
+    return model.head is not None and (source is None or source.draft_max > 0)
 
 
 def follow(model, cache: MTPCache) -> None:
@@ -351,7 +351,7 @@ def settle(
         if s.logprobs is not None:
             rows = logprobs(s.verifier, logits[b, :m], s.history, emitted[b][:m])
             s.logprobs.record(rows, emitted[b][:m])
-        if feed_head and reads_along(model, s):
+        if feed_head and reads_along(model, s.source):
             read = [s.history[-1]] + emitted[b][: m - 1]
             s.cache.pending[0].push(hidden[b : b + 1, :m], read)
         s.history.extend(emitted[b][:m])

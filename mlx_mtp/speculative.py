@@ -22,7 +22,16 @@ import mlx.core as mx
 from .cache import MTPCache
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import Plan, as_source
-from .rounds import Logprobs, OneStream, Stream, catch_up, follow, settle, verify
+from .rounds import (
+    Logprobs,
+    OneStream,
+    Stream,
+    catch_up,
+    follow,
+    reads_along,
+    settle,
+    verify,
+)
 from .rounds import draft as draft_round
 from .sampling import Draft, ExactMatchVerifier
 from .stats import MTPStats
@@ -131,7 +140,7 @@ def speculative_generate_step(
     stats = stats if stats is not None else MTPStats()
     source = as_source(drafts)
     stats.draft_max = source.draft_max
-    use_mtp = source.draft_max > 0 and model.head is not None
+    use_mtp = reads_along(model, source)
     history = [int(t) for t in cached_tokens] + prompt
     lazy = hasattr(verifier, "sample")  # plain steps can run one ahead
 
