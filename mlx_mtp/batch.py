@@ -1,21 +1,19 @@
 """``batch_generate``: mlx-lm's batch API on the server's decoding engine.
 
 Many prompts decode together in the ragged batched rounds of
-``decoder.Decoder`` (each stream drafts from its own source, MTP head or
-prompt lookup, and keeps its own number of tokens a round); prompts are read
-in chunks by a second ``Decoder`` as the server's engine reads them, so a long
-prompt does not hold up the streams already decoding. Streams leave as they
-finish and waiting prompts take their places, at most
+``decoder.Decoder`` (each stream drafts from its own source, a drafter or
+prompt lookup, and keeps its own number of tokens a round), scheduled by the
+server's scheduler (``scheduler.Scheduler``): prompts are read in chunks, so a
+long prompt does not hold up the streams already decoding, streams leave as
+they finish and waiting prompts take their places, at most
 ``completion_batch_size`` at once. Greedy output is each prompt's output
 alone.
 """
 
-import dataclasses
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import BatchResponse as MLXBatchResponse
@@ -23,17 +21,16 @@ from mlx_lm.generate_utils import BatchStats
 
 from .batch_policy import BatchDraftLength
 from .cache import MTPCache
-from .decoder import Decoder
 from .defaults import DEFAULT_PREFILL_STEP
 from .errors import MTPError
 from .generate import request_from
 from .loader import MTPModel
 from .prompts import context_length, encode, fit_context
 from .request import GenerationRequest
-from .rounds import Logprobs, Stream
 from .sampling import Sampler
-from .serve.prompt_cache import copy_cache
+from .scheduler import Job, Scheduler
 from .stats import MTPStats
+from .stream import Logprobs, open_stream
 
 
 _POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -48,106 +45,32 @@ class BatchResponse(MLXBatchResponse):
     mtp_stats: Optional[List[MTPStats]] = None
 
 
-@dataclass
-class _Job:
-    index: int
-    stream: Stream
-    prompt: List[int]
-    read: int = 0  # prompt tokens its caches hold
-
-
-class _Batch:
-    """The scheduler: waiting prompts, prompts being read, streams decoding."""
+class _Batch(Scheduler):
+    """The scheduler, counting what mlx-lm's ``BatchStats`` counts."""
 
     def __init__(
         self, model, request: GenerationRequest, limit: int, reading: int, step: int
     ):
-        self.model, self.step = model, step
         # the round times measured on this model serve its later calls too
-        policy = _POLICIES.setdefault(model.trunk, BatchDraftLength())
-        drafts = request.drafts
-        self.decoder = Decoder(model, drafts.p_min, drafts.adaptive, policy)
-        self.reader = Decoder(model)
-        capacity = self.decoder.capacity or limit
-        self.limit = min(limit, capacity)
-        self.reading_limit = min(reading, self.limit)
-        self.waiting: deque = deque()
-        self.reading: Dict[int, _Job] = {}  # by id of the stream
-        self.decoding: Dict[int, _Job] = {}
+        policy = None
+        if request.drafts.adaptive:
+            policy = _POLICIES.setdefault(model.trunk, BatchDraftLength())
+        super().__init__(model, policy, request.drafts.p_min, limit, reading, step)
         self.counters = BatchStats()
 
-    def busy(self) -> bool:
-        return bool(self.waiting or self.reading or self.decoding)
-
-    def start(self) -> None:
-        """Waiting prompts start reading while the batch has room."""
-        while (
-            self.waiting
-            and len(self.reading) + len(self.decoding) < self.limit
-            and len(self.reading) < self.reading_limit
-        ):
-            job = self.waiting.popleft()
-            if len(job.prompt) > 1:
-                self.reader.add([job.stream])
-                self.reading[id(job.stream)] = job
-            else:  # nothing to read but its last token
-                self._join([job])
-
-    def read(self) -> None:
-        """Every prompt being read takes its next chunk, in one forward."""
-        jobs = [self.reading[id(s)] for s in self.reader.streams]
-        takes, seconds, read = self.reader.read_chunk(
-            [j.prompt for j in jobs], [j.read for j in jobs], self.step
-        )
+    def read(self):
+        takes, seconds = super().read()
         self.counters.prompt_time += seconds
         self.counters.prompt_tokens += sum(takes)
-        for j, n in zip(jobs, takes):
-            j.read += n
-            j.stream.stats.prompt_time += seconds
-        done = [j for j, r in zip(jobs, read) if r]
-        if done:
-            self.reader.remove([j.stream for j in done])
-            for j in done:
-                del self.reading[id(j.stream)]
-            self._join(done)
+        return takes, seconds
 
-    def _join(self, jobs: List[_Job]) -> None:
-        for j in jobs:
-            self.decoding[id(j.stream)] = j
-        self.decoder.add([j.stream for j in jobs])
-
-    def round(self, keep_caches: bool) -> List[_Job]:
-        """One round of every decoding stream; returns those that finished."""
+    def round(self):
         tic = time.perf_counter()
-        out = self.decoder.step()
+        out = super().round()
         self.counters.decode_time += time.perf_counter() - tic
         self.counters.generation_steps += 1
-        self.counters.generation_tokens += sum(map(len, out))
-        finished = [self.decoding[id(s)] for s in self.decoder.streams if s.done]
-        if finished:
-            self.decoder.remove([j.stream for j in finished], extract=keep_caches)
-            for j in finished:
-                del self.decoding[id(j.stream)]
-        return finished
-
-
-def _stream(model, tokenizer, request, sampler, prompt: List[int], i: int, cache):
-    """Prompt ``i``'s stream; a seeded request gives each prompt its own seed."""
-    sampling = request.sampling
-    if sampling.seed is not None:
-        sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
-    own = dataclasses.replace(request, sampling=sampling)
-    stream = Stream(
-        history=list(prompt),
-        cache=cache if cache is not None else model.make_cache(),
-        verifier=own.verifier(sampler),
-        max_tokens=request.max_tokens,
-        stop_tokens=set(getattr(tokenizer, "eos_token_ids", ()) or ()),
-    )
-    stream.source = request.drafts.make(model, batched=True)
-    stream.stats.draft_max = stream.source.draft_max
-    stream.stats.prompt_tokens = len(prompt)
-    return stream
+        self.counters.generation_tokens += sum(len(t) for _, t in out)
+        return out
 
 
 def batch_generate(
@@ -213,9 +136,10 @@ def batch_generate(
                      return_token_ids, return_logprobs)  # fmt: skip
 
 
-def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[_Job]:
-    """Each prompt's stream, on a copy of its cache (a new one if None)."""
+def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[Job]:
+    """Each prompt's job and stream, on a copy of its cache (a new one if None)."""
     jobs = []
+    eos = getattr(tokenizer, "eos_token_ids", ()) or ()
     for i, (prompt, limit, cache) in enumerate(zip(prompts, limits, caches)):
         tokens = encode(tokenizer, prompt)
         if not tokens:
@@ -232,26 +156,37 @@ def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[_
             request.truncate_prompt,
             getattr(tokenizer, "bos_token_id", None),
         )
-        own = dataclasses.replace(request, max_tokens=limit)
-        copy = copy_cache(cache) if cache is not None else None
-        jobs.append(
-            _Job(i, _stream(model, tokenizer, own, sampler, tokens, i, copy), tokens)
+        stream = open_stream(
+            model,
+            tokens,
+            request=request,
+            cache=cache.copy() if cache is not None else None,
+            stop_tokens=eos,
+            max_tokens=limit,
+            sampler=sampler,
+            seed_offset=i,
+            batched=True,
         )
+        stream.stats.prompt_tokens = len(tokens)
+        jobs.append(Job(tokens, stream))
     return jobs
 
 
 def _run(batch: _Batch, n: int, verbose: bool, keep_caches: bool) -> None:
-    """The engine's turn, until every prompt is done: start waiting prompts,
-    read one chunk of the prompts being read, one round of the batch."""
+    """The scheduler's turns until every prompt is done: start waiting
+    prompts, read one chunk of the prompts being read, one round of the batch."""
     tic, done = time.perf_counter(), 0
     if verbose:
         print(f"[batch_generate] Finished processing 0/{n} ...", end="\r")
     while batch.busy():
-        batch.start()
+        batch.admit()
         if batch.reading:
             batch.read()
-        if batch.decoding:
-            done += len(batch.round(keep_caches))
+        if batch.jobs:
+            finished = [j for j, _ in batch.round() if j.stream.done]
+            if finished:
+                batch.leave(finished, extract=keep_caches)
+            done += len(finished)
             if verbose:
                 print(f"[batch_generate] Finished processing {done}/{n} ...", end="\r")
     batch.counters.wall_time = time.perf_counter() - tic
@@ -260,7 +195,7 @@ def _run(batch: _Batch, n: int, verbose: bool, keep_caches: bool) -> None:
         print(f"[batch_generate] Finished processing {done}/{n}")
 
 
-def _logprobs(job: _Job, out: List[int]) -> List[float]:
+def _logprobs(job: Job, out: List[int]) -> List[float]:
     return [e[1] for e in job.stream.logprobs.entries[: len(out)]]
 
 
@@ -296,8 +231,19 @@ def _response(batch, jobs, tokenizer, verbose, caches, token_ids, logprobs):
             f"{stats.generation_tps:.3f} tokens-per-sec"
         )
         print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
-        total = MTPStats()
-        for s in response.mtp_stats:
-            total.add(s)
-        print(total.summary())
+        print(batch_summary(stats, response.mtp_stats))
     return response
+
+
+def batch_summary(stats: BatchStats, streams: Sequence[MTPStats]) -> str:
+    """One stats line for a whole batch: the drafts of every stream, and the
+    batch's own times (each stream's stats hold the whole batch's time of
+    every round it took part in: summing them would count it once a stream)."""
+    total = MTPStats()
+    for s in streams:
+        total.add(s)
+    total.prompt_time, total.generation_time = stats.prompt_time, stats.generation_time
+    return (
+        f"{total.summary()}\n[batch_generate] Rounds: {stats.generation_steps} "
+        f"batched, {total.rounds} of single streams"
+    )

@@ -11,11 +11,12 @@ The loop never touches cache arrays. It brackets each verify pass with
   ``n == 0`` too, so such a cache can release what it kept.
 """
 
+import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 
 def can_rollback(caches: List[Any]) -> bool:
@@ -133,23 +134,125 @@ class Pending:
 
 
 @dataclass
+class DraftState:
+    """One stream's part of a drafter (``drafter.Drafter``): its caches (flat,
+    in the drafter's layer order), what each layer has not read yet, and
+    where each layer's first cache entry sits (``start[j]``; ``j`` for a
+    fresh state: layer ``j`` reads layer ``j - 1``'s output at the position
+    before)."""
+
+    caches: List[Any]
+    pending: List[Pending]
+    start: List[int]
+
+    @classmethod
+    def fresh(cls, caches: List[Any], layers: int, at: int = 0) -> "DraftState":
+        pending = [Pending() for _ in range(layers)]
+        return cls(caches, pending, list(range(at, at + layers)))
+
+    def copy(self, copy_layer: Callable[[Any], Any] = lambda c: c) -> "DraftState":
+        return DraftState(
+            [copy_layer(c) for c in self.caches],
+            [p.copy() for p in self.pending],
+            list(self.start),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(getattr(c, "nbytes", 0) for c in self.caches)
+        return total + sum(q.hidden.nbytes for q in self.pending if q.size)
+
+    def follows(self, layer0: List[Any], trunk_offset: int) -> bool:
+        """Whether layer 0 has read, or holds pending, every feature the
+        trunk has made (a state whose caches do not count positions: True)."""
+        if all(cache_offset(c) is None for c in layer0):
+            return True
+        read = self.start[0] + cache_length(layer0)
+        return read + self.pending[0].size == trunk_offset
+
+    def restart(self, caches: List[Any], at: int) -> None:
+        """Start afresh at trunk position ``at`` on new ``caches``: drafts
+        lose the context before; the output does not change."""
+        self.caches = caches
+        self.pending = [Pending() for _ in self.pending]
+        self.start = [at + j for j in range(len(self.pending))]
+
+    def cut(self, keep: int, layer_cache: Callable[..., List[Any]]) -> int:
+        """Cut back to a trunk that keeps its first ``keep`` tokens; returns
+        the trunk length this state then fits (``keep``, or one less: see
+        ``MTPCache.truncate``). ``layer_cache`` is the drafter's."""
+        first, layer0 = self.pending[0], layer_cache(self.caches, 0)
+        n0 = cache_length(layer0)
+        read = self.start[0] + n0  # the position past layer 0's last
+        fresh = False
+        if first.hidden is not None and keep > read:
+            first.keep_first(keep - read)
+            last = read - 1  # layer 0's last position
+        elif self.start[0] < keep <= read + 1:
+            keep -= 1
+            rollback(layer0, read - keep)
+            self.pending[0] = Pending()
+            last = keep - 1
+        else:  # cut below layer 0's first position, or past what it can read
+            rollback(layer0, n0)
+            self.pending[0] = Pending()
+            self.start[0], last, fresh = keep, keep - 1, True
+        for j in range(1, len(self.pending)):
+            caches, queue = layer_cache(self.caches, j), self.pending[j]
+            n = cache_length(caches)
+            end = self.start[j] + n - 1  # last position read
+            # exact while this layer's inputs still hold layer j-1's output at
+            # ``last``: it reads it at ``last + 1``
+            if not fresh and end <= last and end + queue.size >= last + 1:
+                queue.keep_first(last + 1 - end)
+                last = end
+                continue
+            fresh = True
+            rollback(caches, n)
+            self.pending[j] = Pending()
+            # it next reads layer j-1's first new output, at that output's
+            # position + 1 (the output at ``last`` is gone)
+            self.start[j] = last + 2
+            last = self.start[j] - 1
+        return keep
+
+
+@dataclass
 class Snapshot:
     """Where an ``MTPCache`` stood (``MTPCache.snapshot``): each cache's mark,
-    and (unless only the trunk was taken) what the head had not read."""
+    and (unless only the trunk was taken) each drafter's pending and starts."""
 
     marks: List[tuple]
-    pending: Optional[List[Pending]] = None
-    start: Optional[List[int]] = None
+    drafts: Optional[Dict[str, DraftState]] = None
+
+
+def copy_layer(c: Any) -> Any:
+    """A copy of one layer's cache that can be written to without touching ``c``."""
+    if type(c) is KVCache:
+        new = KVCache()
+        if c.keys is not None:
+            new.keys, new.values = mx.array(c.keys), mx.array(c.values)
+        new.offset = c.offset
+        return new
+    if isinstance(c, ArraysCache):  # its arrays are replaced, never written into
+        new = copy.copy(c)
+        new.cache = list(c.cache)
+        return new
+    return copy.deepcopy(c)
+
+
+MTP = "mtp"  # the name of the model's own head among its drafters
 
 
 @dataclass
 class MTPCache:
     """Everything a generation leaves behind, so that a later call can continue.
 
-    ``trunk`` is the main model's per-layer caches, ``head`` the MTP head's
-    (flat; ``head.layer_cache(cache.head, j)`` is layer ``j``'s part). The head
-    lags the trunk: layer 0 pairs the trunk's hidden state ``h_i`` with the NEXT
-    token ``t_{i+1}``, so the trunk's last hidden states wait in
+    ``trunk`` is the main model's per-layer caches; ``drafts`` each drafter's
+    part (``DraftState``), by the drafter's name. The model's own MTP head is
+    the drafter ``"mtp"``; ``head``, ``pending`` and ``start`` are its state.
+    The head lags the trunk: layer 0 pairs the trunk's hidden state ``h_i``
+    with the NEXT token ``t_{i+1}``, so the trunk's last hidden states wait in
     ``pending[0]`` until their successors are known. Head layer ``j > 0`` reads,
     at chain position ``i``, layer ``j - 1``'s output at ``i - 1`` with
     ``t_{i+1}``; its inputs wait in ``pending[j]``. ``start[j]`` is the chain
@@ -158,21 +261,23 @@ class MTPCache:
     To mlx-lm it is the list of the trunk's caches (``len``, iteration,
     indexing): mlx-lm's ``make_prompt_cache(model)`` returns ``model.make_cache()``
     and its ``generate_step`` and ``BatchGenerator`` read and replace the
-    layers' caches by index. The head's part is mlx-mtp's alone: a cache that
-    mlx-lm's functions advanced has a head that did not follow, so it goes
-    back to mlx-lm's functions, not to mlx-mtp's.
+    layers' caches by index. The drafters' part is mlx-mtp's alone: a cache
+    that mlx-lm's functions advanced has drafters that did not follow; they
+    start afresh where the trunk stands when they next draft.
     """
 
     trunk: List[Any]
-    head: List[Any] = field(default_factory=list)
-    pending: List[Pending] = field(default_factory=lambda: [Pending()])
-    start: List[int] = field(default_factory=lambda: [0])
+    drafts: Dict[str, DraftState] = field(default_factory=dict)
 
     def __post_init__(self):
-        # a head that reads the trunk's caches (a Gemma 4 assistant) gets them
-        for c in self.head:
-            if hasattr(c, "link"):
-                c.link(self.trunk)
+        self.link()
+
+    def link(self) -> None:
+        """A drafter that reads the trunk's caches (a Gemma 4 assistant) gets them."""
+        for state in self.drafts.values():
+            for c in state.caches:
+                if hasattr(c, "link"):
+                    c.link(self.trunk)
 
     def __len__(self) -> int:
         return len(self.trunk)
@@ -191,6 +296,24 @@ class MTPCache:
         """Tokens the trunk has processed."""
         return cache_length(self.trunk)
 
+    # -- the model's own head (the drafter "mtp") ---------------------------------
+
+    @property
+    def head(self) -> List[Any]:
+        return self.drafts[MTP].caches if MTP in self.drafts else []
+
+    @head.setter
+    def head(self, caches: List[Any]) -> None:
+        self.drafts[MTP].caches = caches
+
+    @property
+    def pending(self) -> List[Pending]:
+        return self.drafts[MTP].pending if MTP in self.drafts else [Pending()]
+
+    @property
+    def start(self) -> List[int]:
+        return self.drafts[MTP].start if MTP in self.drafts else [0]
+
     @property
     def head_offset(self) -> int:
         """Positions the head's first layer has processed."""
@@ -205,92 +328,71 @@ class MTPCache:
     def pending_tokens(self) -> List[int]:
         return self.pending[0].tokens
 
-    def state_list(self) -> List[Any]:
-        return self.trunk + self.head
+    def head_follows(self, layer_cache: Callable[[List[Any], int], List[Any]]) -> bool:
+        """Whether head layer 0 has read, or holds pending, every hidden state
+        the trunk has made (``DraftState.follows``)."""
+        if MTP not in self.drafts:
+            return True
+        state = self.drafts[MTP]
+        return state.follows(layer_cache(state.caches, 0), self.offset)
 
-    def truncate(
-        self, keep: int, layer_cache: Callable[[List[Any], int], List[Any]]
-    ) -> int:
+    def restart_head(self, fresh: List[Any]) -> None:
+        """The head starts afresh where the trunk stands, on ``fresh`` (new
+        head caches): its drafts lose the context before, the output does not
+        change (the verify decides)."""
+        self.drafts[MTP].restart(fresh, self.offset)
+        self.link()
+
+    # -- every part ----------------------------------------------------------------
+
+    def state_list(self) -> List[Any]:
+        return self.trunk + [c for s in self.drafts.values() for c in s.caches]
+
+    @property
+    def nbytes(self) -> int:
+        trunk = sum(getattr(c, "nbytes", 0) for c in self.trunk)
+        return trunk + sum(s.nbytes for s in self.drafts.values())
+
+    def copy(self) -> "MTPCache":
+        """A copy that can be written to without touching this cache."""
+        return MTPCache(
+            trunk=[copy_layer(c) for c in self.trunk],
+            drafts={n: s.copy(copy_layer) for n, s in self.drafts.items()},
+        )
+
+    def truncate(self, keep: int, drafters: Sequence[Any]) -> int:
         """Cut back so the trunk holds at most its first ``keep`` tokens.
 
-        Entries that read tokens past ``keep`` go. Layer 0 cut inside its
-        pending states just drops some; cut below what it has read, it would
-        need the trunk's hidden state at the cut, which is gone, so one more
+        ``drafters`` are the model's (their ``layer_cache``). Entries that
+        read tokens past ``keep`` go. A drafter's layer 0 cut inside its
+        pending features just drops some; cut below what it has read, it
+        would need the trunk's feature at the cut, which is gone, so one more
         token is dropped and layer 0 and the trunk stop at the same position
-        with nothing pending (as a head that has read every pair it can).
+        with nothing pending (as a drafter that has read every pair it can).
         A layer ``j > 0`` stays exact when its pending inputs still hold layer
         ``j - 1``'s output at that layer's new last position; otherwise it (and
         every layer above it) starts afresh there: its drafts lose context,
-        the output does not change. ``layer_cache`` is the head's
-        ``layer_cache``. Returns how many tokens the trunk still holds.
+        the output does not change. A second drafter that cannot follow the
+        first's cut starts afresh at it. Returns how many tokens the trunk
+        still holds.
         """
         trunk_n = self.offset
         if keep >= trunk_n:
             return trunk_n
-        if not self.head or (self.pending[0].hidden is None and self.head_offset == 0):
-            rollback(self.trunk, trunk_n - keep)  # the head never ran (no MTP)
-            return keep
-        first, layer0 = self.pending[0], layer_cache(self.head, 0)
-        n0 = cache_length(layer0)
-        read = self.start[0] + n0  # the position past layer 0's last
-        fresh = False
-        if first.hidden is not None and keep > read:
-            first.keep_first(keep - read)
-            last = read - 1  # layer 0's last position
-        elif self.start[0] < keep <= read + 1:
-            keep -= 1
-            rollback(layer0, read - keep)
-            self.pending[0] = Pending()
-            last = keep - 1
-        else:  # cut below layer 0's first position, or past what it can read
-            rollback(layer0, n0)  # (``restart_head``)
-            self.pending[0] = Pending()
-            self.start[0], last, fresh = keep, keep - 1, True
-        rollback(self.trunk, trunk_n - keep)
-        for j in range(1, len(self.pending)):
-            caches, queue = layer_cache(self.head, j), self.pending[j]
-            n = cache_length(caches)
-            end = self.start[j] + n - 1  # last position read
-            # exact while this layer's inputs still hold layer j-1's output at
-            # ``last``: it reads it at ``last + 1``
-            if not fresh and end <= last and end + queue.size >= last + 1:
-                queue.keep_first(last + 1 - end)
-                last = end
-                continue
-            fresh = True
-            rollback(caches, n)
-            self.pending[j] = Pending()
-            # it next reads layer j-1's first new output, at that output's
-            # position + 1 (the output at ``last`` is gone)
-            self.start[j] = last + 2
-            last = self.start[j] - 1
-        return keep
-
-    def head_follows(self, layer_cache: Callable[[List[Any], int], List[Any]]) -> bool:
-        """Whether head layer 0 has read, or holds pending, every hidden state
-        the trunk has made. It does not where a generation on this cache took
-        no head drafts (``rounds.reads_along``) or mlx-lm's functions advanced
-        the trunk. (A head whose caches do not count positions: True.)"""
-        if not self.head:
-            return True
-        layer0 = layer_cache(self.head, 0)
-        if all(cache_offset(c) is None for c in layer0):
-            return True
-        read = self.start[0] + cache_length(layer0)
-        return read + self.pending[0].size == self.offset
-
-    def restart_head(self, fresh: List[Any]) -> None:
-        """The head starts afresh where the trunk stands, on ``fresh`` (new
-        head caches, as ``model.make_cache()`` makes them): its drafts lose
-        the context before, the output does not change (the verify decides)."""
-        n = self.offset
-        self.head = fresh
-        self.__post_init__()
-        self.pending = [Pending() for _ in self.pending]
-        self.start = [n + j for j in range(len(self.pending))]
-
-    def copy_pending(self) -> List[Pending]:
-        return [p.copy() for p in self.pending]
+        cut, first = keep, True
+        for d in drafters:
+            state = self.drafts.get(d.name)
+            if state is None or (
+                state.pending[0].hidden is None and cache_length(state.caches) == 0
+            ):
+                continue  # it never read anything: it follows when it drafts
+            if first:
+                cut, first = state.cut(keep, d.layer_cache), False
+            elif state.cut(cut, d.layer_cache) != cut:
+                state.restart(d.make_caches(), cut)
+        rollback(self.trunk, trunk_n - cut)
+        self.link()
+        return cut
 
     def snapshot(self, trunk_only: bool = False) -> Optional[Snapshot]:
         """What bringing this cache back to now takes (the trunk's caches alone
@@ -303,13 +405,15 @@ class MTPCache:
             return None
         if trunk_only:
             return Snapshot(marks)
-        return Snapshot(marks, self.copy_pending(), list(self.start))
+        return Snapshot(marks, {n: s.copy() for n, s in self.drafts.items()})
 
     def restore(self, snapshot: Snapshot) -> None:
         """Bring this cache back to where ``snapshot`` was taken (it stays usable)."""
-        caches = self.trunk if snapshot.pending is None else self.state_list()
+        caches = self.trunk if snapshot.drafts is None else self.state_list()
         for c, m in zip(caches, snapshot.marks):
             _restore(c, m)
-        if snapshot.pending is not None:
-            self.pending = [p.copy() for p in snapshot.pending]
-            self.start = list(snapshot.start)
+        if snapshot.drafts is not None:
+            for name, saved in snapshot.drafts.items():
+                state = self.drafts[name]
+                state.pending = [p.copy() for p in saved.pending]
+                state.start = list(saved.start)

@@ -38,8 +38,7 @@ def truncate(model: MTPModel, cache: MTPCache, keep: int) -> int:
 
     See ``MTPCache.truncate``; returns how many tokens the trunk still holds.
     """
-    layer_cache = model.head.layer_cache if model.head is not None else None
-    return cache.truncate(keep, layer_cache)
+    return cache.truncate(keep, model.drafters)
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:

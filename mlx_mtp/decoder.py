@@ -1,34 +1,36 @@
-"""The decoding engine: speculative rounds for a batch of streams.
+"""The decoding loop: speculative rounds for one stream or a batch of streams.
 
 One trunk forward verifies every stream's drafts, and each stream keeps its
 own number of tokens. The round is ``rounds``' (draft, verify, settle, per
 stream); the streams only share the forward passes. Each stream's draft
 source (``drafts.py``) plans its part of the round; the round's draft length
-comes from one policy (``batch_policy.BatchDraftLength``: expected tokens per
-measured second at this batch size).
+comes from the batch's policy (``batch_policy.BatchDraftLength``: expected
+tokens per measured second at this batch size) or, without one, from each
+stream's own count (``adaptive.CostAwareDraft``, ``FixedDraft``): the single
+stream's way.
 
-The caches: where the model's caches have batch forms (``batch_cache``),
-each head call's rows are right-padded to one length and the padding is
-rolled back at once; padding always sits after a stream's real tokens, where
-its causal mask hides it, and is gone before the next round, so each stream's
-tokens are those it would get alone. Models whose caches have no batch form
-here (a Gemma 4 assistant reads the target's caches) decode as a batch of
-one on the stream's own caches, through the same rounds.
+The caches: where the model's caches have batch forms (``batch_cache``) and
+the decoder merges (``merge``, the default), each drafter call's rows are
+right-padded to one length and the padding is rolled back at once; padding
+always sits after a stream's real tokens, where its causal mask hides it,
+and is gone before the next round, so each stream's tokens are those it
+would get alone. Otherwise (``merge=False``: the single-stream API; or caches
+with no batch form here: a Gemma 4 assistant reads the target's caches) the
+decoder runs a batch of one on the stream's own caches, through the same
+rounds.
 
 A round without drafts (no stream drafts, as the policy picks where drafts
-do not pay) runs one ahead, as mlx-lm's batch generation does: the next
-round's forward starts on this round's tokens, still lazy, before they are
-read, so building it and the caller's work on the tokens overlap the
-computation (``_Ahead``). A stream that leaves while such a round is under
-way has its extra token taken back from its cache before it gets it.
-
-The Python API's single-stream generator (``speculative.py``) is the fast
-path for one stream: the same rounds and sources, plus plain steps that run
-one ahead while no round drafts.
+do not pay) runs one ahead, as mlx-lm's generation does: the next round's
+forward starts on this round's tokens, still lazy, before they are read, so
+building it and the caller's work on the tokens overlap the computation
+(``_Ahead``). A stream that leaves while such a round is under way has its
+extra token taken back from its cache before it gets it: by length in batch
+caches of attention layers, from a snapshot of its own caches otherwise (a
+recurrent state is brought back whole).
 """
 
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -36,9 +38,11 @@ from . import rounds
 from .batch_cache import RaggedKVCache, batchable, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
+from .cache import Snapshot
 from .cache import rollback as own_rollback
-from .rounds import Item, Stream
-from .sampling import Draft
+from .drafter import DraftView, Item
+from .drafts import Plan
+from .stream import Stream
 
 
 class _Ahead:
@@ -48,10 +52,12 @@ class _Ahead:
     token of the round before it, still lazy (``pending``). ``tokens[b]`` is
     stream ``b``'s next token, sampled and left lazy. Its rows are the
     decoder's streams (a stream that joins first has it read: ``Decoder.add``).
+    ``undo``: on a stream's own caches, their snapshot from before it.
     """
 
-    def __init__(self, model, trunk, streams, inputs: mx.array, pending):
-        self.logits, self.hidden = model.trunk(inputs.reshape(-1, 1), trunk)
+    def __init__(self, model, trunk, streams, inputs: mx.array, pending, undo=None):
+        self.undo: Optional[Snapshot] = undo
+        self.logits, self.taps = model.trunk.forward(inputs.reshape(-1, 1), trunk)
         self.tokens = mx.concatenate(
             [
                 s.verifier.sample(self.logits[b, -1:], s.history, p).reshape(1)
@@ -68,7 +74,10 @@ class _Ahead:
     def keep(self, rows: List[int]) -> None:
         """Keep only the rows ``rows``, in that order."""
         idx = mx.array(rows, dtype=mx.int32)
-        self.logits, self.hidden = self.logits[idx], self.hidden[idx]
+        self.logits = self.logits[idx]
+        self.taps = type(self.taps)(
+            self.taps.hidden[idx], {i: x[idx] for i, x in self.taps.layers.items()}
+        )
         self.tokens = self.tokens[idx]
         mx.async_eval(self.tokens)
 
@@ -79,82 +88,108 @@ def _extract(cache, b: int, kind: type):
     return cache.extract(b, kind)  # a recurrent layer's own cache class
 
 
-class Decoder:
+def one_ragged(call, items: Sequence[Item], caches: List[Any]):
+    """``DraftView.ragged`` for one stream: its item as it is."""
+    hidden, tokens = items[0]
+    if not isinstance(tokens, mx.array):
+        tokens = mx.array(tokens)
+    h, out = call(hidden, tokens.reshape(1, -1).astype(mx.int32), caches)
+    return h[:, -1:], [out]
+
+
+class Decoder(DraftView):
     """Streams decoded together, one speculative round at a time."""
 
     def __init__(
         self,
         model,
         draft_p_min: float = 0.0,
-        adaptive: bool = True,
         policy: Optional[BatchDraftLength] = None,
+        merge: bool = True,
     ):
-        """``adaptive``: each round drafts as deep as pays (``policy``, by
-        default a new ``BatchDraftLength``; one shared by several decoders
-        keeps what it measured); otherwise every stream drafts its
-        ``draft_max`` every round."""
+        """``policy``: each round drafts as deep as pays at this batch size
+        (a ``BatchDraftLength``; one shared by several decoders keeps what it
+        measured); None: as deep as each stream's own count asks.
+        ``merge=False``: one stream, on its own caches."""
         self.model = model
         self.draft_p_min = draft_p_min
         self.streams: List[Stream] = []
-        self.trunk: List[Any] = []  # batch caches, one per trunk layer
-        self.head: List[Any] = []  # batch caches, the head's flat list
+        self._trunk: List[Any] = []  # batch caches, one per trunk layer
+        self._drafts: Dict[str, List[Any]] = {}  # each drafter's batch caches
         self.kinds: List[type] = []  # the trunk's single-stream cache classes
-        self.policy = (policy or BatchDraftLength()) if adaptive else None
+        self.policy = policy
         self.peak = 0  # the most streams a round has decoded
         self.agree = None  # over processes: rank 0's tokens (``serve.cluster``)
         self.ahead: Optional[_Ahead] = None  # the round under way, not read yet
         self.next_k: Optional[int] = None  # the next round's K, once chosen
         self.landed: Optional[dict] = None  # tokens read by ``add``, by stream
         cache = model.make_cache()
-        self.batched = batchable(cache.trunk) and batchable(cache.head)
+        self.batched = merge and batchable(cache.state_list())
 
     def __len__(self) -> int:
         return len(self.streams)
 
     @property
     def capacity(self) -> int:
-        """The most streams this model's caches let one batch hold (0: any)."""
+        """The most streams this decoder holds at once (0: any)."""
         return 0 if self.batched else 1
+
+    @property
+    def trunk(self) -> List[Any]:
+        if self.batched or not self.streams:
+            return self._trunk
+        return self.streams[0].cache.trunk
 
     def add(self, streams: List[Stream]) -> None:
         """Join ``streams`` (prefilled, each with its own caches) to the batch."""
         for s in streams:
-            if rounds.reads_along(self.model, s.source):
-                rounds.follow(self.model, s.cache)
+            rounds.follow(self.model, s.cache, s.source)
         if self.ahead is not None:  # read the round under way: they have no row
             out = self._plain(time.perf_counter(), start_next=False)
             self.landed = dict(zip(map(id, self.streams), out))
         if not self.batched:  # a batch of one, on the stream's own caches
             if len(self.streams) + len(streams) > 1:
-                raise ValueError("this model's caches decode one stream at a time")
-            self.trunk, self.head = streams[0].cache.trunk, streams[0].cache.head
+                raise ValueError("this decoder runs one stream at a time")
             self.streams += streams
             return
         trunk = [merge(layer) for layer in zip(*(s.cache.trunk for s in streams))]
-        head = [merge(layer) for layer in zip(*(s.cache.head for s in streams))]
+        drafts = {
+            d.name: [
+                merge(layer)
+                for layer in zip(*(s.cache.drafts[d.name].caches for s in streams))
+            ]
+            for d in self.model.drafters
+        }
         if self.streams:
-            for mine, theirs in zip(self.trunk + self.head, trunk + head):
+            for mine, theirs in zip(self._trunk, trunk):
                 mine.extend(theirs)
+            for name, caches in drafts.items():
+                for mine, theirs in zip(self._drafts[name], caches):
+                    mine.extend(theirs)
         else:
-            self.trunk, self.head = trunk, head
+            self._trunk, self._drafts = trunk, drafts
             self.kinds = [type(c) for c in streams[0].cache.trunk]
         for s in streams:
-            s.cache.trunk, s.cache.head = [], []
+            s.cache.trunk = []
+            for state in s.cache.drafts.values():
+                state.caches = []
         self.streams += streams
 
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
         """Let ``streams`` leave; with ``extract`` each gets its caches back."""
         if not self.batched:  # its caches never left it
+            if self.ahead is not None:  # the trunk read one token past its history
+                if self.ahead.undo is not None:
+                    self.streams[0].cache.restore(self.ahead.undo)
+                self.ahead = None
             gone = {id(s) for s in streams}
             self.streams = [s for s in self.streams if id(s) not in gone]
-            if not self.streams:
-                self.trunk, self.head = [], []
             return
         index = {id(s): b for b, s in enumerate(self.streams)}
         gone = [index[id(s)] for s in streams]
         if self.ahead is not None:  # leaving streams' rows go, their tokens unread
             if extract:  # the trunk read one token past each one's history
-                batch_rollback(self.trunk, [int(b in gone) for b in range(len(self))])
+                batch_rollback(self._trunk, [int(b in gone) for b in range(len(self))])
             left = [b for b in range(len(self)) if b not in set(gone)]
             if left:
                 self.ahead.keep(left)
@@ -163,20 +198,28 @@ class Decoder:
         if extract:
             for s, b in zip(streams, gone):
                 s.cache.trunk = [
-                    _extract(c, b, t) for c, t in zip(self.trunk, self.kinds)
+                    _extract(c, b, t) for c, t in zip(self._trunk, self.kinds)
                 ]
-                s.cache.head = [c.extract(b) for c in self.head]
+                for name, caches in self._drafts.items():
+                    s.cache.drafts[name].caches = [c.extract(b) for c in caches]
+                s.cache.link()
         keep = [b for b in range(len(self.streams)) if b not in set(gone)]
-        for c in self.trunk + self.head:
+        for c in self._trunk + [c for cs in self._drafts.values() for c in cs]:
             c.filter(keep)
         self.streams = [self.streams[b] for b in keep]
 
-    # -- what a round reads and rolls back (``rounds.RoundCaches``) ----------
+    # -- what a round reads and rolls back (``drafter.DraftView``) -------------
 
-    def read(self, j: int, items: Sequence[Item]) -> Tuple[List, List]:
-        """Head layer ``j`` over each stream's ``(hidden [1, L_b, D], tokens)``
-        (or None), right-padded to one length; the padding is rolled back."""
-        head = self.model.head
+    def caches(self, drafter) -> List[Any]:
+        if self.batched:
+            return self._drafts[drafter.name]
+        return self.streams[0].cache.drafts[drafter.name].caches
+
+    def ragged(self, call, items: Sequence[Item], caches: List[Any]):
+        """``call`` over each stream's ``(features [1, L_b, F], tokens)`` (or
+        None), right-padded to one length; the padding is rolled back."""
+        if not self.batched:
+            return one_ragged(call, items, caches)
         lengths = [0 if it is None else it[0].shape[1] for it in items]
         L = max(lengths)
         like = next(it[0] for it in items if it is not None)
@@ -190,16 +233,14 @@ class Decoder:
                 t = mx.concatenate([t, mx.zeros((L - n,), mx.int32)])
             hidden.append(h)
             tokens.append(t)
-        layer, layer_caches = head.layer(j), head.layer_cache(self.head, j)
-        h, out = layer.states(mx.concatenate(hidden), mx.stack(tokens), layer_caches)
+        h, out = call(mx.concatenate(hidden), mx.stack(tokens), caches)
         if L > min(lengths):
-            self.rollback(layer_caches, [L - n for n in lengths])
-        # the output projection at each stream's last input alone (a head may
-        # give its states at its last inputs only: a Gemma 4 assistant)
+            self.rollback(caches, [L - n for n in lengths])
+        # each stream's state at its last input (a drafter may give its states
+        # at its last inputs only: a Gemma 4 assistant)
         skip = L - h.shape[1]
         at = mx.array([max(n - 1 - skip, 0) for n in lengths], dtype=mx.int32)
-        logits = layer.logits(mx.take_along_axis(h, at[:, None, None], axis=1))
-        last = [logits[b : b + 1, 0] if n else None for b, n in enumerate(lengths)]
+        last = mx.take_along_axis(h, at[:, None, None], axis=1)
         outs = [out[b : b + 1, :n] if n else None for b, n in enumerate(lengths)]
         return last, outs
 
@@ -209,31 +250,44 @@ class Decoder:
         else:
             own_rollback(caches, counts[0])
 
-    # -- rounds --------------------------------------------------------------
+    # -- prompts -----------------------------------------------------------------
 
     def prefill(self, tokens: List[List[int]]) -> None:
-        """Stream ``b`` reads ``tokens[b]``. Chunks of one length run unpadded
-        (the recurrent layers need it, as ``speculative.prefill`` reads a
-        chunk); shorter ones are right-padded, which only attention caches
-        take (``chunks``): a causal mask keeps the padding from every real
-        token, and each stream's padding is rolled back after."""
+        """Stream ``b`` reads ``tokens[b]``, and the drafters it reads along
+        with the features it made. Chunks of one length run unpadded (the
+        recurrent layers need it); shorter ones are right-padded, which only
+        attention caches take (``chunks``): a causal mask keeps the padding
+        from every real token, and each stream's padding is rolled back after."""
         model = self.model
         width = max(map(len, tokens))
         pads = [width - len(t) for t in tokens]
         padded = [t + [0] * p for t, p in zip(tokens, pads)]
-        _, hidden = model.trunk(mx.array(padded), self.trunk)
+        _, taps = model.trunk.forward(mx.array(padded), self.trunk)
         if any(pads):
-            batch_rollback(self.trunk, pads)
-        reads = [rounds.reads_along(model, s.source) for s in self.streams]
-        if not any(reads):
+            self.rollback(self.trunk, pads)
+        fed = []
+        for d in model.drafters:
+            reading = [rounds.reads_along(d, s.source) for s in self.streams]
+            if not any(reading):
+                continue
+            features = d.features(taps)
+            for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
+                if reading[b]:
+                    d.observe(s, features[b : b + 1, : len(chunk)], chunk)
+            d.catch_up(self, self.streams)
+            fed.append(d)
+        if not fed:
             mx.eval([c.state for c in self.trunk])
             return
-        for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
-            if reads[b]:
-                s.cache.pending[0].push(hidden[b : b + 1, : len(chunk)], chunk)
-        rounds.catch_up(model, self, self.streams)
-        pending = [q.hidden for s in self.streams for q in s.cache.pending if q.size]
-        mx.eval(pending, [c.state for c in self.trunk + self.head])
+        pending = [
+            q.hidden
+            for s in self.streams
+            for d in fed
+            for q in d.state(s).pending
+            if q.size
+        ]
+        caches = [c for d in fed for c in self.caches(d)]
+        mx.eval(pending, [c.state for c in self.trunk + caches])
 
     def chunks(self, left: List[int], step: int) -> List[int]:
         """How many prompt tokens each stream reads next, of ``left`` still
@@ -263,21 +317,23 @@ class Decoder:
         self.prefill([p[r : r + n] for p, r, n in zip(prompts, read, takes)])
         return takes, time.perf_counter() - tic, [m == n for m, n in zip(left, takes)]
 
+    # -- rounds --------------------------------------------------------------
+
     def cap(self, s: Stream) -> int:
-        """The most head drafts stream ``s`` may take this round."""
-        if self.model.head is None:
+        """The most drafter drafts stream ``s`` may take this round."""
+        if not self.model.drafters:
             return 0
         return max(0, min(s.source.draft_max, s.remaining - 1))
 
-    def _plan(self, s: Stream, cap: int, k: int) -> List[Draft]:
-        """Stream ``s``'s ready proposal this round, or [] (then the head
-        drafts ``min(cap, k)``). With other streams in the batch, a proposal
-        rides within the round's width ``k``, which the batch's draft length
-        found worth its cost: a wider one would widen every stream's verify
-        (and ``k`` 0, a batch where drafts do not pay, takes none)."""
+    def _plan(self, s: Stream, cap: int, k: int) -> Plan:
+        """Stream ``s``'s plan this round: a ready proposal, or up to
+        ``min(cap, k)`` drafter drafts. With other streams in the batch, a
+        proposal rides within the round's width ``k``, which the batch's
+        draft length found worth its cost: a wider one would widen every
+        stream's verify (and ``k`` 0, a batch where drafts do not pay, takes
+        none)."""
         room = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
-        plan = s.source.plan(s.history, room, min(cap, k))
-        return [Draft(mx.array([t]), None, source=plan.source) for t in plan.tokens]
+        return s.source.plan(s.history, room, min(cap, k))
 
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""
@@ -291,31 +347,28 @@ class Decoder:
             return self._plain(tic)
         # 1) the round's draft length, and each stream's plan
         caps = [self.cap(s) for s in streams]
-        k, self.next_k = self._choose(caps) if self.next_k is None else self.next_k, None
-        ready = [self._plan(s, c, k) for s, c in zip(streams, caps)]
-        # 2) the head drafts for the streams without a proposal; one verify
-        drafts, tentative = [list(r) for r in ready], None
-        ks = [0 if r else min(c, k) for c, r in zip(caps, ready)]
-        if max(ks) == 0 and not any(ready) and self._may_run_ahead():
+        k, self.next_k = (
+            self._choose(caps) if self.next_k is None else self.next_k,
+            None,
+        )
+        plans = [self._plan(s, c, k) for s, c in zip(streams, caps)]
+        if not any(p.tokens or p.k for p in plans) and self._may_run_ahead():
             inputs = mx.array([s.history[-1] for s in streams], dtype=mx.int32)
             self.ahead = _Ahead(model, self.trunk, streams, inputs, [[]] * len(streams))
             return self._plain(tic, cold=True)
-        if max(ks) > 0:
-            drafted, tentative = rounds.draft(
-                model, self, streams, ks, self.draft_p_min
-            )
-            drafts = [r or d for r, d in zip(ready, drafted)]
-        emitted, logits, hidden = rounds.verify(model, self, streams, drafts)
-        for s, d, e, cap in zip(streams, drafts, emitted, caps):
-            if d or cap:  # undrafted positions drift back up: a low rate is retried
-                s.source.update(d[0].source if d else "mtp", len(d), len(e) - 1)
+        # 2) the drafts: ready proposals, the drafters' for the rest; one verify
+        drafts, tentative = rounds.draft(model, self, streams, plans, self.draft_p_min)
+        emitted, logits, taps = rounds.verify(model, self, streams, drafts)
+        drift = self.policy is not None  # undrafted depths drift back up
+        for s, p, d, e, cap in zip(streams, plans, drafts, emitted, caps):
+            if d or (cap and drift):
+                s.source.update(d[0].source if d else p.drafter, len(d), len(e) - 1)
         # 3) each stream keeps its tokens; the rest rolls back
-        feed = model.head is not None
         kept = rounds.settle(
-            model, self, streams, drafts, tentative, emitted, logits, hidden, feed
+            model, self, streams, drafts, tentative, emitted, logits, taps
         )
         seconds = time.perf_counter() - tic
-        # a round widened by lookup drafts is no sample of the head's K
+        # a round widened by lookup drafts is no sample of the drafters' K
         if self.policy is not None and max(map(len, drafts)) <= k:
             self.policy.record(len(streams), k, seconds)
         for s in streams:
@@ -323,21 +376,21 @@ class Decoder:
         return [e[:m] for e, m in zip(emitted, kept)]
 
     def _choose(self, caps: List[int]) -> int:
-        """The round's draft length: the policy's, or every stream's cap."""
-        k = max(caps, default=0)
-        if self.policy is not None:
-            k = self.policy.choose(
-                len(self.streams), [s.source.rates() for s in self.streams], caps
-            )
-        return k
+        """The round's draft length: the policy's, or the most any stream's
+        own count asks (each count is asked once a round)."""
+        if self.policy is None:
+            counts = [min(s.source.count(), c) for s, c in zip(self.streams, caps)]
+            return max(counts, default=0)
+        rates = [s.source.rates() for s in self.streams]
+        return self.policy.choose(len(self.streams), rates, caps)
 
     def _may_run_ahead(self) -> bool:
         """Whether a round without drafts may start the next before its tokens
-        are read: caches that take a token back by length alone (attention,
-        not a recurrent state), samplers that take lazy tokens, and no rank
-        to agree with first."""
+        are read: caches whose extra token can be taken back (batched
+        attention caches by length, a stream's own caches from a snapshot),
+        samplers that take lazy tokens, and no rank to agree with first."""
         return (
-            self._attention()
+            (self._attention() or not self.batched)
             and self.agree is None
             and all(hasattr(s.verifier, "sample") for s in self.streams)
         )
@@ -345,7 +398,7 @@ class Decoder:
     def _attention(self) -> bool:
         """Whether every trunk cache is a batched attention cache, which takes
         tokens back by length alone (padding, a token read ahead)."""
-        return self.batched and all(isinstance(c, RaggedKVCache) for c in self.trunk)
+        return self.batched and all(isinstance(c, RaggedKVCache) for c in self._trunk)
 
     def _plain(
         self, tic: float, start_next: bool = True, cold: bool = False
@@ -359,26 +412,36 @@ class Decoder:
         model, streams = self.model, self.streams
         now, self.ahead = self.ahead, None
         caps = [self.cap(s) for s in streams]
-        if start_next and self._may_run_ahead():
+        if (
+            start_next
+            and self._may_run_ahead()
+            and any(s.remaining > 1 for s in streams)
+        ):
             self.next_k = self._choose(caps)
             # with others in the batch a proposal rides only within K (``_plan``)
             if self.next_k == 0 and (
                 len(streams) > 1
                 or not any(s.source.may_propose_after(s.history) for s in streams)
             ):
-                self.next_k = None
-                pending = [[now.tokens[b : b + 1]] for b in range(len(streams))]
-                self.ahead = _Ahead(model, self.trunk, streams, now.tokens, pending)
+                undo = None
+                if not self.batched:
+                    undo = streams[0].cache.snapshot(trunk_only=True)
+                if self.batched or undo is not None:
+                    self.next_k = None
+                    pending = [[now.tokens[b : b + 1]] for b in range(len(streams))]
+                    self.ahead = _Ahead(
+                        model, self.trunk, streams, now.tokens, pending, undo
+                    )
         # the round's one host sync: this round's tokens (the next computes)
         emitted = [[t] for t in now.read()]
         n = len(streams)
         kept = rounds.settle(
-            model, self, streams, [[]] * n, None, emitted, now.logits, now.hidden,
-            model.head is not None,
-        )  # fmt: skip
-        for s, cap in zip(streams, caps):
-            if cap:  # undrafted positions drift back up: a low rate is retried
-                s.source.update("mtp", 0, 0)
+            model, self, streams, [[]] * n, None, emitted, now.logits, now.taps
+        )
+        if self.policy is not None:  # undrafted depths drift back up
+            for s, cap in zip(streams, caps):
+                for name in s.source.drafters if cap else ():
+                    s.source.update(name, 0, 0)
         seconds = time.perf_counter() - tic
         # (``add`` reads a round's end alone: no sample)
         if self.policy is not None and start_next and not (cold and self.ahead):

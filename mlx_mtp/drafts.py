@@ -2,32 +2,35 @@
 
 Before each round the loop asks every stream's source for a ``Plan``: a ready
 proposal (tokens found without a model call, such as a prompt lookup) or how
-many drafts the MTP head should make (0: a plain step). After the verify the
-source hears how many of its drafts were kept. The loops (``speculative.py``
-for one stream, ``decoder.py`` for a batch) only ask; neither knows which
-kinds exist. A new kind is one class here and one line in ``make_source``,
-the only place that turns a name into a source and validates it (the command
-line, the Python API and both HTTP APIs go through it).
+many drafts which of the model's drafters should make (0: a plain step).
+After the verify the source hears how many of its drafts were kept. The loop
+(``decoder.py``, one stream or a batch) only asks; it knows no kinds. A new
+kind is one class here and one line in ``make_source``, the only place that
+turns a name into a source and validates it (the command line, the Python
+API and both HTTP APIs go through it).
 
-- ``HeadDrafts``: the model's MTP head (or Gemma 4 assistant); its count
-  policy (``adaptive.CostAwareDraft`` or ``FixedDraft``) keeps the running
-  acceptance per depth;
+- ``ModelDrafts``: one of the model's drafters (``drafter.Drafter``: its MTP
+  head, a Gemma 4 assistant, a drafter from a checkpoint of its own); its
+  count policy (``adaptive.CostAwareDraft`` or ``FixedDraft``) keeps the
+  running acceptance per depth;
 - ``LookupDrafts``: prompt lookup (``ngram.PromptLookup``), checked whenever
   that is expected to beat a plain step;
 - ``AutoDrafts``: per round, a lookup proposal where it is expected to keep
-  more per unit of time than the head's round, else the head;
+  more per unit of time than the best drafter's round, else that drafter;
 - ``NoDrafts``: plain steps.
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Sequence
+from typing import FrozenSet, List, Optional, Protocol, Sequence
 
 from .adaptive import (
+    Costs,
     FixedDraft,
     acceptance_prior,
     expected_tokens,
     machine_costs,
     make_policy,
+    prior_costs,
 )
 from .cache import can_rollback
 from .defaults import (
@@ -42,10 +45,12 @@ from .ngram import PromptLookup
 
 @dataclass
 class Plan:
-    """What one stream checks this round: ``tokens`` (a ready proposal) or
-    ``head`` drafts from the MTP head; neither is a plain step."""
+    """What one stream checks this round: ``tokens`` (a ready proposal), or
+    up to ``k`` drafts from the model's drafter ``drafter``; neither is a
+    plain step."""
 
-    head: int = 0
+    k: int = 0
+    drafter: str = "mtp"
     tokens: List[int] = field(default_factory=list)
     source: str = "mtp"  # what the tokens' ``Draft``s are tagged with
 
@@ -54,20 +59,23 @@ class DraftSource(Protocol):
     """One stream's drafts, asked once per round."""
 
     name: str
-    # the most head drafts a round may take; 0: the head does not read along
+    # the most model drafts a round may take (0: no drafter reads along)
     draft_max: int
+    # the drafters whose drafts it may take: they read the trunk's features
+    # as they come (``rounds.reads_along``)
+    drafters: FrozenSet[str]
 
     def count(self) -> int:
-        """Head drafts this source would like next round, by its own policy
+        """Model drafts this source would like next round, by its own policy
         (the single-stream loop asks before the round; a batch picks one
         length for all its streams instead)."""
 
     def rates(self) -> Sequence[float]:
-        """The head's running acceptance per depth (for the batch's policy)."""
+        """Its drafter's running acceptance per depth (for the batch's policy)."""
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         """This round's plan after ``history``: a proposal of at most ``room``
-        tokens, or up to ``k`` head drafts (``k`` is what the loop offers)."""
+        tokens, or up to ``k`` model drafts (``k`` is what the loop offers)."""
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         """The round checked ``drafted`` drafts of ``source`` and kept ``accepted``."""
@@ -83,6 +91,7 @@ class NoDrafts:
 
     name = "none"
     draft_max = 0
+    drafters: FrozenSet[str] = frozenset()
 
     def count(self) -> int:
         return 0
@@ -100,18 +109,24 @@ class NoDrafts:
         return False
 
 
-class HeadDrafts(NoDrafts):
-    """The MTP head's drafts, counted by ``policy`` (``CostAwareDraft`` or
-    ``FixedDraft``), which also keeps their running acceptance."""
+class ModelDrafts(NoDrafts):
+    """The drafts of one of the model's drafters (its MTP head, by default),
+    counted by ``policy`` (``CostAwareDraft`` or ``FixedDraft``), which also
+    keeps their running acceptance; ``costs`` are the rounds' with this
+    drafter (what "auto" weighs its drafts by)."""
 
     name = "mtp"
 
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
+        self.policy, self.drafter, self.costs = policy, drafter, costs
 
     @property
     def draft_max(self) -> int:
         return self.policy.draft_max
+
+    @property
+    def drafters(self) -> FrozenSet[str]:
+        return frozenset([self.drafter]) if self.draft_max > 0 else frozenset()
 
     def count(self) -> int:
         return self.policy()
@@ -119,26 +134,32 @@ class HeadDrafts(NoDrafts):
     def rates(self) -> Sequence[float]:
         return self.policy.acceptance
 
+    def speed(self, k: int, costs: Costs) -> float:
+        """Expected tokens per unit of time of a round with ``k`` of its drafts
+        (by its own costs, else ``costs``)."""
+        return expected_tokens(self.rates(), k) / (self.costs or costs).round(k)
+
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
-        return Plan(head=max(0, min(k, self.draft_max)))
+        return Plan(k=max(0, min(k, self.draft_max)), drafter=self.drafter)
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
 
 
 class LookupDrafts(NoDrafts):
-    """Prompt-lookup drafts, checked where that beats a plain step; the head
-    (``head``, when the source is part of "auto") reads along."""
+    """Prompt-lookup drafts, checked where that beats a plain step."""
 
     name = "ngram"
 
-    def __init__(self, lookup: PromptLookup):
+    def __init__(self, lookup: Optional[PromptLookup]):
         self.lookup = lookup
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         return self._propose(history, room, 1.0)
 
     def _propose(self, history: Sequence[int], room: int, against: float) -> Plan:
+        if self.lookup is None:
+            return Plan()
         self.lookup.sync(history)
         tokens = self.lookup.drafts(room, against) if room > 0 else []
         return Plan(tokens=tokens, source="lookup")
@@ -148,44 +169,67 @@ class LookupDrafts(NoDrafts):
             self.lookup.update(drafted, accepted)
 
     def may_propose_after(self, history: Sequence[int]) -> bool:
+        if self.lookup is None:
+            return False
         self.lookup.sync(history)
         return self.lookup.may_propose_next(history[-1])
 
 
 class AutoDrafts(LookupDrafts):
     """Per round, a lookup proposal where checking it is expected to keep
-    more per unit of time than the head's round (by the same costs), else
-    the head's drafts."""
+    more per unit of time than the best of the model's drafters (each by its
+    own costs and running acceptance), else that drafter's drafts (``lookup``
+    None: the drafters alone)."""
 
     name = "auto"
 
-    def __init__(self, head: HeadDrafts, lookup: PromptLookup):
+    def __init__(self, models: Sequence[ModelDrafts], lookup: Optional[PromptLookup]):
         super().__init__(lookup)
-        self.head = head
+        self.models = list(models)
+        self.chosen = self.models[0]  # the drafter the next round asks
+
+    @property
+    def head(self) -> ModelDrafts:
+        return self.models[0]
 
     @property
     def draft_max(self) -> int:
-        return self.head.draft_max
+        return max(m.draft_max for m in self.models)
+
+    @property
+    def drafters(self) -> FrozenSet[str]:
+        return frozenset().union(*(m.drafters for m in self.models))
 
     def count(self) -> int:
-        return self.head.count()
+        """Each drafter's own count (its policy is asked once a round); the
+        round asks the one whose count is expected to keep the most per
+        unit of time."""
+        counts = [(m.count(), m) for m in self.models]
+        k, self.chosen = max(counts, key=lambda c: self._speed(c[1], c[0]))
+        return k
+
+    def _speed(self, model: ModelDrafts, k: int) -> float:
+        return model.speed(k, self.lookup.costs if self.lookup else prior_costs())
 
     def rates(self) -> Sequence[float]:
-        return self.head.rates()
+        return self.chosen.rates()
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
-        k = max(0, min(k, self.draft_max))
-        against = 1.0  # a plain step
-        if k > 0:
-            against = expected_tokens(self.rates(), k) / self.lookup.costs.round(k)
+        model = self.chosen
+        if len(self.models) > 1:  # the best at the length the loop offers
+            model = max(self.models, key=lambda m: self._speed(m, min(k, m.draft_max)))
+        k = max(0, min(k, model.draft_max))
+        against = self._speed(model, k) if k > 0 else 1.0  # a plain step: 1
         proposal = self._propose(history, room, against)
-        return proposal if proposal.tokens else Plan(head=k)
+        return proposal if proposal.tokens else Plan(k=k, drafter=model.drafter)
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         if source == "lookup":
-            self.lookup.update(drafted, accepted)
-        else:
-            self.head.update(source, drafted, accepted)
+            super().update(source, drafted, accepted)
+            return
+        for m in self.models:
+            if m.drafter == source:
+                m.update(source, drafted, accepted)
 
 
 def check_source_name(name: str) -> str:
@@ -222,33 +266,40 @@ def make_source(
 ) -> DraftSource:
     """The draft source ``name`` ("mtp", "ngram", "auto") for one generation.
 
-    ``draft_max`` bounds the head's drafts per round (0: the head drafts
-    none; the caller resolves the head's recommended count); ``adaptive``:
-    the head drafts as many as pay by the costs ``tune`` measured (else always
-    ``draft_max``). A source that cannot be used here falls back to what
-    can: no head, no lookup, or plain steps.
+    "mtp" takes the drafts of the model's drafters (its MTP head, a Gemma 4
+    assistant, a drafter attached from a checkpoint of its own), "ngram"
+    prompt lookup's, "auto" either, per round. ``draft_max`` bounds a
+    drafter's drafts per round (0: none; the caller resolves the head's
+    recommended count); ``adaptive``: as many as pay by the costs ``tune``
+    measured (else always ``draft_max``). A source that cannot be used here
+    falls back to what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
     check_draft_max(draft_max)
-    head: Optional[HeadDrafts] = None
-    if model.head is not None and draft_max > 0 and name != "ngram":
-        head = HeadDrafts(make_policy(model, draft_max, adaptive))
+    models: List[ModelDrafts] = []
+    if draft_max > 0 and name != "ngram":
+        for d in model.drafters:
+            k = min(draft_max, d.max_drafts)
+            policy = make_policy(model, k, adaptive, d)
+            models.append(ModelDrafts(policy, d.name, machine_costs(model, d)))
     lookup = make_lookup(model) if name != "mtp" else None
-    if head is not None and lookup is not None:
-        return AutoDrafts(head, lookup)
+    if models and (lookup is not None or len(models) > 1):
+        return AutoDrafts(models, lookup)
     if lookup is not None:
         return LookupDrafts(lookup)
-    return head if head is not None else NoDrafts()
+    return models[0] if models else NoDrafts()
 
 
 def batch_source(model, name: str, draft_max: int) -> DraftSource:
-    """A served stream's source: its head count comes from the batch's
-    policy, so its own only keeps the running acceptance (from the head's
-    measured prior)."""
+    """A served stream's source: its draft count comes from the batch's
+    policy, so each drafter's own only keeps the running acceptance (from
+    its measured prior)."""
     source = make_source(model, name, draft_max, adaptive=False)
-    head = source.head if isinstance(source, AutoDrafts) else source
-    if isinstance(head, HeadDrafts):
-        head.policy = FixedDraft(draft_max, prior=acceptance_prior(model))
+    models = source.models if isinstance(source, AutoDrafts) else [source]
+    for m in models:
+        if isinstance(m, ModelDrafts):
+            prior = acceptance_prior(model, m.drafter)
+            m.policy = FixedDraft(m.policy.draft_max, prior=prior)
     return source
 
 
@@ -259,4 +310,4 @@ def as_source(drafts) -> DraftSource:
     head drafts."""
     if drafts is None:
         drafts = FixedDraft(DEFAULT_DRAFT_MAX)
-    return drafts if hasattr(drafts, "plan") else HeadDrafts(drafts)
+    return drafts if hasattr(drafts, "plan") else ModelDrafts(drafts)

@@ -54,7 +54,7 @@ class GenerationResponse:
 
 class _Rows:
     """Where a stream's kept tokens leave their log-probability rows (the
-    ``rounds.Logprobs`` interface), left lazy for the responses to carry."""
+    ``stream.Logprobs`` interface), left lazy for the responses to carry."""
 
     def __init__(self):
         self.rows: Deque[mx.array] = deque()

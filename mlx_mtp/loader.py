@@ -13,13 +13,16 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import MTPCache, Pending, can_rollback
+from .cache import MTPCache, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
+from .drafter import Drafter
+from .drafters import load_drafter
+from .drafters.head import HeadDrafter
 from .errors import MTPError, first_line
 from .heads import (
     MTPHead,
@@ -54,6 +57,21 @@ class MTPModel:
     path: Optional[Path] = None  # the model folder
     head_dir: Optional[Path] = None  # where the MTP config lives
     head_config: Dict[str, Any] = field(default_factory=dict)  # its parsed content
+    # the models that draft for it (``drafter.Drafter``): its MTP head first,
+    # when it has one, then any attached drafter (``attach``)
+    drafters: List[Drafter] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.head is not None and not self.drafters:
+            self.drafters = [HeadDrafter(self.head)]
+
+    def attach(self, drafter: Drafter) -> None:
+        """Draft with ``drafter`` too: the trunk keeps the layer outputs it
+        reads, and every new cache holds its state."""
+        if any(d.name == drafter.name for d in self.drafters):
+            raise MTPError(f"a drafter named {drafter.name!r} is attached already")
+        self.trunk.tap_layers(drafter.reads.layers)
+        self.drafters.append(drafter)
 
     @property
     def model_type(self) -> str:
@@ -77,14 +95,9 @@ class MTPModel:
     def make_cache(self) -> MTPCache:
         """A fresh cache; it is also the list of the trunk's caches that
         mlx-lm's ``make_prompt_cache`` expects (see ``MTPCache``)."""
-        if self.head is None:
-            return MTPCache(trunk=self.trunk.make_cache())
-        n = self.head.num_layers
         return MTPCache(
             trunk=self.trunk.make_cache(),
-            head=self.head.make_cache(),
-            pending=[Pending() for _ in range(n)],
-            start=list(range(n)),
+            drafts={d.name: d.make_state() for d in self.drafters},
         )
 
 
@@ -231,6 +244,7 @@ def load_model(
     shard: Optional[ShardHook] = None,
     model_config: Optional[Dict[str, Any]] = None,
     adapter_path: Optional[Union[str, Path]] = None,
+    draft: Optional[Union[str, Path]] = None,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
@@ -240,7 +254,9 @@ def load_model(
     ``shard(model, head, config)`` runs before the trunk's weights are read
     (``mlx_mtp.distributed`` splits the model there). ``model_config`` updates
     ``config.json``'s entries and ``adapter_path`` applies LoRA adapters to the
-    trunk, as in ``mlx_lm.load``.
+    trunk, as in ``mlx_lm.load``. ``draft`` names a drafter checkpoint (a
+    folder whose config says which kind it is, ``mlx_mtp.drafters``) to
+    draft with besides the head.
     """
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
@@ -280,6 +296,8 @@ def load_model(
     )
     if head is not None and head_config.get("tuned"):
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
+    if draft is not None:
+        loaded.attach(load_drafter(draft, loaded))
     return loaded
 
 
@@ -439,13 +457,14 @@ def load(
     mtp: Optional[Union[str, Path]] = None,
     hidden_tap: Optional[str] = None,
     shard: Optional[ShardHook] = None,
+    draft: Optional[Union[str, Path]] = None,
 ) -> Union[Tuple[MTPModel, Any], Tuple[MTPModel, Any, Dict[str, Any]]]:
     """Load a model folder: ``(model, tokenizer)``, or with ``return_config``
     ``(model, tokenizer, config)``, like ``mlx_lm.load`` and with its keywords.
 
     The model drafts with its MTP head in ``mlx_mtp``'s functions and is
     also a model that mlx-lm's own functions take (see ``MTPModel``). ``mtp``,
-    ``hidden_tap`` and ``shard`` as in ``load_model``; a Hugging Face repo is
+    ``hidden_tap``, ``shard`` and ``draft`` as in ``load_model``; a Hugging Face repo is
     converted first (``mlx-mtp convert``), never downloaded here.
     ``mlx_mtp.load`` (``default_model.load``) loads the default model when
     no path is given.
@@ -460,6 +479,7 @@ def load(
         shard=shard,
         model_config=model_config,
         adapter_path=adapter_path,
+        draft=draft,
     )
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise MTPError(

@@ -42,8 +42,9 @@ class DraftSettings:
             raise MTPError(f"draft_p_min must lie in [0, 1], not {self.p_min}")
 
     def head_drafts(self, model) -> int:
-        """The most head drafts a round of this request may take on ``model``."""
-        if not self.mtp or model.head is None:
+        """The most drafts a round of this request may take from ``model``'s
+        drafters (its MTP head's recommended count unless ``draft_max``)."""
+        if not self.mtp or not model.drafters:
             return 0
         draft_max = self.draft_max
         return default_draft_max(model) if draft_max is None else draft_max

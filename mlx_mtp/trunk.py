@@ -1,12 +1,18 @@
-"""The main model ("trunk"): mlx-lm's own model class, with its hidden state tapped.
+"""The main model ("trunk"): mlx-lm's own model class, with its hidden states tapped.
 
-The MTP head reads the trunk's last hidden state. mlx-lm models return only
-logits, so we tap the final norm of the backbone: the tap records its output
-(post-norm, the default) or its input (pre-norm) on every forward. The norm
-keeps its parameter path, so the trunk's weights load and save unchanged.
+Drafters read the trunk's hidden states. mlx-lm models return only logits,
+so we tap modules of the backbone, one mechanism for every family mlx-lm
+loads: the final norm (its output, post-norm, the default; or its input,
+pre-norm), which the MTP heads read, and the decoder layers a drafter asks
+for (``tap_layers``: each records its output, the hidden state it hands the
+next layer), which block drafters and EAGLE-style heads read. A tap swaps the
+module's class for a subclass that records and returns what the original
+returns; the module keeps its parameter path, so the trunk's weights load and
+save unchanged.
 """
 
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,6 +97,33 @@ def _install_tap(norm: nn.Module, tap: _Tap) -> None:
     norm.__class__ = Tapped
 
 
+@dataclass
+class Taps:
+    """What one trunk forward left for drafters: the final hidden state and
+    the outputs of the tapped layers (``[B, T, D]`` each)."""
+
+    hidden: mx.array
+    layers: Dict[int, mx.array] = field(default_factory=dict)
+
+
+def _install_layer_tap(layer: nn.Module, i: int, taken: Dict[int, mx.array]) -> None:
+    """Record ``layer``'s output (the first array of a tuple) in ``taken[i]``."""
+    base = type(layer)
+    if getattr(base, "_mtp_layer_tap", False):
+        base = base.__mro__[1]
+
+    class TappedLayer(base):
+        _mtp_layer_tap = True
+
+        def __call__(self, *args, **kwargs):
+            out = base.__call__(self, *args, **kwargs)
+            taken[i] = out[0] if isinstance(out, (tuple, list)) else out
+            return out
+
+    TappedLayer.__name__ = base.__name__
+    layer.__class__ = TappedLayer
+
+
 class Trunk:
     """Runs the main model and returns logits together with the tapped hidden state."""
 
@@ -99,6 +132,24 @@ class Trunk:
         self.backbone = find_backbone(model)
         self._tap = _Tap(hidden_tap)
         _install_tap(final_norm(self.backbone), self._tap)
+        self.tapped: Tuple[int, ...] = ()  # decoder layers whose outputs are kept
+        self._taken: Dict[int, mx.array] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.backbone.layers)
+
+    def tap_layers(self, ids) -> None:
+        """Keep the outputs of decoder layers ``ids`` (0-based) on every
+        forward (``forward`` returns them); layers tapped before stay tapped."""
+        for i in ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"layer {i} is past the trunk's {self.num_layers} layers"
+                )
+            if i not in self.tapped:
+                _install_layer_tap(self.backbone.layers[i], i, self._taken)
+        self.tapped = tuple(sorted(set(self.tapped) | set(ids)))
 
     @property
     def hidden_tap(self) -> str:
@@ -120,6 +171,14 @@ class Trunk:
     def __call__(
         self, tokens: mx.array, cache: List[Any], **kwargs
     ) -> Tuple[mx.array, mx.array]:
+        """The logits and the tapped final hidden state over ``tokens``."""
+        logits, taps = self.forward(tokens, cache, **kwargs)
+        return logits, taps.hidden
+
+    def forward(self, tokens: mx.array, cache: List[Any], **kwargs):
+        """The logits and every tap (``drafter.Taps``: the final hidden state,
+        the tapped layers' outputs) over ``tokens``."""
         logits = self.model(tokens, cache=cache, **kwargs)
         hidden, self._tap.value = self._tap.value, None
-        return logits, hidden
+        layers = {i: self._taken.pop(i) for i in self.tapped if i in self._taken}
+        return logits, Taps(hidden, layers)

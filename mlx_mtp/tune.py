@@ -10,8 +10,9 @@ run each measurement once in turn (so drift on a busy machine hits all alike):
   caches keep them);
 - ``c_draft(k)``, ``k = 1..K``: the head's ``k`` drafts (depth 1 with its
   catch-up over two positions, then the chained depths);
-- ``round(k)``, ``k = 0..K``: a whole round as the loop runs it (the drafts,
-  the verify pass and its one host sync);
+- ``round(k)``, ``k = 0..K``: a whole round, the loop's own
+  (``Decoder.step``: the drafts, the verify pass and its one host sync, the
+  rollback);
 - the per-depth acceptance on the shipped prompts (code, prose, chat), drafting
   ``K`` each round;
 - for a head without a draft vocabulary: the acceptance and draft cost with
@@ -30,18 +31,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import rounds
 from .adaptive import Costs, FixedDraft, speedups
-from .cache import MTPCache, start_verify
+from .cache import start_verify
 from .config import cached_identity, machine
+from .decoder import Decoder
 from .defaults import DEFAULT_PREFILL_STEP, DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
+from .drafts import ModelDrafts
 from .errors import MTPError
 from .loader import MTPModel
 from .prompts import encoded_prompts, load_prompts
-from .rounds import OneStream, Stream
 from .sampling import make_verifier
-from .speculative import prefill, speculative_generate_step
+from .speculative import read_prompt, speculative_generate_step
 from .stats import MTPStats
+from .stream import open_stream
 
 PLAIN_STEPS = 8  # plain steps per timing of the plain step
 # Candidate draft vocabularies for a head that has none: the most frequent
@@ -59,29 +61,52 @@ MIN_STORED_REPEATS = 3
 
 
 class _State:
-    """A cache position to time from (``y`` next, after ``history``), and its
-    snapshot: every timed part starts there."""
+    """A warm cache position to time from: a stream after ``context`` (its
+    prompt read, one plain round run, so the head's next draft catches up
+    over two positions, as after a round that kept one token), the decoding
+    loop it runs in, and the snapshot every timed part starts from
+    (``restore``, before each part, untimed)."""
 
-    def __init__(self, model: MTPModel, cache: MTPCache, y: int, history: List[int]):
-        self.model, self.cache, self.y, self.history = model, cache, y, history
-        self.snapshot = cache.snapshot()
+    def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
+        self.model, self.drafter = model, model.drafters[0]
+        self.stream = open_stream(
+            model,
+            context[:-1],
+            verifier=make_verifier(),  # greedy
+            source=ModelDrafts(FixedDraft(0, draft_max=k_max), self.drafter.name),
+            max_tokens=1 << 30,
+        )
+        self.decoder = Decoder(model, merge=False)
+        self.decoder.add([self.stream])
+        read_prompt(self.decoder, self.stream, 0, DEFAULT_PREFILL_STEP, progress)
+        self.decoder.step()
+        self.decoder.remove([self.stream])  # (a plain round run ahead goes back)
+        self.cache = self.stream.cache
+        self.history = list(self.stream.history)
+        self.snapshot = self.cache.snapshot()
         if self.snapshot is None:
             raise MTPError("this model's caches cannot be brought back: cannot time")
+        self.restore()
 
-    def restore(self) -> None:
+    @property
+    def y(self) -> int:
+        return self.history[-1]
+
+    def restore(self, source=None) -> None:
+        """Back to the snapshot, in a new loop; the stream drafts from
+        ``source`` next (None: as it did)."""
+        self.decoder.remove([self.stream])
         self.cache.restore(self.snapshot)
+        s = self.stream
+        s.history, s.generated, s.done = list(self.history), 0, False
+        s.max_tokens = 1 << 30
+        s.source = source if source is not None else s.source
+        self.decoder = Decoder(self.model, merge=False)
+        self.decoder.add([s])
 
 
-def _warm_state(model: MTPModel, context: List[int], progress=None) -> _State:
-    """The caches after ``context``, with two positions waiting for the head."""
-    cache = model.make_cache()
-    prefill(model, cache, context[:-1], DEFAULT_PREFILL_STEP, True, progress)
-    # one plain step: the head's next draft catches up over two positions
-    y = context[-2]
-    logits, hidden = model.trunk(mx.array([[y]]), cache.trunk)
-    cache.pending[0].push(hidden, [y])
-    mx.eval(hidden, [c.state for c in cache.state_list()])
-    return _State(model, cache, context[-1], list(context))
+def _warm_state(model: MTPModel, context: List[int], k_max: int, progress=None):
+    return _State(model, context, k_max, progress)
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -95,50 +120,38 @@ def _time(fn: Callable[[], Any], clock: str = "wall") -> float:
 
 
 def _verify(state: _State, t: int) -> None:
-    model, cache = state.model, state.cache
+    """The trunk's forward over ``t`` tokens, as a verify pass runs it."""
+    trunk = state.cache.trunk
     tokens = [state.y] + state.history[-t:-1] if t > 1 else [state.y]
     if t > 1:
-        start_verify(cache.trunk)
-    logits, hidden = model.trunk(mx.array(tokens)[None], cache.trunk)
+        start_verify(trunk)
+    logits, hidden = state.model.trunk(mx.array(tokens)[None], trunk)
     mx.eval(mx.argmax(logits, axis=-1), hidden)
-    state.restore()
-
-
-def _drafts(state: _State, k: int):
-    one = [Stream(list(state.history), state.cache, make_verifier(), k + 1)]
-    caches = OneStream(state.model, state.cache)
-    drafts, _ = rounds.draft(state.model, caches, one, [k])  # greedy
-    return caches, one, drafts
 
 
 def _draft(state: _State, k: int) -> None:
-    _, _, drafts = _drafts(state, k)
+    """The drafter's proposal of ``k`` drafts (its catch-up included)."""
+    drafts, _ = state.drafter.propose(state.decoder, [state.stream], [k], 0.0)
     mx.eval([d.token for d in drafts[0]])
-    state.restore()
 
 
-def _round(state: _State, k: int) -> None:
-    """A round as the loop runs it: drafts, then the verify pass and its sync."""
-    caches, one, drafts = _drafts(state, k)
-    rounds.verify(state.model, caches, one, drafts)
-    state.restore()
+def _round_source(state: _State, k: int):
+    return ModelDrafts(FixedDraft(k), state.drafter.name)
+
+
+def _round(state: _State) -> None:
+    """A round as the loop runs it (``Decoder.step``), its drafts planned by
+    the stream's source (``_round_source``): the drafts, the verify pass and
+    its one host sync, the rollback."""
+    state.decoder.step()
 
 
 def _plain_steps(state: _State, n: int) -> None:
-    """``n`` plain steps, each started before the previous token is read."""
-    model, cache = state.model, state.cache
-    token = mx.array([state.y])
-    logits, _ = model.trunk(token[None], cache.trunk)
-    token = mx.argmax(logits[0, -1:], axis=-1)
-    mx.async_eval(token)
-    for _ in range(n - 1):
-        logits, _ = model.trunk(token.reshape(1, 1), cache.trunk)
-        nxt = mx.argmax(logits[0, -1:], axis=-1)
-        mx.async_eval(nxt)
-        token.item()
-        token = nxt
-    token.item()
-    state.restore()
+    """``n`` rounds without drafts through the loop, each started before the
+    previous token is read (the stream ends with the last: none runs on)."""
+    state.stream.max_tokens = n
+    for _ in range(n):
+        state.decoder.step()
 
 
 class CostTimer:
@@ -150,25 +163,31 @@ class CostTimer:
     """
 
     def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
-        self.state = state = _warm_state(model, context, progress)
-        self.jobs = [("plain", 0, lambda: _plain_steps(state, PLAIN_STEPS))]
+        self.state = state = _warm_state(model, context, k_max, progress)
+        plain = ModelDrafts(FixedDraft(0))
+        self.jobs = [("plain", 0, plain, lambda: _plain_steps(state, PLAIN_STEPS))]
         self.jobs += [
-            ("verify", t, lambda t=t: _verify(state, t)) for t in range(1, k_max + 2)
+            ("verify", t, None, lambda t=t: _verify(state, t))
+            for t in range(1, k_max + 2)
         ]
         self.jobs += [
-            ("draft", k, lambda k=k: _draft(state, k)) for k in range(1, k_max + 1)
+            ("draft", k, None, lambda k=k: _draft(state, k))
+            for k in range(1, k_max + 1)
         ]
         self.jobs += [
-            ("round", k, lambda k=k: _round(state, k)) for k in range(1, k_max + 1)
+            ("round", k, _round_source(state, k), lambda: _round(state))
+            for k in range(1, k_max + 1)
         ]
         self.k_max = k_max
-        self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _ in self.jobs}
-        for _, _, fn in self.jobs:  # warm up
+        self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _, _ in self.jobs}
+        for _, _, source, fn in self.jobs:  # warm up
+            state.restore(source)
             fn()
 
     def run_once(self, rep: int = 0) -> None:
         shift = rep % len(self.jobs)
-        for name, i, fn in self.jobs[shift:] + self.jobs[:shift]:
+        for name, i, source, fn in self.jobs[shift:] + self.jobs[:shift]:
+            self.state.restore(source)  # (not timed)
             cpu = time.process_time()
             wall = _time(fn)
             self.times[name, i].append((wall, time.process_time() - cpu))
@@ -308,8 +327,10 @@ def draft_vocab_trial(
             shift = rep % len(trials)
             for i in list(range(shift, len(trials))) + list(range(shift)):
                 model.head.set_draft_vocab(trials[i]["vocab"])
+                state.restore()
                 _draft(state, 1)  # gathers the rows: not timed
                 for k in range(1, k_max + 1):
+                    state.restore()
                     times[i][k].append(_time(lambda k=k: _draft(state, k), clock))
     finally:
         model.head.set_draft_vocab(None)

@@ -259,6 +259,24 @@ def test_batch_generate_returns_what_mlx_lm_returns(pair):
     assert kept.offset == len(history) - 1  # not changed
 
 
+def test_batch_generate_verbose_prints_the_batchs_own_speeds(pair, capsys):
+    """One summary over the batch's time: the stats line's speeds are the
+    batch's (not each stream's share of every round, summed)."""
+    import re
+
+    model, tokenizer, _ = pair
+    out = mlx_mtp.batch_generate(
+        model, tokenizer, _prompts(tokenizer)[:4], max_tokens=12, verbose=True
+    )
+    printed = capsys.readouterr().out
+    line = re.search(r"generation: (\d+) tokens, ([\d.]+) tok/s", printed)
+    assert int(line.group(1)) == out.stats.generation_tokens
+    assert float(line.group(2)) == pytest.approx(out.stats.generation_tps, abs=0.11)
+    rounds = re.search(r"Rounds: (\d+) batched, (\d+) of single streams", printed)
+    assert int(rounds.group(1)) == out.stats.generation_steps
+    assert int(rounds.group(2)) == sum(s.rounds for s in out.mtp_stats)
+
+
 def test_generate_prompts_file_writes_one_answer_per_line(
     pair, folders, tmp_path, capsys
 ):

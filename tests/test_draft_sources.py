@@ -12,7 +12,7 @@ from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.decoder import Decoder
 from mlx_mtp.drafts import (
     AutoDrafts,
-    HeadDrafts,
+    ModelDrafts,
     LookupDrafts,
     NoDrafts,
     Plan,
@@ -20,7 +20,7 @@ from mlx_mtp.drafts import (
 )
 from mlx_mtp.errors import MTPError
 from mlx_mtp.request import DraftSettings, GenerationRequest
-from mlx_mtp.rounds import Stream
+from mlx_mtp.stream import Stream
 from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.speculative import prefill, speculative_generate_step
 
@@ -72,14 +72,14 @@ def test_a_new_source_drives_the_batched_rounds(tiny_folders):
     full, trunk = tiny_folders("deepseek_v3")
     model, reference = mlx_mtp.load_model(full), mlx_lm_load_model(trunk)[0]
     prompts = [PROMPT, tiny.random_prompt(7, seed=1)]
-    decoder = Decoder(model, adaptive=False)
+    decoder = Decoder(model)
     streams = []
     for i, prompt in enumerate(prompts):
         cache = model.make_cache()
         prefill(model, cache, prompt, 64, True)
         s = Stream(list(prompt), cache, ExactMatchVerifier(), 12)
         # one stream asks the toy source, the other the head
-        s.source = RepeatLast(1) if i == 0 else HeadDrafts(FixedDraft(2))
+        s.source = RepeatLast(1) if i == 0 else ModelDrafts(FixedDraft(2))
         streams.append(s)
     decoder.add(streams)
     out = {0: [], 1: []}
@@ -94,7 +94,7 @@ def test_a_new_source_drives_the_batched_rounds(tiny_folders):
 
 def test_names_become_sources_in_one_place(tiny_folders):
     model = mlx_mtp.load_model(tiny_folders("deepseek_v3")[0])
-    assert isinstance(make_source(model, "mtp", 2), HeadDrafts)
+    assert isinstance(make_source(model, "mtp", 2), ModelDrafts)
     assert isinstance(make_source(model, "auto", 2), AutoDrafts)
     assert isinstance(make_source(model, "ngram", 2), LookupDrafts)
     assert isinstance(make_source(model, "mtp", 0), NoDrafts)

@@ -204,12 +204,10 @@ def test_a_draft_step_matches_the_reference(folders):
 
 
 def test_the_head_cache_counts_positions_and_copies_to_its_own_trunk(folders):
-    from mlx_mtp.serve.prompt_cache import copy_cache
-
     model = mlx_mtp.load_model(folders["target"], mtp=folders["random"])
     cache = model.make_cache()
     assert cache.head[0].trunk is cache.trunk
-    copy = copy_cache(cache)
+    copy = cache.copy()
     assert copy.head[0].trunk is copy.trunk and copy.head[0].trunk is not cache.trunk
     shared = SharedKV(5)
     assert shared.trim(2) == 2 and shared.offset == 3 and shared.is_trimmable()

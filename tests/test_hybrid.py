@@ -62,8 +62,12 @@ class CountingTrunk:
         self.trunk, self.calls = trunk, 0
 
     def __call__(self, tokens, cache):
+        logits, taps = self.forward(tokens, cache)
+        return logits, taps.hidden
+
+    def forward(self, tokens, cache):
         self.calls += 1
-        return self.trunk(tokens, cache)
+        return self.trunk.forward(tokens, cache)
 
     def __getattr__(self, name):
         return getattr(self.trunk, name)

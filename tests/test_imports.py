@@ -125,3 +125,35 @@ def test_imports_inside_functions_only_where_laziness_pays():
         }
     )
     assert lazy == []
+
+
+def test_only_the_server_and_the_cli_import_the_server():
+    """The library (the scheduler, the prompt cache, ``copy``) sits below
+    ``serve/``, which uses it; only the command line starts a server."""
+    upward = sorted(
+        (m, t)
+        for m in MODULES
+        if not m.startswith(("mlx_mtp.serve", "mlx_mtp.cli"))
+        and m not in ("mlx_mtp", "mlx_mtp.__main__")
+        for t, _, _ in imports(m)
+        if t.startswith("mlx_mtp.serve")
+    )
+    assert upward == []
+
+
+def test_one_module_drives_the_round_and_one_builds_streams():
+    """The decoding loop (``decoder.Decoder``) is the one module that runs a
+    round's steps (``rounds``: draft, verify, settle), for one stream and a
+    batch, ``tune``'s timings included; ``stream.open_stream`` is the one
+    place a stream is made."""
+    users = {m for m in MODULES for t, _, _ in imports(m) if t == "mlx_mtp.rounds"}
+    assert users == {"mlx_mtp.decoder"}
+    built = set()
+    for m, (tree, _) in MODULES.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "Stream"
+            ):
+                built.add(m)
+    assert built == {"mlx_mtp.stream"}

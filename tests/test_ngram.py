@@ -15,7 +15,7 @@ from test_sampling import first_two_tokens, seeded_first_two
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
-from mlx_mtp.drafts import AutoDrafts, HeadDrafts, LookupDrafts
+from mlx_mtp.drafts import AutoDrafts, ModelDrafts, LookupDrafts
 from mlx_mtp.ngram import MATCH_CAP, MATCH_PRIORS, NgramIndex, PromptLookup
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
@@ -127,7 +127,7 @@ def run(model, prompt, max_tokens, policy, mode="ngram", stop=(), config=None):
     stats = MTPStats()
     lookup = PromptLookup(prior_costs(), prior=[0.9])
     source = (
-        AutoDrafts(HeadDrafts(policy), lookup) if mode == "auto" else LookupDrafts(lookup)
+        AutoDrafts([ModelDrafts(policy)], lookup) if mode == "auto" else LookupDrafts(lookup)
     )
     verifier = make_verifier(config) if config is not None else None
     steps = speculative_generate_step(

@@ -24,18 +24,26 @@ from test_multilayer import build_multilayer
 import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.generate import stream_generate
-from mlx_mtp.rounds import OneStream, catch_up
-from mlx_mtp.rounds import Stream as OneStreamState
 from mlx_mtp.sampling import ExactMatchVerifier
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.decoder import Decoder as BatchDecoder
-from mlx_mtp.drafts import HeadDrafts
-from mlx_mtp.rounds import Stream
+from mlx_mtp.drafts import ModelDrafts
+from mlx_mtp.stream import Stream
 from mlx_mtp.batch_policy import BatchDraftLength, expected_tokens
 from mlx_mtp.speculative import prefill, speculative_generate_step
 
 PREFILL = 16
 CLIENTS = 8
+
+
+def _catch_up(model, cache):
+    """Every drafter of ``cache`` reads what it has pending."""
+    s = Stream([], cache, None, 0)
+    one = BatchDecoder(model, merge=False)
+    one.add([s])
+    for d in model.drafters:
+        d.catch_up(one, [s])
+    one.remove([s])
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +210,7 @@ def _stream(model, prompt, max_tokens, draft_max):
         verifier=ExactMatchVerifier(),
         max_tokens=max_tokens,
     )
-    stream.source = HeadDrafts(FixedDraft(draft_max))
+    stream.source = ModelDrafts(FixedDraft(draft_max))
     return stream
 
 
@@ -237,7 +245,7 @@ def test_streams_join_and_leave_between_rounds(folders, family):
     ]
     limits = [40, 25, 40, 33, 40, 20, 40, 36]
     drafts = [3, 3, 2, 3, 1, 3, 2, 5]
-    decoder = BatchDecoder(model, adaptive=False)
+    decoder = BatchDecoder(model)
     first = [_stream(model, p, n, k) for p, n, k in zip(prompts, limits, drafts)][:5]
     late = [_stream(model, p, n, k) for p, n, k in zip(prompts, limits, drafts)][5:]
     decoder.add(first)
@@ -270,8 +278,7 @@ def test_streams_join_and_leave_between_rounds(folders, family):
         # the caches it leaves with are the single-stream loop's (the head
         # layers once both have read what they have pending)
         for c in (alone, s.cache):
-            one = [OneStreamState([], c, None, 0)]
-            catch_up(model, OneStream(model, c), one)
+            _catch_up(model, c)
         _assert_same_caches(alone, s.cache)
         assert alone.start == s.cache.start
 
@@ -306,7 +313,7 @@ def test_prompts_of_different_lengths_are_read_together(folders, family):
         alone = model.make_cache()
         prefill(model, alone, p, 512, True)
         for c in (alone, s.cache):
-            catch_up(model, OneStream(model, c), [OneStreamState([], c, None, 0)])
+            _catch_up(model, c)
         _assert_same_caches(alone, s.cache)
 
 
@@ -324,7 +331,7 @@ def test_ragged_prompt_chunks_pad_no_more_than_they_read(folders):
 def test_a_one_token_prompt_drafts_from_position_zero(folders):
     """The head reads position 0 inside a batch (per-stream position-0 zeroing)."""
     model = mlx_mtp.load_model(folders("deepseek_v3"))
-    decoder = BatchDecoder(model, adaptive=False)
+    decoder = BatchDecoder(model)
     streams = [_stream(model, [7], 12, 3), _stream(model, tiny.random_prompt(9), 12, 3)]
     decoder.add(streams)
     got = {0: [], 1: []}
@@ -355,7 +362,7 @@ def _plain_stream(model, prompt, max_tokens, verifier=None, stop=()):
         max_tokens=max_tokens,
         stop_tokens=set(stop),
     )
-    stream.source = HeadDrafts(FixedDraft(0))
+    stream.source = ModelDrafts(FixedDraft(0))
     return stream
 
 
@@ -394,7 +401,7 @@ def test_rounds_without_drafts_run_one_ahead_and_keep_every_token(folders, famil
     stop = first[at]
     streams = [_plain_stream(model, p, n, stop=[stop] if i == 0 else ())
                for i, (p, n) in enumerate(zip(prompts, limits))]  # fmt: skip
-    out, ahead = _decode(BatchDecoder(model, adaptive=False), streams[:3], streams[3:])
+    out, ahead = _decode(BatchDecoder(model), streams[:3], streams[3:])
     assert (ahead > 0) == (family == "deepseek_v3")
     for i, s in enumerate(streams):
         cache = model.make_cache()
@@ -425,7 +432,7 @@ def test_a_cache_left_one_ahead_resumes_as_if_never_left(folders):
     whole = [t for t, _ in speculative_generate_step(
         prompt, model, max_tokens=24, drafts=FixedDraft(0))]  # fmt: skip
     s = _plain_stream(model, prompt, 10)
-    decoder = BatchDecoder(model, adaptive=False)
+    decoder = BatchDecoder(model)
     out, ahead = _decode(decoder, [s, _plain_stream(model, [5, 6, 7], 30)], [])
     assert ahead and out[id(s)] == whole[:10]
     rest = [t for t, _ in speculative_generate_step(
@@ -437,7 +444,7 @@ def test_a_cache_left_one_ahead_resumes_as_if_never_left(folders):
 def test_sampled_rounds_one_ahead_equal_rounds_in_step(folders, monkeypatch):
     """Sampling (seeded, penalties that read the lazy token) and
     log-probabilities are the same whether a round starts one ahead or not."""
-    from mlx_mtp.rounds import Logprobs
+    from mlx_mtp.stream import Logprobs
     from mlx_mtp.sampling import SamplingConfig, SamplingVerifier
 
     model = mlx_mtp.load_model(folders("deepseek_v3"))
@@ -451,7 +458,7 @@ def test_sampled_rounds_one_ahead_equal_rounds_in_step(folders, monkeypatch):
             )
             s.logprobs = Logprobs(top=2)
             streams.append(s)
-        out, ahead = _decode(BatchDecoder(model, adaptive=False), streams, [])
+        out, ahead = _decode(BatchDecoder(model), streams, [])
         return [(out[id(s)], s.logprobs.entries) for s in streams], ahead
 
     got, ahead = run()
@@ -600,9 +607,9 @@ def test_streams_that_take_no_head_drafts_leave_the_head_alone(folders, family):
     for p, k in zip(prompts, drafts):
         s = Stream(history=list(p), cache=model.make_cache(),
                    verifier=ExactMatchVerifier(), max_tokens=20)  # fmt: skip
-        s.source = HeadDrafts(FixedDraft(k))
+        s.source = ModelDrafts(FixedDraft(k))
         streams.append(s)
-    reader, decoder = BatchDecoder(model), BatchDecoder(model, adaptive=False)
+    reader, decoder = BatchDecoder(model), BatchDecoder(model)
     reader.add(streams)
     read = [0] * len(prompts)
     while reader.streams:

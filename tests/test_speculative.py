@@ -212,4 +212,4 @@ def test_snapshot_brings_trunk_and_head_back(tiny_folders, family):
                                 drafts=FixedDraft(2))]  # fmt: skip
     assert redo == again
     trunk = cache.snapshot(trunk_only=True)
-    assert trunk.pending is None and len(trunk.marks) == len(cache.trunk)
+    assert trunk.drafts is None and len(trunk.marks) == len(cache.trunk)

@@ -39,9 +39,9 @@ from starlette.responses import JSONResponse
 
 from ..distributed import PeerLost, gather
 from ..errors import MTPError
+from ..prompt_cache import PromptCache
 from .app import run
-from .engine import Engine, Event, Request
-from .prompt_cache import PromptCache
+from .engine import Engine, EngineJob, Event, Request
 from .ranks import Liveness, exit_soon
 from .service import Service, engine_request
 
@@ -317,9 +317,9 @@ class ClusterEngine(Engine):
     def _run(self) -> None:
         try:
             while True:
-                self._take(block=not self._busy())
+                self._take(block=not self.busy())
                 tic = time.perf_counter()
-                stop = self._stopping and not self._busy()
+                stop = self._stopping and not self.busy()
                 idle = self.idle  # as the last turn left it
                 plan, data = self._plan_turn(stop)
                 if idle:  # the others wait on their line to rank 0
@@ -357,26 +357,27 @@ class ClusterEngine(Engine):
             return plan, pickle.dumps(plan)
 
     def _admit_here(self, plan: Plan) -> None:
-        active = list(self.reading.values()) + list(self.jobs.values())
-        requests = self.waiting + [j.request for j in active]
+        active = list(self.waiting) + list(self.reading.values())
+        requests = [j.request for j in active + list(self.jobs.values())]
         gone = {id(r) for r in requests if r.cancelled}
         plan.cancel = [self.ids[i] for i in gone if i in self.ids]
         self._drop_cancelled(lambda r: id(r) in gone)
         for key in gone:
             self.live.pop(key, None)
-        for request in self.waiting[: max(0, self._room())]:
+        for job in list(self.waiting)[: max(0, self.room())]:
+            request = job.request
             self.ids[id(request)] = self.next_id
             plan.joins.append((self.next_id, request.prompt, _wire(request.params)))
             self.next_id += 1
         self.prompt_cache.counts = []
-        self._start_waiting()
+        self.admit()
         plan.fetches = self.prompt_cache.counts
         plan.entries = len(self.prompt_cache)
 
     def _draft_length(self) -> int:
         """The draft length rank 0's policy picks for this turn's round: the
         batch it will decode is the one decoding now plus the prompts whose
-        last chunk is read this turn (as ``_read_prompts`` reads them)."""
+        last chunk is read this turn (as ``read`` reads them)."""
         policy = self.decoder.policy
         if policy is None or policy.inner is None:
             return 0
@@ -401,7 +402,7 @@ class ClusterEngine(Engine):
             self.decoder.policy.k = plan.k
         try:
             if self.reading:
-                self._read_prompts()
+                self.read()
             if self.jobs:
                 self._round()
                 self.stats.rounds += 1
@@ -475,9 +476,9 @@ class ClusterEngine(Engine):
         for number, prompt, params in plan.joins:
             request = build(prompt, params)
             self.ids[id(request)] = number
-            self.waiting.append(request)
+            self.waiting.append(EngineJob(request, self.tokenizer))
         self.prompt_cache.counts = list(plan.fetches)
-        self._start_waiting()
+        self.admit()
         self.prompt_cache.keep(plan.entries)
 
     # -- a lost rank ------------------------------------------------------------------

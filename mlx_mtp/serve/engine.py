@@ -1,19 +1,17 @@
 """The serving engine: one thread that owns the model and runs every request.
 
-Each turn of its loop
+It is the library's scheduler (``mlx_mtp.scheduler``, which ``batch_generate``
+runs too) in a thread. Each turn of its loop
 
 1) takes new requests, and drops cancelled ones (their state is freed);
 2) starts waiting requests while the batch has room: each gets the prompt
    cache's best entry for its prompt;
-3) reads one chunk of the started prompts, together, in one forward
-   (``Decoder.chunks``: ragged chunks right-padded where the caches are
-   attention, one length where a recurrent state is read), so a long prompt
-   does not stall the streams already decoding;
-   a stream whose prompt is read joins the decoding batch;
-4) runs one speculative round of the whole batch (``mlx_mtp.decoder``) and turns
-   each stream's tokens into text: end-of-sequence tokens, ``max_tokens`` and
-   stop strings finish a stream, which leaves the batch and leaves its cache
-   to the prompt cache.
+3) reads one chunk of the started prompts, together, in one forward; a
+   stream whose prompt is read joins the decoding batch;
+4) runs one speculative round of the whole batch and turns each stream's
+   tokens into text: end-of-sequence tokens, ``max_tokens`` and stop strings
+   finish a stream, which leaves the batch and leaves its cache to the
+   prompt cache.
 
 Models whose caches have no batch form here are served one stream at a time,
 through the same decoder (a batch of one).
@@ -32,13 +30,14 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
-from ..decoder import Decoder
+from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
-from ..rounds import Logprobs, Stream
+from ..scheduler import Job, Scheduler
 from ..stats import MTPStats
+from ..stream import open_stream
 from . import ServeConfig
-from .prompt_cache import PromptCache, copy_cache
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
@@ -132,15 +131,13 @@ class _Text:
         return held
 
 
-class _Job:
+class EngineJob(Job):
     """A started request: its stream, its text, and what is left to read."""
 
     def __init__(self, request: Request, tokenizer):
+        super().__init__(request.prompt)
         self.request = request
         self.text = _Text(tokenizer, request.params.stop)
-        self.stream: Optional[Stream] = None
-        self.read = 0  # prompt tokens the stream's caches hold
-        self.reused = 0
         self.logprobs_sent = 0
 
     def logprobs(self) -> list:
@@ -173,25 +170,28 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPSta
     }
 
 
-class Engine:
+class Engine(Scheduler):
     """Runs requests on ``model`` in a thread of its own (``start``/``stop``)."""
 
     def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
-        self.model, self.tokenizer = model, tokenizer
         self.config = config = config or ServeConfig()
-        self.decoder = Decoder(model, adaptive=config.adaptive_draft)
-        self.reader = Decoder(model)  # streams whose prompts are being read
-        self.batched = self.decoder.batched
+        super().__init__(
+            model,
+            self._policy(),
+            max_batch=config.max_batch,
+            prefill_step=config.prefill_step,
+        )
+        self.tokenizer = tokenizer
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
         self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
-        self.waiting: List[Request] = []
-        self.reading: Dict[int, _Job] = {}  # prompts being read, by id of their stream
-        self.jobs: Dict[int, _Job] = {}  # decoding, by id of their stream
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
+
+    def _policy(self) -> Optional[BatchDraftLength]:
+        return BatchDraftLength() if self.config.adaptive_draft else None
 
     # -- the HTTP side ---------------------------------------------------------
 
@@ -212,10 +212,11 @@ class Engine:
 
         with self.inbox.mutex:  # the inbox also holds the loop's wake-ups (None)
             sent = [r for r in self.inbox.queue if r is not None]
+        waiting = [j.request for j in list(self.waiting)] + sent
         return {
             "decoding": live(self.jobs.values()),
             "reading": live(self.reading.values()),
-            "waiting": sum(not r.cancelled for r in list(self.waiting) + sent),
+            "waiting": sum(not r.cancelled for r in waiting),
             "peak_batch": self.decoder.peak if self.batched else 1,
         }
 
@@ -223,7 +224,7 @@ class Engine:
         """How this engine runs (for ``/health``)."""
         c = self.config
         return {
-            "mtp": self.model.head is not None and c.mtp,
+            "mtp": bool(self.model.drafters) and c.mtp,
             "batched": self.batched,
             "max_batch": c.max_batch if self.batched else 1,
             "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
@@ -264,20 +265,17 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------
 
-    def _busy(self) -> bool:
-        return bool(self.waiting or self.reading or self.jobs)
-
     def _run(self) -> None:
-        while not (self._stopping and not self._busy()):
+        while not (self._stopping and not self.busy()):
             # 1) new requests; cancelled ones go
-            self._take(block=not self._busy())
+            self._take(block=not self.busy())
             self._drop_cancelled()
             try:
                 # 2) start requests while there is room
-                self._start_waiting()
+                self.admit()
                 # 3) one chunk of the prompts being read
                 if self.reading:
-                    self._read_prompts()
+                    self.read()
                 # 4) one round
                 if self.jobs:
                     self._round()
@@ -301,7 +299,7 @@ class Engine:
             gather = block and item is not None
             while True:
                 if item is not None:
-                    self.waiting.append(item)
+                    self.waiting.append(EngineJob(item, self.tokenizer))
                 if gather:
                     item = self.inbox.get(timeout=GATHER)
                 else:
@@ -313,89 +311,45 @@ class Engine:
         """Drop the requests ``cancelled(request)`` names (default: those whose
         client went away; over processes, those rank 0 named for this turn)."""
         cancelled = cancelled or (lambda r: r.cancelled)
-        self.waiting = [r for r in self.waiting if not cancelled(r)]
-        gone = [j for j in self.reading.values() if cancelled(j.request)]
-        if gone:
-            self.reader.remove([j.stream for j in gone], extract=False)
-            for j in gone:
-                del self.reading[id(j.stream)]
-        gone = [j for j in self.jobs.values() if cancelled(j.request)]
-        if gone:
-            self._leave(gone)
-
-    def _room(self) -> int:
-        active = len(self.reading) + len(self.jobs)
-        limit = self.config.max_batch if self.batched else 1
-        return limit - active
-
-    def _start_waiting(self) -> None:
-        while self.waiting and self._room() > 0:
-            request = self.waiting.pop(0)
-            job = _Job(request, self.tokenizer)
-            cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
-            job.reused = job.read
-            job.stream = self._stream(request, cache)
-            job.stream.stats.prompt_tokens = len(request.prompt) - job.read
-            if job.read < len(request.prompt) - 1:
-                self.reader.add([job.stream])
-                self.reading[id(job.stream)] = job
-            else:  # all but the last token came from the prompt cache
-                self._join([job])
-
-    def _stream(self, request: Request, cache) -> Stream:
-        """A request's stream: its verifier and draft source, on ``cache``."""
-        params = request.params
-        stream = Stream(
-            history=list(request.prompt),
-            cache=cache,
-            verifier=params.verifier(),
-            max_tokens=params.max_tokens,
-            stop_tokens=set(self.text_eos()),
+        self.waiting = type(self.waiting)(
+            j for j in self.waiting if not cancelled(j.request)
         )
-        stream.source = params.drafts.make(self.model, batched=True)
-        stream.stats.draft_max = stream.source.draft_max
-        if params.logprobs is not None:
-            stream.logprobs = Logprobs(params.logprobs)
-        return stream
+        started = list(self.reading.values()) + list(self.jobs.values())
+        gone = [j for j in started if cancelled(j.request)]
+        if gone:
+            self.drop(gone)
+
+    def prepare(self, job: EngineJob) -> None:
+        """A starting request's stream, on the prompt cache's best entry."""
+        request = job.request
+        cache, job.read = self.prompt_cache.fetch(self.model, request.prompt)
+        job.reused = job.read
+        job.stream = open_stream(
+            self.model,
+            request.prompt,
+            request=request.params,
+            cache=cache,
+            stop_tokens=self.text_eos(),
+            batched=True,
+        )
+        job.stream.stats.prompt_tokens = len(request.prompt) - job.read
 
     def text_eos(self):
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
 
-    def _read_prompts(self) -> None:
-        """Every prompt being read takes its next chunk, in one forward."""
-        jobs = [self.reading[id(s)] for s in self.reader.streams]
-        takes, seconds, read = self.reader.read_chunk(
-            [j.request.prompt for j in jobs],
-            [j.read for j in jobs],
-            self.config.prefill_step,
-        )
-        for job, n in zip(jobs, takes):
-            job.read += n
-            job.stream.stats.prompt_time += seconds
-        done = [j for j, r in zip(jobs, read) if r]
-        if done:
-            self.reader.remove([j.stream for j in done])
-            for j in done:
-                del self.reading[id(j.stream)]
-            self._join(done)
-
-    def _join(self, jobs: List[_Job]) -> None:
-        """Streams whose prompts are read join the decoding batch."""
+    def joining(self, jobs: List[EngineJob]) -> None:
+        """A recurrent stream's state at the end of its prompt is kept: the
+        next turn of its chat extends it (its answer's end is kept too)."""
         for job in jobs:
             s = job.stream
             if self.prompt_cache.enabled and not truncatable(s.cache):
-                # keep the recurrent state at the turn boundary
-                self.prompt_cache.insert(job.request.prompt[:-1], copy_cache(s.cache))
-            self.jobs[id(s)] = job
-        self.decoder.add([j.stream for j in jobs])
+                self.prompt_cache.insert(job.prompt[:-1], s.cache.copy())
 
     def _round(self) -> None:
-        out = self.decoder.step()
         finished, last = [], []
-        for s, tokens in zip(self.decoder.streams, out):
-            job = self.jobs[id(s)]
+        for job, tokens in self.round():
             text = job.text.feed(tokens, job.request.params.max_tokens)
-            if job.text.finish is not None or s.done:
+            if job.text.finish is not None or job.stream.done:
                 finished.append(job)
                 last.append(text)
             elif text:
@@ -403,19 +357,18 @@ class Engine:
         if finished:
             self._leave(finished, last)
 
-    def _leave(self, jobs: List[_Job], texts: Optional[List[str]] = None) -> None:
+    def _leave(self, jobs: List[EngineJob], texts: Optional[List[str]] = None) -> None:
         """Take ``jobs`` out of the batch; finished ones send their last event."""
         keep = self.prompt_cache.enabled
-        self.decoder.remove([j.stream for j in jobs], extract=keep)
+        self.leave(jobs, extract=keep)
         for i, job in enumerate(jobs):
             s = job.stream
-            del self.jobs[id(s)]
             if keep:  # the trunk has read all of the history but its last token
                 self.prompt_cache.insert(s.history[:-1], s.cache)
             if texts is not None:
                 self._finish(job, texts[i])
 
-    def _finish(self, job: _Job, text: str) -> None:
+    def _finish(self, job: EngineJob, text: str) -> None:
         reason = job.text.finish or "length"
         request = job.request
         info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
@@ -425,25 +378,22 @@ class Engine:
 
     def _end_all(self) -> None:
         """Shutting down past the drain time: every request ends where it is."""
-        for job in list(self.reading.values()):
-            self.reader.remove([job.stream], extract=False)
-            del self.reading[id(job.stream)]
-            self._finish(job, "")
+        reading = list(self.reading.values())
+        if reading:
+            self.drop(reading)
+            for job in reading:
+                self._finish(job, "")
         if self.jobs:
             jobs = list(self.jobs.values())
             self._leave(jobs, [job.text.flush() for job in jobs])
-        for request in self.waiting:
-            info = usage(len(request.prompt), 0, 0, MTPStats())
-            request.emit(Event(finish_reason="length", usage=info))
-        self.waiting = []
+        for job in self.waiting:
+            info = usage(len(job.prompt), 0, 0, MTPStats())
+            job.request.emit(Event(finish_reason="length", usage=info))
+        self.waiting.clear()
 
     def _fail_all(self, message: str) -> None:
         """After an internal error: every request gets it, the batch starts afresh."""
         jobs = list(self.jobs.values()) + list(self.reading.values())
-        for job in jobs:
+        for job in jobs + list(self.waiting):
             job.request.emit(Event(error=message))
-        for request in self.waiting:
-            request.emit(Event(error=message))
-        self.waiting, self.reading, self.jobs = [], {}, {}
-        self.decoder = Decoder(self.model, adaptive=self.config.adaptive_draft)
-        self.reader = Decoder(self.model)
+        self.reset(self._policy())

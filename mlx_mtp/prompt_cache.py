@@ -1,4 +1,5 @@
-"""Prompt caches kept across requests, bounded by entries and bytes (LRU).
+"""Prompt caches kept across requests, bounded by entries and bytes (LRU):
+the server's prefix cache.
 
 An entry is an ``MTPCache`` with the tokens its trunk has read. A new prompt
 takes the entry that saves it the most tokens:
@@ -15,15 +16,11 @@ Entries are never written to: a hit is a copy whose arrays are new array
 objects (a write into an array shared by another copies it first).
 """
 
-import copy
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import List, Tuple
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
-
-from ..cache import MTPCache
-from ..chat import common_prefix, truncatable, truncate
+from .cache import MTPCache
+from .chat import common_prefix, truncatable, truncate
 
 
 @dataclass
@@ -31,35 +28,6 @@ class Entry:
     tokens: List[int]
     cache: MTPCache
     nbytes: int
-
-
-def cache_nbytes(cache: MTPCache) -> int:
-    total = sum(getattr(c, "nbytes", 0) for c in cache.state_list())
-    return total + sum(q.hidden.nbytes for q in cache.pending if q.hidden is not None)
-
-
-def _copy_layer(c: Any) -> Any:
-    if type(c) is KVCache:
-        new = KVCache()
-        if c.keys is not None:
-            new.keys, new.values = mx.array(c.keys), mx.array(c.values)
-        new.offset = c.offset
-        return new
-    if isinstance(c, ArraysCache):  # its arrays are replaced, never written into
-        new = copy.copy(c)
-        new.cache = list(c.cache)
-        return new
-    return copy.deepcopy(c)
-
-
-def copy_cache(cache: MTPCache) -> MTPCache:
-    """A copy that can be written to without touching ``cache``."""
-    return MTPCache(
-        trunk=[_copy_layer(c) for c in cache.trunk],
-        head=[_copy_layer(c) for c in cache.head],
-        pending=cache.copy_pending(),
-        start=list(cache.start),
-    )
 
 
 class PromptCache:
@@ -96,7 +64,7 @@ class PromptCache:
             return model.make_cache(), 0
         self.entries.remove(best)
         self.entries.append(best)
-        cache = copy_cache(best.cache)
+        cache = best.cache.copy()
         if keep < len(best.tokens):
             keep = truncate(model, cache, keep)
         return cache, keep
@@ -115,7 +83,7 @@ class PromptCache:
                 and tokens[: len(e.tokens)] == e.tokens
             )
         ]
-        self.entries.append(Entry(list(tokens), cache, cache_nbytes(cache)))
+        self.entries.append(Entry(list(tokens), cache, cache.nbytes))
         while self.entries and (
             len(self.entries) > self.max_entries or self.nbytes > self.max_bytes
         ):

@@ -1,0 +1,124 @@
+"""A stream: one generation as the decoding loop runs it, built in one place.
+
+``open_stream`` turns a ``GenerationRequest`` (or, for the low-level
+``speculative_generate_step``, a verifier and a draft source) and a prompt
+into a ``Stream``: its caches, its verifier, its draft source, its limits
+and stop tokens. The single-stream API, ``batch_generate``, the server's
+engine and ``tune`` all start their streams here.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+import mlx.core as mx
+
+from .cache import MTPCache
+from .stats import MTPStats
+
+
+@dataclass
+class Logprobs:
+    """Where a stream's kept tokens leave their log-probabilities (from the
+    verify's logits, no extra forward): per token ``(token, logprob, top)``,
+    ``top`` the ``top`` likeliest ``(token, logprob)`` at its position."""
+
+    top: int = 0
+    entries: List[Tuple[int, float, List[Tuple[int, float]]]] = field(
+        default_factory=list
+    )
+
+    def record(self, logprobs: mx.array, tokens: Sequence[int]) -> None:
+        """``logprobs[i]`` (``[T, V]``) is the distribution ``tokens[i]`` came from."""
+        picked = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)
+        if self.top > 0:
+            top = min(self.top, logprobs.shape[-1])
+            order = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+            best = mx.take_along_axis(logprobs, order, axis=-1)
+            tops = [
+                sorted(zip(o, b), key=lambda x: -x[1])
+                for o, b in zip(order.tolist(), best.tolist())
+            ]
+        else:
+            tops = [[] for _ in tokens]
+        for t, lp, top in zip(tokens, picked[:, 0].tolist(), tops):
+            self.entries.append((int(t), lp, top))
+
+
+@dataclass
+class Stream:
+    """One generation: its caches, its verifier, its draft source and where
+    it stands.
+
+    ``history`` is every token so far, prompt included; the trunk has read all
+    but the last.
+    """
+
+    history: List[int]
+    cache: MTPCache
+    verifier: Any
+    max_tokens: int
+    stop_tokens: Set[int] = field(default_factory=set)
+    stats: MTPStats = field(default_factory=MTPStats)
+    generated: int = 0
+    done: bool = False
+    logprobs: Optional[Any] = None  # kept tokens' log-probabilities, if asked
+    source: Any = None  # its ``drafts.DraftSource`` (None: every drafter's drafts)
+    accepted: int = 0  # drafts kept in its last round
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.generated
+
+
+def open_stream(
+    model,
+    prompt: Sequence[int],
+    *,
+    request=None,
+    cache: Optional[MTPCache] = None,
+    cached_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] = (),
+    max_tokens: Optional[int] = None,
+    verifier=None,
+    sampler=None,
+    source=None,
+    stats: Optional[MTPStats] = None,
+    logprobs=None,
+    seed_offset: int = 0,
+    batched: bool = False,
+) -> Stream:
+    """The stream that generates after ``prompt`` on ``model``.
+
+    What to generate comes from ``request`` (a ``GenerationRequest``: its
+    verifier from its sampling and constraints, or from ``sampler``; its
+    draft source, chosen per stream or, ``batched``, with the batch's draft
+    length; its limit unless ``max_tokens``; its log-probabilities), or, where
+    there is none, from ``verifier`` and ``source`` as given. ``cache`` holds
+    ``cached_tokens`` already (None: a new cache). ``seed_offset`` gives a
+    seeded request's streams seeds of their own (prompt ``i`` of a batch).
+    ``prompt`` is the tokens not yet in the cache.
+    """
+    if request is not None:
+        sampling = request.sampling
+        if seed_offset and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + seed_offset)
+            request = dataclasses.replace(request, sampling=sampling)
+        verifier = verifier or request.verifier(sampler)
+        source = source if source is not None else request.drafts.make(model, batched)
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        if logprobs is None and request.logprobs is not None:
+            logprobs = Logprobs(request.logprobs)
+    stream = Stream(
+        history=[int(t) for t in cached_tokens] + [int(t) for t in prompt],
+        cache=cache if cache is not None else model.make_cache(),
+        verifier=verifier,
+        max_tokens=max_tokens,
+        stop_tokens=set(stop_tokens),
+        stats=stats if stats is not None else MTPStats(),
+        logprobs=logprobs,
+        source=source,
+    )
+    stream.stats.draft_max = source.draft_max if source is not None else 0
+    return stream
