@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import config
 
 # Before a round has been seen: drafts are kept about half the time.
 DEFAULT_PRIOR_ACCEPTANCE = 0.5
@@ -279,58 +278,3 @@ class CostAwareDraft:
 
 def _clip(p: float) -> float:
     return min(max(float(p), 0.0), 1.0)
-
-
-def machine_costs(model, drafter=None) -> Costs:
-    """Round costs here with ``drafter``'s drafts (None: the model's MTP head):
-    those ``tune`` stored for this model and machine, else the prior guess
-    (the same guess on every process under ``mlx.launch``); a drafter
-    ``tune`` has not measured drafts at its own prior cost
-    (``Drafter.prior_cost``: per draft for a chain, once for a block)."""
-    sharding = getattr(model, "sharding", None)
-    entry = None
-    if sharding is not None and sharding.size > 1:
-        costs = prior_costs()
-    else:
-        entry = config.tuned_entry(model) if model.drafters else None
-        if entry is not None:
-            costs = Costs.from_dict(entry["costs"])
-        else:
-            costs = prior_costs(config.compute_bound())
-    if drafter is None or drafter.name == "mtp":
-        return costs
-    measured = ((entry or {}).get("costs", {}).get("drafters") or {}).get(drafter.name)
-    draft = measured or [drafter.prior_cost(k) for k in range(1, 5)]
-    return Costs(costs.verify, [float(x) for x in draft])
-
-
-def make_policy(model, draft_max: int, adaptive: bool = True, drafter=None):
-    """The policy ``stream_generate`` drafts with: ``CostAwareDraft`` from the
-    costs ``tune`` stored for this machine (or ``prior_costs``) and the tuned
-    or trained acceptance, or ``FixedDraft(draft_max)``."""
-    if not adaptive or draft_max == 0 or not model.drafters:
-        return FixedDraft(draft_max)
-    name = drafter.name if drafter is not None else "mtp"
-    sharding = getattr(model, "sharding", None)
-    if sharding is not None and sharding.size > 1:
-        # every process must draft the same count: nothing machine-specific
-        costs, prior = prior_costs(), config.trained_acceptance(model)
-    else:
-        costs = machine_costs(model, drafter)
-        prior = acceptance_prior(model, name)
-    return CostAwareDraft(draft_max, costs, prior)
-
-
-def acceptance_prior(model, drafter: str = "mtp") -> Optional[List[float]]:
-    """Per-depth acceptance measured for ``drafter`` (the MTP head by
-    default): by ``tune`` on this machine, else by ``train-head``; None when
-    neither has."""
-    if not model.drafters:
-        return None
-    entry = config.tuned_entry(model)
-    if drafter != "mtp":
-        found = ((entry or {}).get("drafters_acceptance") or {}).get(drafter)
-        return [float(a) for a in found] if found else None
-    if entry is not None:
-        return [float(a) for a in entry["acceptance_by_depth"]]
-    return config.trained_acceptance(model)

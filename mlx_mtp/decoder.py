@@ -41,7 +41,6 @@ from .batch_policy import BatchDraftLength
 from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
-from .drafts import Plan
 from .stream import Stream
 
 
@@ -325,7 +324,7 @@ class Decoder(DraftView):
             return 0
         return max(0, min(s.source.draft_max, s.remaining - 1))
 
-    def _plan(self, s: Stream, cap: int, k: int) -> Plan:
+    def _plan(self, s: Stream, cap: int, k: int):
         """Stream ``s``'s plan this round: a ready proposal, or up to
         ``min(cap, k)`` drafter drafts. With other streams in the batch, a
         proposal rides within the round's width ``k``, which the batch's

@@ -23,14 +23,15 @@ API and both HTTP APIs go through it).
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Protocol, Sequence
 
+from . import config
 from .adaptive import (
+    DEFAULT_PRIOR_ACCEPTANCE,
+    CostAwareDraft,
     Costs,
     FixedDraft,
-    acceptance_prior,
     expected_tokens,
-    machine_costs,
-    make_policy,
     prior_costs,
+    speedups,
 )
 from .cache import can_rollback
 from .defaults import (
@@ -41,6 +42,11 @@ from .defaults import (
 )
 from .errors import MTPError
 from .ngram import PromptLookup
+from .probe import machine_costs
+
+# A drafter takes part only where, at an optimistic acceptance, some draft
+# count is expected to beat plain steps by this much (``can_pay``).
+PAY_MARGIN = 1.05
 
 
 @dataclass
@@ -250,12 +256,51 @@ def check_draft_max(draft_max: Optional[int]) -> Optional[int]:
 def make_lookup(model) -> Optional[PromptLookup]:
     """A prompt lookup for ``model``, or None where it cannot
     pay or cannot be checked: where even drafts that are always kept cannot beat
-    a plain step (a CPU with MLX's bundled BLAS: a verify over t tokens costs t
-    steps), and on a trunk whose caches cannot drop rejected drafts."""
+    a plain step (a CPU with MLX's bundled BLAS: a verify over t tokens costs
+    about t steps), and on a trunk whose caches cannot drop rejected drafts."""
     lookup = PromptLookup(machine_costs(model))
     if not lookup.can_pay() or not can_rollback(model.make_cache().trunk):
         return None
     return lookup
+
+
+def acceptance_prior(model, drafter: str = "mtp") -> Optional[List[float]]:
+    """Per-depth acceptance measured for ``drafter`` (the MTP head by
+    default): by ``tune`` on this machine, else by ``train-head``; None when
+    neither has."""
+    if not model.drafters:
+        return None
+    entry = config.tuned_entry(model)
+    if drafter != "mtp":
+        found = ((entry or {}).get("drafters_acceptance") or {}).get(drafter)
+        return [float(a) for a in found] if found else None
+    if entry is not None:
+        return [float(a) for a in entry["acceptance_by_depth"]]
+    return config.trained_acceptance(model)
+
+
+def make_policy(model, draft_max: int, adaptive: bool = True, drafter=None):
+    """How many of ``drafter``'s drafts (None: the model's first drafter, its
+    MTP head) a round of one stream takes: ``CostAwareDraft`` from this
+    machine's costs (``probe.machine_costs``) and the tuned or trained
+    acceptance, or ``FixedDraft(draft_max)``."""
+    if not adaptive or draft_max == 0 or not model.drafters:
+        return FixedDraft(draft_max)
+    drafter = drafter or model.drafters[0]
+    costs = machine_costs(model, drafter)
+    return CostAwareDraft(draft_max, costs, acceptance_prior(model, drafter.name))
+
+
+def can_pay(costs: Costs, prior: Optional[Sequence[float]], draft_max: int) -> bool:
+    """Whether a drafter may pay at all here: whether, with half the misses
+    of its measured acceptance (``prior``; the default guess without one),
+    some draft count is expected to beat plain steps by ``PAY_MARGIN``. On
+    MLX's bundled reference BLAS (a verify over 2 tokens costs 1.7-1.8
+    steps) the default model's head (29% kept) cannot: its drafts, and the
+    head reading along to make them, would only cost there."""
+    rates = list(prior or []) or [DEFAULT_PRIOR_ACCEPTANCE]
+    optimistic = [1.0 - (1.0 - min(max(a, 0.0), 1.0)) / 2 for a in rates]
+    return max(speedups(optimistic, costs, draft_max)) >= PAY_MARGIN
 
 
 def make_source(
@@ -263,6 +308,7 @@ def make_source(
     name: str = DEFAULT_DRAFT_SOURCE,
     draft_max: int = 0,
     adaptive: bool = True,
+    batched: bool = False,
 ) -> DraftSource:
     """The draft source ``name`` ("mtp", "ngram", "auto") for one generation.
 
@@ -270,8 +316,12 @@ def make_source(
     assistant, a drafter attached from a checkpoint of its own), "ngram"
     prompt lookup's, "auto" either, per round. ``draft_max`` bounds a
     drafter's drafts per round (0: none; the caller resolves the head's
-    recommended count); ``adaptive``: as many as pay by the costs ``tune``
-    measured (else always ``draft_max``). A source that cannot be used here
+    recommended count); ``adaptive``: as many as pay by this machine's costs
+    (``probe``; else always ``draft_max``), and a drafter that cannot pay
+    here at all (``can_pay``) is left out: it would cost without a chance
+    to gain. ``batched``: a served stream, whose draft count the batch's
+    policy chooses (each drafter's count policy then only keeps its running
+    acceptance, from its measured prior). A source that cannot be used here
     falls back to what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
@@ -280,27 +330,20 @@ def make_source(
     if draft_max > 0 and name != "ngram":
         for d in model.drafters:
             k = min(draft_max, d.max_drafts)
-            policy = make_policy(model, k, adaptive, d)
-            models.append(ModelDrafts(policy, d.name, machine_costs(model, d)))
+            costs, prior = machine_costs(model, d), acceptance_prior(model, d.name)
+            if adaptive and not can_pay(costs, prior, k):
+                continue
+            if batched:
+                policy = FixedDraft(k, prior=prior)
+            else:
+                policy = make_policy(model, k, adaptive, d)
+            models.append(ModelDrafts(policy, d.name, costs))
     lookup = make_lookup(model) if name != "mtp" else None
     if models and (lookup is not None or len(models) > 1):
         return AutoDrafts(models, lookup)
     if lookup is not None:
         return LookupDrafts(lookup)
     return models[0] if models else NoDrafts()
-
-
-def batch_source(model, name: str, draft_max: int) -> DraftSource:
-    """A served stream's source: its draft count comes from the batch's
-    policy, so each drafter's own only keeps the running acceptance (from
-    its measured prior)."""
-    source = make_source(model, name, draft_max, adaptive=False)
-    models = source.models if isinstance(source, AutoDrafts) else [source]
-    for m in models:
-        if isinstance(m, ModelDrafts):
-            prior = acceptance_prior(model, m.drafter)
-            m.policy = FixedDraft(m.policy.draft_max, prior=prior)
-    return source
 
 
 def as_source(drafts) -> DraftSource:

@@ -13,8 +13,7 @@ from typing import Callable, List, Optional
 
 from .config import default_draft_max
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_TOKENS
-from .drafts import DraftSource, batch_source, check_draft_max, check_source_name
-from .drafts import make_source
+from .drafts import DraftSource, check_draft_max, check_source_name, make_source
 from .errors import MTPError
 from .sampling import SamplingConfig, make_verifier
 
@@ -54,9 +53,8 @@ class DraftSettings:
         stream, whose draft length the batch chooses)."""
         if not self.mtp:
             return make_source(model, "mtp", 0)
-        if batched:
-            return batch_source(model, self.source, self.head_drafts(model))
-        return make_source(model, self.source, self.head_drafts(model), self.adaptive)
+        draft_max = self.head_drafts(model)
+        return make_source(model, self.source, draft_max, self.adaptive, batched)
 
 
 @dataclass

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 import tiny_own_layout  # noqa: E402
+
+# Draft policies on the prior cost guess (by the BLAS), not on a measurement
+# of each tiny model: deterministic, and no costs.json written by the suite.
+# tests/test_probe.py measures; processes the tests start inherit this.
+os.environ["MLX_MTP_COSTS"] = "prior"
 
 # heads in the DeepSeek and MiMo layouts (tests/tiny.py)
 DRAFT_FAMILIES = [

@@ -28,11 +28,11 @@ from mlx_mtp.adaptive import (
     FixedDraft,
     best_draft_count,
     expected_tokens,
-    make_policy,
     prior_costs,
 )
 from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
 from mlx_mtp.defaults import MAX_DRAFT_MAX
+from mlx_mtp.drafts import make_policy
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.tune import tune

@@ -314,10 +314,12 @@ class Engine(Scheduler):
         self.waiting = type(self.waiting)(
             j for j in self.waiting if not cancelled(j.request)
         )
-        started = list(self.reading.values()) + list(self.jobs.values())
-        gone = [j for j in started if cancelled(j.request)]
+        gone = [j for j in self.reading.values() if cancelled(j.request)]
         if gone:
             self.drop(gone)
+        gone = [j for j in self.jobs.values() if cancelled(j.request)]
+        if gone:  # what they decoded is kept in the prompt cache
+            self._leave(gone)
 
     def prepare(self, job: EngineJob) -> None:
         """A starting request's stream, on the prompt cache's best entry."""

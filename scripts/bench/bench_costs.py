@@ -188,7 +188,7 @@ def main():
 
         loops = [("mlx-lm", None)] + [(f"k={k}", k) for k in range(K + 1)]
         try:
-            from mlx_mtp.adaptive import make_policy  # this checkout chooses k
+            from mlx_mtp.drafts import make_policy  # this checkout chooses k
 
             loops.append(("auto", "auto"))
         except ImportError:

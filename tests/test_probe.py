@@ -1,0 +1,90 @@
+"""Round costs without ``tune``: measured once per machine and model, kept
+for later processes, and a drafter that cannot pay here is left out (it
+neither drafts nor reads along)."""
+
+import json
+
+import pytest
+import tiny
+
+import mlx_mtp
+from mlx_mtp import drafts, probe
+from mlx_mtp.adaptive import Costs, prior_costs
+from mlx_mtp.drafts import ModelDrafts, NoDrafts, make_source
+from mlx_mtp.speculative import speculative_generate_step
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Costs measured (not the suite's pinned prior), kept under ``tmp_path``."""
+    monkeypatch.delenv("MLX_MTP_COSTS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "mlx-mtp" / probe.COSTS_FILE
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny.build_folder(tmp_path_factory.mktemp("probe") / "mimo", "mimo")[0]
+
+
+def test_costs_are_measured_once_and_kept(folder, measuring, monkeypatch):
+    model = mlx_mtp.load_model(folder)
+    costs = probe.machine_costs(model)
+    entry = json.loads(measuring.read_text())[0]["costs"]
+    assert costs.verify == entry["verify"] and costs.draft == entry["draft"]["mtp"]
+    assert costs.verify[0] == 1.0 and all(
+        a <= b for a, b in zip(costs.verify, costs.verify[1:])
+    )
+    assert all(d > 0 for d in costs.draft) and entry["seconds"] < 5
+    # a later process (a new load) reads them: nothing is timed again
+    monkeypatch.setattr(probe, "measure", lambda model: pytest.fail("measured again"))
+    again = probe.machine_costs(mlx_mtp.load_model(folder))
+    assert again.verify == costs.verify and again.draft == costs.draft
+
+
+def test_a_damaged_costs_file_is_measured_again(folder, measuring):
+    measuring.parent.mkdir(parents=True)
+    measuring.write_text("{not json")
+    costs = probe.machine_costs(mlx_mtp.load_model(folder))
+    assert len(json.loads(measuring.read_text())) == 1 and costs.verify[0] == 1.0
+
+
+def test_a_tuned_entry_wins(folder, measuring, monkeypatch):
+    model = mlx_mtp.load_model(folder)
+    tuned = {"verify": [1.0, 1.1], "draft": [0.05], "round": [1.0, 1.2]}
+    monkeypatch.setattr(
+        "mlx_mtp.config.tuned_entry",
+        lambda m: {"costs": tuned, "acceptance_by_depth": [0.5]},
+    )
+    assert probe.machine_costs(model).verify == [1.0, 1.1]
+    assert not measuring.exists()
+
+
+def test_a_head_that_cannot_pay_is_left_out(folder, monkeypatch):
+    """Where a verify over 2 tokens costs 1.8 steps (MLX's reference BLAS),
+    a head kept 29% of the time cannot pay: the default source drafts
+    nothing and feeds the head nothing; ``--fixed-draft`` still drafts."""
+    model = mlx_mtp.load_model(folder)
+    dear = Costs([1.0, 1.8, 2.7, 3.6], [0.08, 0.16, 0.24])
+    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: dear)
+    monkeypatch.setattr(drafts, "acceptance_prior", lambda m, name="mtp": [0.29])
+    assert isinstance(make_source(model, "mtp", 3), NoDrafts)
+    assert isinstance(make_source(model, "mtp", 3, adaptive=False), ModelDrafts)
+    cache = model.make_cache()
+    prompt = tiny.random_prompt(20)
+    stats = mlx_mtp.MTPStats()
+    source = make_source(model, "mtp", 3)
+    list(speculative_generate_step(prompt, model, max_tokens=40, drafts=source,
+                                   prompt_cache=cache, stats=stats))  # fmt: skip
+    assert stats.drafted == 0 and cache.head_offset == 0 and cache.pending_hidden is None
+    # where a verify is nearly free, the same head pays
+    cheap = Costs([1.0, 1.1, 1.2], [0.08, 0.16])
+    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
+    assert isinstance(make_source(model, "mtp", 3), ModelDrafts)
+
+
+def test_can_pay_by_the_optimistic_acceptance():
+    memory_bound = prior_costs()
+    assert drafts.can_pay(memory_bound, [0.3], 3)
+    assert not drafts.can_pay(Costs([1.0, 1.8, 2.7], [0.08, 0.16]), [0.3], 3)
+    assert drafts.can_pay(Costs([1.0, 1.8, 2.7], [0.08, 0.16]), [0.95], 3)
