@@ -129,9 +129,11 @@ def _verify(state: _State, t: int) -> None:
     mx.eval(mx.argmax(logits, axis=-1), hidden)
 
 
-def _draft(state: _State, k: int) -> None:
-    """The drafter's proposal of ``k`` drafts (its catch-up included)."""
-    drafts, _ = state.drafter.propose(state.decoder, [state.stream], [k], 0.0)
+def _draft(state: _State, k: int, drafter=None) -> None:
+    """A drafter's proposal of ``k`` drafts, its catch-up included (the
+    model's first drafter, its MTP head, by default)."""
+    drafter = drafter or state.drafter
+    drafts, _ = drafter.propose(state.decoder, [state.stream], [k], 0.0)
     mx.eval([d.token for d in drafts[0]])
 
 
@@ -174,6 +176,13 @@ class CostTimer:
             ("draft", k, None, lambda k=k: _draft(state, k))
             for k in range(1, k_max + 1)
         ]
+        # the model's other drafters: their proposals, each length
+        self.others = model.drafters[1:]
+        self.jobs += [
+            (f"draft:{d.name}", k, None, lambda k=k, d=d: _draft(state, k, d))
+            for d in self.others
+            for k in range(1, min(k_max, d.max_drafts) + 1)
+        ]
         self.jobs += [
             ("round", k, _round_source(state, k), lambda: _round(state))
             for k in range(1, k_max + 1)
@@ -200,12 +209,21 @@ class CostTimer:
         }
         step = med["plain", 0] / PLAIN_STEPS
         k_max = self.k_max
-        return {
+        out = {
             "step_seconds": step,
             "verify": [med["verify", t] / step for t in range(1, k_max + 2)],
             "draft": [med["draft", k] / step for k in range(1, k_max + 1)],
             "round": [1.0] + [med["round", k] / step for k in range(1, k_max + 1)],
         }
+        if self.others:  # (``probe.machine_costs`` reads them by name)
+            out["drafters"] = {
+                d.name: [
+                    med[f"draft:{d.name}", k] / step
+                    for k in range(1, min(k_max, d.max_drafts) + 1)
+                ]
+                for d in self.others
+            }
+        return out
 
 
 def measure_costs(
@@ -440,6 +458,10 @@ def tune(
         "tests": stats.drafted_at[0] if stats.drafted_at else 0,
         "repeats": repeats,
     }
+    if "drafters" in costs:  # the model's other drafters' proposals, by name
+        entry["costs"]["drafters"] = {
+            name: [round(x, 4) for x in c] for name, c in costs["drafters"].items()
+        }
     entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
     vocab = model.trunk.embed_tokens.weight.shape[0]
     if vocab_sizes is None:

@@ -276,3 +276,24 @@ def test_a_drafter_checkpoint_of_an_unknown_kind_is_one_line(tmp_path, pair):
         mlx_mtp.load_model(pair[0].path, draft=folder)
     with pytest.raises(MTPError, match="no such file or folder"):
         mlx_mtp.load_model(pair[0].path, draft=tmp_path / "missing")
+
+
+def test_tune_times_every_drafters_proposals(tmp_path, monkeypatch):
+    """``tune``'s costs time each attached drafter's proposals too, and the
+    policies read them by the drafter's name."""
+    from mlx_mtp import probe
+    from mlx_mtp.tune import CostTimer
+
+    full, _ = tiny.build_folder(tmp_path / "deepseek_v3", "deepseek_v3")
+    model = mlx_mtp.load_model(full)
+    toy = ToyDrafter(model)
+    model.attach(toy)
+    timer = CostTimer(model, tiny.random_prompt(30), 2)
+    timer.run_once(0)
+    costs = timer.costs()
+    assert len(costs["drafters"]["toy"]) == 2 and min(costs["drafters"]["toy"]) > 0
+    entry = {"costs": {**costs, "drafters": {"toy": [0.3, 0.5]}},
+             "acceptance_by_depth": [0.5]}  # fmt: skip
+    monkeypatch.setattr("mlx_mtp.config.tuned_entry", lambda m: entry)
+    assert probe.machine_costs(model, toy).draft == [0.3, 0.5]
+    assert probe.machine_costs(model).draft == costs["draft"]
