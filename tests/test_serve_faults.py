@@ -1,0 +1,140 @@
+"""Bodies that once took the server to a 500 or an empty answer, through a live
+server: a lone surrogate, JSON nested 100,000 deep, a ``$ref`` cycle, NaN in a
+number field; and tool calls: a grammar compiled off the engine thread and
+once per tool set, a forced call held to its schema's keys so that it ends.
+
+Bodies the official clients cannot send (their JSON encoder refuses NaN and
+lone surrogates) are posted raw, and their errors read in each API's shape.
+"""
+
+import json
+
+import pytest
+import tool_model
+from live_server import module_fixtures
+
+import mlx_mtp
+
+NAME = "tiny-faults"
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_folders, tmp_path_factory):
+    folder = tiny_folders("deepseek_v3")[0]
+    target = tmp_path_factory.mktemp("faults") / "model"
+    return mlx_mtp.load(tool_model.build(folder, target))
+
+
+server, client = module_fixtures(NAME)
+
+
+def _body(path: str, text: str, extra: str = "") -> bytes:
+    """A raw request body for ``path`` with ``text`` (JSON text) as the user's
+    message or prompt; ``extra``: more fields, as JSON text."""
+    if path.endswith("/completions") and "chat" not in path:
+        body = f'{{"prompt": {text}, "max_tokens": 2{extra}}}'
+    else:
+        message = f'{{"role": "user", "content": {text}}}'
+        body = f'{{"model": "m", "messages": [{message}], "max_tokens": 2{extra}}}'
+    return body.encode()
+
+
+def _error(path: str, status: int, raw: bytes) -> dict:
+    """The error of a 400 in the shape of ``path``'s API, as OpenAI's fields."""
+    body = json.loads(raw)
+    assert status == 400, body
+    if path == "/v1/messages":
+        assert body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        return {"message": body["error"]["message"]}
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]
+
+
+# -- item 5.1: a lone surrogate ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_lone_surrogate_is_a_400_in_each_shape(server, path):
+    status, raw = server.post(path, _body(path, '"sea \\ud800 air"'))
+    error = _error(path, status, raw)
+    assert "lone surrogate" in error["message"] and "\\ud800" in error["message"]
+    if path != "/v1/messages":
+        assert error["code"] == "invalid_value"
+        assert error["param"] in ("prompt", "messages[0].content")
+    # a surrogate pair is one character (an emoji), and is served
+    status, raw = server.post(path, _body(path, '"sea \\ud83c\\udf0a"'))
+    assert status == 200, raw
+
+
+# -- item 5.2: JSON nested deeper than any request needs -------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_json_nested_100000_deep_is_400_invalid_json_in_each_shape(server, path):
+    deep = "[" * 100_000 + "]" * 100_000
+    status, raw = server.post(path, _body(path, '"a"', f', "x": {deep}'))
+    error = _error(path, status, raw)
+    assert "nests deeper" in error["message"]
+    if path != "/v1/messages":
+        assert error["code"] == "invalid_json"
+    # brackets inside strings are text, not depth
+    status, raw = server.post(path, _body(path, json.dumps("[{" * 1000)))
+    assert status == 200, raw
+
+
+def test_a_fault_of_the_server_is_a_500_in_each_shape(server, monkeypatch):
+    """What is left to go wrong is the server's, in the shape of the API asked."""
+
+    def broken(*args):
+        raise RuntimeError("a fault")
+
+    monkeypatch.setattr("mlx_mtp.serve.parse.params", broken)
+    for path in PATHS:
+        status, raw = server.post(path, _body(path, '"a"'))
+        body = json.loads(raw)
+        assert status == 500
+        if path == "/v1/messages":
+            assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        else:
+            assert body["error"]["code"] == "internal_error"
+        assert "RuntimeError: a fault" in json.dumps(body)
+
+
+# -- item 5.4: NaN and infinities --------------------------------------------------------
+
+
+NON_FINITE = [
+    '"temperature": NaN',
+    '"top_p": NaN',
+    '"temperature": Infinity',
+    '"min_p": -Infinity',
+    '"repetition_penalty": Infinity',
+    '"logit_bias": {"65": NaN}',
+]
+OPENAI_ONLY = ['"presence_penalty": NaN', '"frequency_penalty": Infinity']
+
+
+@pytest.mark.parametrize(
+    "path, field",
+    [(path, f) for path in PATHS for f in NON_FINITE]
+    + [(path, f) for path in PATHS[:2] for f in OPENAI_ONLY],
+)
+def test_nan_and_infinities_are_refused(server, path, field):
+    name = field.split('"')[1]
+    status, raw = server.post(path, _body(path, '"a"', ", " + field))
+    error = _error(path, status, raw)
+    assert name in error["message"]
+    if path != "/v1/messages":
+        assert error["param"] == name
+
+
+def test_infinities_in_logit_bias_are_clamped(server):
+    """A bias of -Infinity bans a token as -100 does (OpenAI's bound)."""
+    path = "/v1/completions"
+    status, raw = server.post(
+        path, _body(path, '"a"', ', "logit_bias": {"65": -Infinity}')
+    )
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
