@@ -17,6 +17,7 @@ of constrained plain decoding.
 
 import json
 from typing import Any, Dict, List, Optional, Sequence
+from urllib.parse import unquote
 
 import mlx.core as mx
 import numpy as np
@@ -52,12 +53,119 @@ def json_grammar(schema: Optional[Dict[str, Any]] = None) -> str:
     """The grammar of JSON valid for ``schema``; of any JSON object without one."""
     from llguidance import LLMatcher
 
+    if schema is not None:
+        check_schema(schema)
     try:
         return LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"}, defaults=_LAYOUT
         )
     except ValueError as e:
         raise MTPError(f"invalid JSON schema: {e}") from None
+
+
+def check_schema(schema: Any) -> None:
+    """Raise ``MTPError`` where a ``$ref`` of ``schema`` reaches no end: its
+    references lead back to it and no finite JSON value satisfies it, so that
+    an answer held to it could never be finished (recursion with a way out,
+    a tree's optional children, is fine)."""
+    refs = _refs(schema, schema, set())
+    ends: set = set()  # the references some finite value satisfies
+    grew = True
+    while grew:
+        grew = False
+        for ref in refs - ends:
+            if _ends(_target(schema, ref), schema, ends):
+                ends.add(ref)
+                grew = True
+    stuck = sorted(refs - ends)
+    if stuck:
+        raise MTPError(
+            f"invalid JSON schema: '$ref' {json.dumps(stuck[0])} refers back to "
+            "itself and no finite value satisfies it"
+        )
+
+
+# what a schema keyword holds: one schema, a list of them, or a map to them
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not",
+        "if", "then", "else", "propertyNames", "unevaluatedItems",
+        "unevaluatedProperties")  # fmt: skip
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _subschemas(schema: dict):
+    """The schemas directly inside ``schema``."""
+    for key, value in schema.items():
+        if key in _ONE and isinstance(value, dict):
+            yield value
+        elif key in _LIST and isinstance(value, list):
+            yield from (s for s in value if isinstance(s, dict))
+        elif key in _MAP and isinstance(value, dict):
+            yield from (s for s in value.values() if isinstance(s, dict))
+
+
+def _target(root: Any, ref: str) -> Any:
+    """What the local reference ``ref`` ("#/$defs/a") points to; None where it
+    points nowhere here (llguidance reports that)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _refs(schema: Any, root: Any, seen: set) -> set:
+    """The local references reachable from ``schema`` (``seen`` grows)."""
+    if not isinstance(schema, dict):
+        return seen
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen and _target(root, ref) is not None:
+        seen.add(ref)
+        _refs(_target(root, ref), root, seen)
+    for sub in _subschemas(schema):
+        _refs(sub, root, seen)
+    return seen
+
+
+def _ends(schema: Any, root: Any, ends: set) -> bool:
+    """Whether a finite value satisfies ``schema``, given that one satisfies
+    each reference in ``ends`` and none the other references."""
+    if not isinstance(schema, dict) or "const" in schema or "enum" in schema:
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and _target(root, ref) is not None and ref not in ends:
+        return False
+    if not all(_ends(s, root, ends) for s in schema.get("allOf") or ()):
+        return False
+    for key in ("anyOf", "oneOf"):
+        alternatives = schema.get(key)
+        if alternatives and not any(_ends(s, root, ends) for s in alternatives):
+            return False
+    kinds = schema.get("type")
+    if not isinstance(kinds, (str, list)):
+        return True  # untyped: a value of another kind will do
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    return any(_kind_ends(k, schema, root, ends) for k in kinds)
+
+
+def _kind_ends(kind: str, schema: dict, root: Any, ends: set) -> bool:
+    if kind == "object":
+        properties = schema.get("properties") or {}
+        required = schema.get("required") or ()
+        return all(_ends(properties.get(k, True), root, ends) for k in required)
+    if kind == "array":
+        n = schema.get("minItems") or 0
+        prefix = (schema.get("prefixItems") or [])[:n]
+        rest = n > len(prefix) and not _ends(schema.get("items", True), root, ends)
+        return all(_ends(s, root, ends) for s in prefix) and not rest
+    return True
 
 
 class JSONConstraint:

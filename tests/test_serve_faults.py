@@ -9,6 +9,8 @@ lone surrogates) are posted raw, and their errors read in each API's shape.
 
 import json
 
+import anthropic
+import openai
 import pytest
 import tool_model
 from live_server import module_fixtures
@@ -28,6 +30,10 @@ def loaded(tiny_folders, tmp_path_factory):
 
 
 server, client = module_fixtures(NAME)
+
+
+def _anthropic(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 
 
 def _body(path: str, text: str, extra: str = "") -> bytes:
@@ -101,6 +107,64 @@ def test_a_fault_of_the_server_is_a_500_in_each_shape(server, monkeypatch):
         else:
             assert body["error"]["code"] == "internal_error"
         assert "RuntimeError: a fault" in json.dumps(body)
+
+
+# -- item 5.3: a $ref cycle ------------------------------------------------------------
+
+CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"},
+                                        "b": {"$ref": "#/$defs/a"}}}  # fmt: skip
+# every node must have a child: no finite value
+ENDLESS = {
+    "type": "object",
+    "properties": {"child": {"$ref": "#"}},
+    "required": ["child"],
+}
+# a tree: recursion with a way out
+TREE = {
+    "type": "object",
+    "properties": {
+        "leaf": {"type": "boolean"},
+        "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+    },
+    "required": ["leaf"],
+    "additionalProperties": False,
+}
+
+
+def _tool(name: str, schema: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+@pytest.mark.parametrize("schema", [CYCLE, ENDLESS], ids=["cycle", "endless"])
+def test_a_ref_cycle_with_no_end_is_refused(server, client, schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=4, response_format=fmt
+        )
+    assert e.value.body["param"] == "response_format"
+    assert "refers back to itself" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=4,
+            tools=[_tool("loop", schema)], tool_choice="required",
+        )  # fmt: skip
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _anthropic(server).messages.create(
+            model="any", max_tokens=4, messages=MESSAGES,
+            tools=[{"name": "loop", "input_schema": schema}],
+        )  # fmt: skip
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "refers back to itself" in e.value.body["error"]["message"]
+
+
+def test_a_recursive_schema_with_an_end_is_served(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "tree", "schema": TREE}}
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=3, response_format=fmt
+    )
+    assert r.choices[0].message.content.startswith('{"')
 
 
 # -- item 5.4: NaN and infinities --------------------------------------------------------

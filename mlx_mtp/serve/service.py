@@ -89,8 +89,8 @@ class Service:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return ids[0] if len(ids) == 1 and ll.is_special_token(ids[0]) else None
 
-        grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
-        try:  # a tool's schema llguidance refuses is the tools' fault
+        try:  # a tool's schema llguidance refuses, or no call could finish
+            grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
             JSONConstraint(grammar, ll, 0)
         except MTPError as e:
             raise APIError(str(e), param="tools", code="invalid_value") from None

@@ -18,6 +18,7 @@ import json
 import re
 from typing import Callable, List, Optional, Tuple
 
+from ..constrain import check_schema
 from .tools import (
     DS_CALL_BEGIN,
     DS_CALL_END,
@@ -88,6 +89,7 @@ def call_grammar(
             continue
         # no parameters (or ``{}``): a call without arguments
         schema = f.get("parameters") or _NO_ARGUMENTS
+        check_schema(schema)
         xml = fmt.name in ("glm47", "qwen3_coder")
         args = _xml_args(fmt, schema, i, rules, lit) if xml else _json(schema)
         rules.append(f"call{i}: {lit(head[len(written):])} {args} {lit(tail)}")
