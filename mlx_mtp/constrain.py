@@ -104,6 +104,22 @@ def _subschemas(schema: dict):
             yield from (s for s in value.values() if isinstance(s, dict))
 
 
+def map_subschemas(schema: dict, fn) -> dict:
+    """A copy of ``schema`` with ``fn(subschema, keyword)`` in place of each
+    schema directly inside it."""
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _ONE and isinstance(value, dict):
+            out[key] = fn(value, key)
+        elif key in _LIST and isinstance(value, list):
+            out[key] = [fn(s, key) if isinstance(s, dict) else s for s in value]
+        elif key in _MAP and isinstance(value, dict):
+            out[key] = {
+                k: fn(s, key) if isinstance(s, dict) else s for k, s in value.items()
+            }
+    return out
+
+
 def _target(root: Any, ref: str) -> Any:
     """What the local reference ``ref`` ("#/$defs/a") points to; None where it
     points nowhere here (llguidance reports that)."""

@@ -20,6 +20,15 @@ import mlx_mtp
 NAME = "tiny-faults"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# a tool a random model can finish, which does not say additionalProperties
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["city", "days"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +211,52 @@ def test_infinities_in_logit_bias_are_clamped(server):
         path, _body(path, '"a"', ', "logit_bias": {"65": -Infinity}')
     )
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+
+
+# -- item 5.6: a forced call ends --------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_max", [0, 2])
+def test_a_forced_call_without_additional_properties_ends(server, client, draft_max):
+    """A schema that does not say ``additionalProperties``: the call holds to
+    the keys it declares (a random model would add keys until max_tokens)."""
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=[_tool("get_forecast", FORECAST)],
+        tool_choice="required", max_tokens=128, extra_body={"draft_max": draft_max},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"}
+    m = _anthropic(server).messages.create(
+        model="any", max_tokens=128, messages=MESSAGES,
+        tools=[{"name": "get_forecast", "input_schema": FORECAST}],
+        tool_choice={"type": "any"},
+    )  # fmt: skip
+    assert m.stop_reason == "tool_use" and set(m.content[0].input) == set(args)
+
+
+def test_closed_holds_each_declared_object_and_leaves_the_rest():
+    from mlx_mtp.serve.tool_grammar import closed
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+            "extra": {"type": "object", "patternProperties": {"^x": {}}},
+            "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+            "free": {"type": "object"},
+        },
+        "$defs": {"node": {"properties": {"next": {"$ref": "#/$defs/node"}}}},
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["where"]["additionalProperties"] is False
+    assert props["tags"]["additionalProperties"] == {"type": "string"}
+    assert "additionalProperties" not in props["extra"]
+    assert all("additionalProperties" not in s for s in props["both"]["allOf"])
+    assert "additionalProperties" not in props["free"]  # declares no keys
+    assert out["$defs"]["node"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own is kept
