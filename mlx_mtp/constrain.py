@@ -13,9 +13,15 @@ consumed and consumes the rest, and the mask at each consumed length is kept
 until a rollback passes it (the verify asks again for the draft rows' masks).
 Since the same masks apply with drafts or without, greedy answers are those
 of constrained plain decoding.
+
+Compiling a grammar takes from milliseconds to tens of seconds (a large tool
+set on a large vocabulary): ``Grammars`` compiles each once, off the decoding
+thread, and every constraint on it starts from a copy.
 """
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence
 from urllib.parse import unquote
 
@@ -27,6 +33,8 @@ from .errors import MTPError
 # Output that reads like ``json.dumps``: the grammar fixes the whitespace, so a
 # model cannot pad an answer with spaces and newlines until max_tokens.
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compiled grammars kept by ``Grammars`` (a tool set or schema each)
+DEFAULT_GRAMMAR_CACHE = 32
 
 
 def grammar_tokenizer(tokenizer, vocab: int):
@@ -184,15 +192,59 @@ def _kind_ends(kind: str, schema: dict, root: Any, ends: set) -> bool:
     return True
 
 
+class Grammars:
+    """Compiled grammars for one tokenizer, the ``size`` last used kept.
+
+    ``compile(grammar)`` compiles a grammar on its first use (slow for a large
+    one: call it off the decoding thread). Constraints start from copies of
+    the compiled matcher, which share llguidance's lexer: what one request's
+    decoding builds of it, the next one reuses.
+    """
+
+    def __init__(self, ll_tokenizer, size: int = DEFAULT_GRAMMAR_CACHE):
+        self.ll_tokenizer, self.size = ll_tokenizer, size
+        self._compiled: "OrderedDict[str, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: str):
+        """The compiled matcher of ``grammar``, to be copied, never consumed.
+        Raises ``MTPError`` for a grammar llguidance refuses."""
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
+        matcher = compile_grammar(self.ll_tokenizer, grammar)  # slow: unlocked
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > self.size:
+                self._compiled.popitem(last=False)
+        return matcher
+
+
+def compile_grammar(ll_tokenizer, grammar: str):
+    """llguidance's matcher of ``grammar`` at its start, its first mask
+    computed here rather than in the first decoding step. ``MTPError`` for a
+    grammar it refuses, or one that allows no answer at all."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise MTPError(f"invalid JSON schema: {matcher.get_error()}")
+    matcher.compute_bitmask()
+    if matcher.is_error():  # the error is followed by the parser's state
+        reason = matcher.get_error().splitlines()[0]
+        raise MTPError(f"invalid JSON schema: no answer can begin ({reason})")
+    return matcher
+
+
 class JSONConstraint:
-    """Keeps the tokens after ``prompt_len`` inside ``grammar``."""
+    """Keeps the tokens after ``prompt_len`` inside ``grammar``; ``compiled``:
+    its matcher from ``Grammars.compile`` (else it is compiled here)."""
 
-    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int):
-        from llguidance import LLMatcher
-
-        self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise MTPError(f"invalid JSON schema: {self.matcher.get_error()}")
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, compiled=None):
+        if compiled is None:
+            compiled = compile_grammar(ll_tokenizer, grammar)
+        self.matcher = compiled.deep_copy()
         self.prompt_len = prompt_len
         self.vocab = ll_tokenizer.vocab_size
         self.eos = list(ll_tokenizer.eos_tokens)
@@ -262,11 +314,16 @@ class TriggeredConstraint:
     found again by where it opened when drafts are rolled back.
     """
 
-    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, trigger):
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, trigger,
+                 compiled=None):  # fmt: skip
         self.grammar, self.ll_tokenizer = grammar, ll_tokenizer
         self.prompt_len, self.trigger = prompt_len, list(trigger)
         self.parts: Dict[int, JSONConstraint] = {}  # by where each opened
-        JSONConstraint(grammar, ll_tokenizer, 0)  # a bad grammar fails here
+        # compiled now (a bad grammar fails here): a part opened while
+        # decoding only copies it
+        if compiled is None:
+            compiled = compile_grammar(ll_tokenizer, grammar)
+        self.compiled = compiled
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         generated = tokens[self.prompt_len :].tolist()
@@ -285,7 +342,9 @@ class TriggeredConstraint:
             start += n
             part = self.parts.get(start)
             if part is None:
-                part = JSONConstraint(self.grammar, self.ll_tokenizer, 0)
+                part = JSONConstraint(
+                    self.grammar, self.ll_tokenizer, 0, self.compiled
+                )
                 self.parts[start] = part
             followed = part.follow(generated[start:])
             if not part.complete():

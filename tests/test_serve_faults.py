@@ -8,8 +8,11 @@ lone surrogates) are posted raw, and their errors read in each API's shape.
 """
 
 import json
+import threading
 
 import anthropic
+import jsonschema
+import llguidance
 import openai
 import pytest
 import tool_model
@@ -211,6 +214,62 @@ def test_infinities_in_logit_bias_are_clamped(server):
         path, _body(path, '"a"', ', "logit_bias": {"65": -Infinity}')
     )
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+
+
+# -- item 5.5: grammars compiled off the engine thread, once ---------------------------
+
+class _Gate:
+    """``llguidance.LLMatcher`` held until opened, recording where it is built."""
+
+    def __init__(self, real):
+        self.real, self.opened = real, threading.Event()
+        self.threads = []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        self.opened.wait(60)
+        return self.real(*args, **kwargs)
+
+
+def _forced(client, tools, **kwargs):
+    return client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=tools, tool_choice="required",
+        max_tokens=128, extra_body={"draft_max": 2}, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_grammar_compiles_off_the_engine_thread_and_once(server, client, monkeypatch):
+    gate = _Gate(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", gate)
+    tools = [_tool("compile_me", FORECAST)]
+    answers = []
+    forced = threading.Thread(target=lambda: answers.append(_forced(client, tools)))
+    forced.start()
+    try:
+        # while the grammar compiles, other requests are answered
+        quick = server.client(timeout=30)
+        r = quick.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        assert gate.threads and not answers
+    finally:
+        gate.opened.set()
+        forced.join(60)
+    (call,) = answers[0].choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), FORECAST)
+    compiled = len(gate.threads)
+    # the same tools again: the compiled grammar is reused
+    r = _forced(client, tools)
+    assert r.choices[0].finish_reason == "tool_calls"
+    # an auto call the model opens: its part starts from the compiled grammar
+    opening = {str(tool_model.token_id("<tool_call>")): 30}
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=tools, max_tokens=120,
+        logit_bias=opening,
+    )  # fmt: skip
+    assert r.choices[0].message.tool_calls
+    assert len(gate.threads) == compiled + 1  # the auto grammar, once
+    event_loop = server.thread.name
+    assert not {"mlx-mtp engine", event_loop} & set(gate.threads)
 
 
 # -- item 5.6: a forced call ends --------------------------------------------------------
