@@ -17,7 +17,7 @@ from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
-from .progress import PromptProgress
+from .progress import PromptProgress, duration
 
 # the table shows the first depths' acceptance (lookup drafts reach 8, the head
 # up to 16; the full list is in --json), so the other columns keep their width
@@ -119,20 +119,16 @@ def kinds_table(result):
     return t
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
 def took_line(seconds: float, planned: Optional[float]) -> str:
-    line = f"took {_duration(seconds)}"
+    line = f"took {duration(seconds)}"
     if planned and seconds > 1.25 * planned:
-        line += f", planned about {_duration(planned)}: the machine slowed down"
+        line += f", planned about {duration(planned)}: the machine slowed down"
     return line
 
 
 def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: float):
     """What the benchmark will run and about how long it will take."""
-    minutes = _duration(seconds)
+    minutes = duration(seconds)
     return (
         f"bench: {configs} configurations x {prompts} prompts x {repeats} repeats x "
         f"{tokens} tokens, about {minutes} at the warm-up's speed "
