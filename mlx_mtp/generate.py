@@ -260,14 +260,22 @@ def generate(
     model: MTPModel,
     tokenizer: Any,
     prompt: Union[str, Sequence[int], mx.array],
-    max_tokens: int = DEFAULT_MAX_TOKENS,
     verbose: bool = False,
     **kwargs,
 ) -> str:
-    """Generate a completion and return it as one string (see ``stream_generate``).
+    """Generate a completion and return it as one string (see ``stream_generate``,
+    whose keywords it takes: ``max_tokens=``, sampling, drafts).
 
-    ``verbose`` prints the text as it comes and then mlx-lm's lines (prompt
-    and generation speed, peak memory) and the speculative stats line."""
+    As in mlx-lm, ``verbose`` (the fourth argument) prints the text as it
+    comes and then mlx-lm's lines (prompt and generation speed, peak memory),
+    and after them the speculative stats line."""
+    if not isinstance(verbose, bool):
+        hint = f"max_tokens={verbose!r}" if isinstance(verbose, int) else "..."
+        raise TypeError(
+            f"generate(): verbose must be a bool, not {verbose!r} (as in mlx-lm, "
+            f"max_tokens is a keyword: generate(model, tokenizer, prompt, {hint}))"
+        )
+    max_tokens = kwargs.pop("max_tokens", DEFAULT_MAX_TOKENS)
     if kwargs.get("request") is None:
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k not in _STREAM_OPTIONS}
         kwargs["request"] = request_from(max_tokens, caller="generate", **mine)

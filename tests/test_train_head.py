@@ -343,8 +343,8 @@ def test_train_head_writes_a_head_the_runtime_attaches(
     tokens = tokenizer.encode(TEXT[:60])
     assert mtp_logits(model, tokens).shape == (len(tokens) - 1, tiny.VOCAB)
     prompt = tokenizer.encode("def add(a, b):")
-    with_mtp = generate(model, tokenizer, prompt, 40, draft_max=3)
-    assert with_mtp == generate(model, tokenizer, prompt, 40, mtp=False)
+    with_mtp = generate(model, tokenizer, prompt, max_tokens=40, draft_max=3)
+    assert with_mtp == generate(model, tokenizer, prompt, max_tokens=40, mtp=False)
 
     folder = tmp_path / "with-head"  # a head in the model folder attaches alone
     shutil.copytree(llama_folder, folder)
@@ -380,8 +380,8 @@ def test_vocab_subset_head_drafts_from_its_subset(llama_folder, data_file, tmp_p
     assert mx.all(mx.isinf(logits[:, outside])).item()
     assert mx.all(mx.isfinite(logits[:, vocab])).item()
     prompt = tokenizer.encode("for i in range(10):")
-    plain = generate(model, tokenizer, prompt, 32, mtp=False)
-    assert generate(model, tokenizer, prompt, 32, draft_max=2) == plain
+    plain = generate(model, tokenizer, prompt, max_tokens=32, mtp=False)
+    assert generate(model, tokenizer, prompt, max_tokens=32, draft_max=2) == plain
 
 
 def test_prompt_positions_carry_no_target():

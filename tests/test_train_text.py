@@ -210,8 +210,8 @@ def test_train_head_on_a_quantized_trunk(llama_folder, tmp_path):
     loaded, tokenizer = load(folder, mtp=out)
     assert loaded.head is not None
     prompt = tokenizer.encode("def f3(x):")
-    plain = generate(loaded, tokenizer, prompt, 24, mtp=False)
-    assert generate(loaded, tokenizer, prompt, 24, draft_max=2) == plain
+    plain = generate(loaded, tokenizer, prompt, max_tokens=24, mtp=False)
+    assert generate(loaded, tokenizer, prompt, max_tokens=24, draft_max=2) == plain
 
 
 def test_a_file_shorter_than_a_window_is_warned_about(llama_folder, tmp_path, capsys):
