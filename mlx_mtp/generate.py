@@ -11,6 +11,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import MTPCache
+from .config import no_drafts_reason
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SOURCE,
@@ -302,7 +303,8 @@ def generate(
                 f"{response.generation_tps:.3f} tokens-per-sec"
             )
             print(f"Peak memory: {response.peak_memory:.3f} GB")
-        print(response.stats.summary())
+        why = no_drafts_reason(kwargs["request"].drafts.adaptive)
+        print(response.stats.summary(why))
     return text
 
 
