@@ -10,8 +10,10 @@ import typer
 from mlx_mtp.defaults import (
     DEFAULT_BENCH_TOKENS,
     DEFAULT_DRAFT_P_MIN,
+    DEFAULT_LOOKUP_MAX,
     DEFAULT_REPEATS,
     MAX_DRAFT_MAX,
+    min_bench_tokens,
 )
 from mlx_mtp.stats import MTPStats
 
@@ -164,7 +166,12 @@ def bench(
         " (default: the shipped code, prose and chat prompts).",
     ),
     max_tokens: int = typer.Option(
-        DEFAULT_BENCH_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per generation."
+        DEFAULT_BENCH_TOKENS,
+        "--max-tokens",
+        "-n",
+        help=f"Tokens per generation: at least {min_bench_tokens()}, or 2 x "
+        f"(--draft-max + 1) past --draft-max {DEFAULT_LOOKUP_MAX} (the first "
+        "round is counted with the prompt, and as many must follow to be timed).",
     ),
     repeats: int = typer.Option(
         DEFAULT_REPEATS,
@@ -205,12 +212,13 @@ def bench(
     from mlx_mtp.prompts import load_prompts
 
     o.processes()
+    check_max_tokens(max_tokens, draft_max or 0)  # before the model is loaded
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
-    if draft_max is None:
+    if draft_max is None:  # the head's count: past 8 it asks for more tokens
         draft_max = default_draft_max(loaded)
-    check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
+        check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}
