@@ -389,4 +389,5 @@ def test_user_errors_are_one_line(folders, tmp_path, capsys):
     for command in ("chat", "bench"):
         err = one_line_error(capsys, command, "-m", folders[0], "--hidden-tap", "mid")
         assert "--hidden-tap must be one of post, pre" in err
-    assert "no such file" in one_line_error(capsys, "bench", "-m", tmp_path / "absent")
+    absent = one_line_error(capsys, "bench", "-m", tmp_path / "absent")
+    assert "no such file or folder" in absent

@@ -57,7 +57,8 @@ def test_no_config(tmp_path):
 
 
 def test_missing_folder(tmp_path):
-    assert_one_line_error(cli("generate", "-m", tmp_path / "nope", "-p", "x"), "no such file")
+    nope = cli("generate", "-m", tmp_path / "nope", "-p", "x")
+    assert_one_line_error(nope, "no such file or folder")
 
 
 def test_truncated_safetensors(tiny_folders, tmp_path):

@@ -653,3 +653,20 @@ def test_batch_flags_reach_generation_and_the_trunk(
     # --eval-tokens: every held-out generation stops at 9 tokens
     per_k = report["acceptance"]["all"]["1"]
     assert per_k["rounds"] + per_k["accepted"] == 9 * 12
+
+
+def test_a_missing_path_is_no_such_file_or_folder_everywhere(tmp_path, capsys):
+    """One wording for a path that is not there: the OS's "no such file or
+    directory" is not what the CLI says anywhere else."""
+    from mlx_mtp.cli import run_app
+
+    absent = tmp_path / "absent"
+    for args in (
+        ["train-head", str(absent), str(tmp_path / "o"), "--data", str(absent)],
+        ["train-head", str(absent), str(tmp_path / "o"), "--text", str(absent)],
+        ["info", str(absent)],
+        ["generate", "-m", str(absent), "-p", "x"],
+    ):
+        assert run_app(args) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {absent}: no such file or folder\n", args

@@ -32,6 +32,8 @@ def check_data_file(path: Path) -> list[dict[str, Any]]:
         raw = path.read_bytes()
     except IsADirectoryError:
         raise MTPError(f"{path}: is a folder, not a text file") from None
+    except FileNotFoundError:  # the OS says "directory": the CLI says folder
+        raise MTPError(f"{path}: no such file or folder") from None
     except OSError as e:
         raise MTPError(f"{path}: cannot read ({e.strerror})") from None
     if not raw.strip():
