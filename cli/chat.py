@@ -115,7 +115,7 @@ def _answer(console, err, session, text: str, show_drafts: bool, progress):
         err.print(footer(response.stats, width), style="dim", markup=False)
 
 
-def _command(console, session, line: str, why: Optional[str]) -> bool:
+def _command(console, session, line: str, why: str | None) -> bool:
     """Run a /command; returns False when the chat should end (``why``: why
     the session drafts nothing, where that is known)."""
     name = line.split()[0].lower()

@@ -5,7 +5,6 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -45,7 +44,7 @@ Distill = _choices("Distill", DISTILL_TARGETS)
 Dtype = _choices("Dtype", ("bfloat16", "float16", "float32"))
 
 
-def _plain_hooks(console: Console, every: Optional[float] = None) -> Hooks:
+def _plain_hooks(console: Console, every: float | None = None) -> Hooks:
     """One line per phase, progress every ``every`` seconds (default
     ``LINE_EVERY``, as a long prompt's progress): for logs."""
     every = LINE_EVERY if every is None else every

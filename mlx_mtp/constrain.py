@@ -203,7 +203,7 @@ class Grammars:
 
     def __init__(self, ll_tokenizer, size: int = DEFAULT_GRAMMAR_CACHE):
         self.ll_tokenizer, self.size = ll_tokenizer, size
-        self._compiled: "OrderedDict[str, Any]" = OrderedDict()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, grammar: str):
@@ -342,9 +342,7 @@ class TriggeredConstraint:
             start += n
             part = self.parts.get(start)
             if part is None:
-                part = JSONConstraint(
-                    self.grammar, self.ll_tokenizer, 0, self.compiled
-                )
+                part = JSONConstraint(self.grammar, self.ll_tokenizer, 0, self.compiled)
                 self.parts[start] = part
             followed = part.follow(generated[start:])
             if not part.complete():

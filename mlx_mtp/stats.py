@@ -125,7 +125,7 @@ class MTPStats:
             else 0.0
         )
 
-    def summary(self, why: Optional[str] = None) -> str:
+    def summary(self, why: str | None = None) -> str:
         """The stats line, in llama.cpp's words. A run that could draft and
         drafted nothing says so instead of counting zeros, with ``why`` where
         the caller knows it."""

@@ -262,9 +262,7 @@ def test_bad_model_path_ends_every_rank_nonzero(tiny_folders, tmp_path):
     )
     assert [code for code, _, _ in results] == [1, 1]
     err = "".join(e for _, _, e in results)
-    assert err.strip().splitlines() == [
-        f"error: rank 1: {bad}: no such file or folder"
-    ]
+    assert err.strip().splitlines() == [f"error: rank 1: {bad}: no such file or folder"]
     assert all(out == "" for _, out, _ in results)
 
 

@@ -218,6 +218,7 @@ def test_infinities_in_logit_bias_are_clamped(server):
 
 # -- item 5.5: grammars compiled off the engine thread, once ---------------------------
 
+
 class _Gate:
     """``llguidance.LLMatcher`` held until opened, recording where it is built."""
 

@@ -283,7 +283,6 @@ def test_a_tiny_run_says_its_plan_and_prepares_only_what_its_steps_use(
     llama_folder, tmp_path, capsys, monkeypatch
 ):
     from mlx_mtp.cli import run_app
-
     from mlx_mtp.cli import train_head as cli
 
     monkeypatch.setattr(cli, "LINE_EVERY", 0.0)  # every advance makes a line

@@ -5,7 +5,6 @@ import json
 import re
 
 import numpy as np
-
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 

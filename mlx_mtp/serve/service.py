@@ -51,7 +51,7 @@ class Service:
         )
         self.created = int(time.time())
         self.aliases = model_aliases(name)
-        self._grammars: Optional[Grammars] = None
+        self._grammars: Grammars | None = None
         self.tool_format = tool_format(tokenizer)
 
     def grammars(self, param: str) -> Grammars:

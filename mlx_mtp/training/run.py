@@ -231,10 +231,8 @@ class _Phases:
         the speed of a few steps timed now."""
         data, cfg, run = self.data, self.cfg, self.run
         answers = data.validation + data.self_distill
-        what = [
-            f"self-distil {answers} answers of up to {data.distill_tokens} tokens "
-            f"({data.validation} for validation)"
-        ]
+        distil = f"self-distil {answers} answers of up to {data.distill_tokens} tokens"
+        what = [f"{distil} ({data.validation} for validation)"]
         if data.files:
             what.append(f"read {len(data.files)} --data file(s)")
         text = data.text_tokens if data.text or data.corpus else 0
