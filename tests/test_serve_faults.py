@@ -9,6 +9,7 @@ lone surrogates) are posted raw, and their errors read in each API's shape.
 
 import json
 import threading
+import time
 
 import anthropic
 import jsonschema
@@ -247,11 +248,14 @@ def test_a_grammar_compiles_off_the_engine_thread_and_once(server, client, monke
     forced = threading.Thread(target=lambda: answers.append(_forced(client, tools)))
     forced.start()
     try:
-        # while the grammar compiles, other requests are answered
+        deadline = time.monotonic() + 30
+        while not gate.threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.threads  # the grammar is being compiled, and waits
+        # meanwhile other requests are answered
         quick = server.client(timeout=30)
         r = quick.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3)
-        assert r.usage.completion_tokens == 3
-        assert gate.threads and not answers
+        assert r.usage.completion_tokens == 3 and not answers
     finally:
         gate.opened.set()
         forced.join(60)
