@@ -10,14 +10,16 @@ import typer
 from mlx_mtp.defaults import (
     DEFAULT_BENCH_TOKENS,
     DEFAULT_DRAFT_P_MIN,
+    DEFAULT_LOOKUP_MAX,
     DEFAULT_REPEATS,
     MAX_DRAFT_MAX,
+    min_bench_tokens,
 )
 from mlx_mtp.stats import MTPStats
 
 from . import options as o
 from .app import OUTPUT, SPECULATIVE, app
-from .progress import PromptProgress
+from .progress import PromptProgress, duration
 
 # the table shows the first depths' acceptance (lookup drafts reach 8, the head
 # up to 16; the full list is in --json), so the other columns keep their width
@@ -119,20 +121,16 @@ def kinds_table(result):
     return t
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
 def took_line(seconds: float, planned: Optional[float]) -> str:
-    line = f"took {_duration(seconds)}"
+    line = f"took {duration(seconds)}"
     if planned and seconds > 1.25 * planned:
-        line += f", planned about {_duration(planned)}: the machine slowed down"
+        line += f", planned about {duration(planned)}: the machine slowed down"
     return line
 
 
 def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: float):
     """What the benchmark will run and about how long it will take."""
-    minutes = _duration(seconds)
+    minutes = duration(seconds)
     return (
         f"bench: {configs} configurations x {prompts} prompts x {repeats} repeats x "
         f"{tokens} tokens, about {minutes} at the warm-up's speed "
@@ -168,7 +166,12 @@ def bench(
         " (default: the shipped code, prose and chat prompts).",
     ),
     max_tokens: int = typer.Option(
-        DEFAULT_BENCH_TOKENS, "--max-tokens", "-n", min=1, help="Tokens per generation."
+        DEFAULT_BENCH_TOKENS,
+        "--max-tokens",
+        "-n",
+        help=f"Tokens per generation: at least {min_bench_tokens()}, or 2 x "
+        f"(--draft-max + 1) past --draft-max {DEFAULT_LOOKUP_MAX} (the first "
+        "round is counted with the prompt, and as many must follow to be timed).",
     ),
     repeats: int = typer.Option(
         DEFAULT_REPEATS,
@@ -209,12 +212,13 @@ def bench(
     from mlx_mtp.prompts import load_prompts
 
     o.processes()
+    check_max_tokens(max_tokens, draft_max or 0)  # before the model is loaded
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
     err = Console(stderr=True, highlight=False)
-    if draft_max is None:
+    if draft_max is None:  # the head's count: past 8 it asks for more tokens
         draft_max = default_draft_max(loaded)
-    check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
+        check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
     n_configs = len(configurations(draft_max, loaded.head is not None))
 
     plan = {}

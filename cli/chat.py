@@ -20,7 +20,8 @@ HELP = """\
 Up and down arrows recall earlier lines; Ctrl-C stops the answer (the
 interrupted turn is dropped from the conversation). After each answer: its
 tokens and speed, the prompt's, the drafts accepted and the tokens per verify
-pass (mean accepted length), the peak memory."""
+pass (mean accepted length), the peak memory; before it [cut at N tokens]
+where -n cut the answer short."""
 DRAFT_STYLE = "green"
 PROMPT = ">>> "
 
@@ -108,12 +109,15 @@ def _answer(console, err, session, text: str, show_drafts: bool, progress):
     waiting.stop()
     console.print()
     if response is not None:
+        if response.finish_reason == "length":
+            err.print(f"[cut at {response.generation_tokens} tokens]", markup=False)
         width = max(err.width, 80) if err.is_terminal else 80
         err.print(footer(response.stats, width), style="dim", markup=False)
 
 
-def _command(console, session, line: str) -> bool:
-    """Run a /command; returns False when the chat should end."""
+def _command(console, session, line: str, why: str | None) -> bool:
+    """Run a /command; returns False when the chat should end (``why``: why
+    the session drafts nothing, where that is known)."""
     name = line.split()[0].lower()
     if name in ("/quit", "/exit"):
         return False
@@ -121,7 +125,7 @@ def _command(console, session, line: str) -> bool:
         session.reset()
         console.print("conversation reset", style="dim")
     elif name == "/stats":
-        console.print(session.total.summary(), markup=False, soft_wrap=True)
+        console.print(session.total.summary(why), markup=False, soft_wrap=True)
         answered = session.answered  # a dropped turn counts nowhere
         console.print(
             f"cached tokens: {len(session.cached_tokens)}, "
@@ -140,10 +144,19 @@ def _read(console) -> Optional[str]:
     """One line from the user; None on end of input.
 
     Piped input is echoed after the prompt, so that the output reads as the
-    conversation it was; at the end the prompt's line is ended, so that the
-    shell's prompt does not land on it.
+    conversation it was, and its end leaves no prompt behind; on a terminal
+    the prompt's line is ended at the end, so that the shell's prompt does
+    not land on it.
     """
     try:
+        if not sys.stdin.isatty():
+            sys.stdout.flush()  # as input() does: what came before is seen
+            line = sys.stdin.readline()
+            if not line:
+                return None
+            line = line.rstrip("\r\n")
+            console.print(PROMPT + line, markup=False, highlight=False, soft_wrap=True)
+            return line
         # input() itself prints the prompt, so that readline can redraw it
         line = input(PROMPT)
     except EOFError:
@@ -155,8 +168,6 @@ def _read(console) -> Optional[str]:
     except UnicodeDecodeError:
         console.print("error: that line is not UTF-8 text", markup=False)
         return ""
-    if not sys.stdin.isatty():
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
     return line
 
 
@@ -187,6 +198,7 @@ def chat(
     from rich.console import Console
 
     from mlx_mtp.chat import ChatSession
+    from mlx_mtp.config import no_drafts_reason
     from mlx_mtp.prompts import has_chat_template
 
     o.processes()
@@ -200,9 +212,10 @@ def chat(
         loading.stop()
     if not has_chat_template(tokenizer):
         raise fail(f"{model}: the tokenizer has no chat template")
+    why = no_drafts_reason(request.drafts.adaptive)
     notice = o.speed_notice(loaded, request)
     if notice is not None:
-        print(notice, file=sys.stderr)
+        print(notice, file=sys.stderr, flush=True)
     progress = PromptProgress()
     session = ChatSession(
         loaded,
@@ -226,7 +239,7 @@ def chat(
         if not line:
             continue
         if line.startswith("/"):
-            if not _command(console, session, line):
+            if not _command(console, session, line, why):
                 break
             continue
         _answer(console, err, session, line, show_drafts, progress)

@@ -121,6 +121,7 @@ def generate(
     request=None,  # the generation options (o.generation_options)
 ):
     """Generate text with MTP speculative decoding."""
+    from mlx_mtp.config import no_drafts_reason
     from mlx_mtp.generate import stream_generate
     from mlx_mtp.prompts import user_prompt
 
@@ -178,8 +179,11 @@ def generate(
         print(json.dumps(out))
     else:
         print(flush=True)
+        if finish == "length":
+            print(f"[cut at {len(tokens)} tokens]", file=sys.stderr)
         if stats is not None:
-            print(stats.summary(), file=sys.stderr)
+            why = no_drafts_reason(request.drafts.adaptive)
+            print(stats.summary(why), file=sys.stderr)
     if finish == "interrupted":
         print("interrupted", file=sys.stderr)
         raise typer.Exit(130)

@@ -256,10 +256,12 @@ def load_model(
 
 
 def speed_notice(loaded, request) -> Optional[str]:
-    """The notice line when ``request`` will draft where MTP cannot gain speed."""
+    """The notice line when ``request`` would draft where MTP cannot gain
+    speed (none under --fixed-draft, which drafts anyway)."""
     from mlx_mtp.config import cannot_gain_notice
 
-    if loaded.head is None or not request.drafts.head_drafts(loaded):
+    drafts = request.drafts
+    if loaded.head is None or not drafts.head_drafts(loaded) or not drafts.adaptive:
         return None
     notice = cannot_gain_notice()
     return None if notice is None else f"notice: {notice}"

@@ -88,6 +88,11 @@ class PromptProgress:
             self.bar = None
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as a person reads it in a progress line."""
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr as it is now
 

@@ -25,6 +25,7 @@ from mlx_mtp.training.run import (
 from mlx_mtp.training.trainer import DISTILL_TARGETS
 
 from .app import app
+from .progress import LINE_EVERY, duration
 
 DATA = "Data"
 TRAINING = "Training"
@@ -43,8 +44,10 @@ Distill = _choices("Distill", DISTILL_TARGETS)
 Dtype = _choices("Dtype", ("bfloat16", "float16", "float32"))
 
 
-def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
-    """One line per phase, progress every ``every`` seconds: for logs."""
+def _plain_hooks(console: Console, every: float | None = None) -> Hooks:
+    """One line per phase, progress every ``every`` seconds (default
+    ``LINE_EVERY``, as a long prompt's progress): for logs."""
+    every = LINE_EVERY if every is None else every
     s = {"name": "", "total": 0, "done": 0, "t0": 0.0, "last": 0.0, "info": ""}
     s["shown"] = -1  # the count of the last line printed: a line is never repeated
 
@@ -76,6 +79,9 @@ def _plain_hooks(console: Console, every: float = 10.0) -> Hooks:
         step=step,
         evaluated=lambda n, acc: console.print(f"step {n}: {_agreement(acc)}"),
         message=lambda text: console.print(text, soft_wrap=True, markup=False),
+        planned=lambda what, seconds: console.print(
+            _plan(what, seconds), soft_wrap=True, markup=False
+        ),
     )
 
 
@@ -101,7 +107,14 @@ def _rich_hooks(progress, console: Console) -> Hooks:
         step=step,
         evaluated=evaluated,
         message=lambda text: progress.console.print(text, markup=False),
+        planned=lambda what, seconds: progress.console.print(
+            _plan(what, seconds), markup=False
+        ),
     )
+
+
+def _plan(what: str, seconds: float) -> str:
+    return f"{what}: about {duration(seconds)} on this machine"
 
 
 def _agreement(per_depth) -> str:
@@ -352,8 +365,11 @@ def train_head(
 ):
     """Train a DeepSeek-style MTP head for a model, its trunk frozen.
 
-    Ctrl-C stops at the next safe point (seconds) and keeps a checkpoint; run
-    the same command with --resume to go on.
+    The run first says what it will do and about how long it will take. It
+    prepares no more data than --steps can use (steps x batch-size windows:
+    as many self-distilled answers and validation prompts at most, and their
+    tokens of text). Ctrl-C stops at the next safe point (seconds) and keeps
+    a checkpoint; run the same command with --resume to go on.
     """
     weights = _weights(chain_weights)
     if len(weights) < depth:

@@ -29,11 +29,15 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from .adaptive import Costs
 from .config import backend, blas, default_draft_max, weights_dtype
-from .defaults import DEFAULT_BENCH_TOKENS, DEFAULT_DRAFT_P_MIN, DEFAULT_REPEATS
+from .defaults import (
+    DEFAULT_BENCH_TOKENS,
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_REPEATS,
+    min_bench_tokens,
+)
 from .errors import MTPError
 from .generate import stream_generate
 from .loader import MTPModel
-from .ngram import DEFAULT_LOOKUP_MAX
 from .prompts import BenchPrompt, encoded_prompts
 from .stats import MTPStats
 from .tune import CostTimer
@@ -46,16 +50,8 @@ BOTH = "auto"  # the head or prompt lookup, per round (generate's default)
 WARMUP_TOKENS = 8
 
 
-def min_tokens(draft_max: int) -> int:
-    """The fewest tokens per generation that time every configuration: the
-    first round (up to ``draft_max`` head drafts or ``DEFAULT_LOOKUP_MAX``
-    lookup drafts, plus one) is counted with the prompt, and at least as many
-    tokens again must follow it to be timed."""
-    return 2 * (max(draft_max, DEFAULT_LOOKUP_MAX) + 1)
-
-
 def check_max_tokens(max_tokens: int, draft_max: int) -> None:
-    least = min_tokens(draft_max)
+    least = min_bench_tokens(draft_max)
     if max_tokens < least:
         raise MTPError(
             f"{max_tokens} tokens per generation are too few to time: the first "

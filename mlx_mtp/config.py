@@ -145,6 +145,14 @@ def cannot_gain_notice() -> Optional[str]:
     )
 
 
+def no_drafts_reason(adaptive: bool) -> str | None:
+    """Why a run drafts nothing, where that is known before it runs: drafts
+    chosen by their cost (``adaptive``) where none can pay."""
+    if adaptive and compute_bound():
+        return "drafts cannot pay on this machine"
+    return None
+
+
 # -- tuned entries ---------------------------------------------------------------
 
 

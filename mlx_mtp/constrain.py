@@ -13,10 +13,17 @@ consumed and consumes the rest, and the mask at each consumed length is kept
 until a rollback passes it (the verify asks again for the draft rows' masks).
 Since the same masks apply with drafts or without, greedy answers are those
 of constrained plain decoding.
+
+Compiling a grammar takes from milliseconds to tens of seconds (a large tool
+set on a large vocabulary): ``Grammars`` compiles each once, off the decoding
+thread, and every constraint on it starts from a copy.
 """
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence
+from urllib.parse import unquote
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +33,8 @@ from .errors import MTPError
 # Output that reads like ``json.dumps``: the grammar fixes the whitespace, so a
 # model cannot pad an answer with spaces and newlines until max_tokens.
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compiled grammars kept by ``Grammars`` (a tool set or schema each)
+DEFAULT_GRAMMAR_CACHE = 32
 
 
 def grammar_tokenizer(tokenizer, vocab: int):
@@ -52,6 +61,8 @@ def json_grammar(schema: Optional[Dict[str, Any]] = None) -> str:
     """The grammar of JSON valid for ``schema``; of any JSON object without one."""
     from llguidance import LLMatcher
 
+    if schema is not None:
+        check_schema(schema)
     try:
         return LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"}, defaults=_LAYOUT
@@ -60,15 +71,180 @@ def json_grammar(schema: Optional[Dict[str, Any]] = None) -> str:
         raise MTPError(f"invalid JSON schema: {e}") from None
 
 
+def check_schema(schema: Any) -> None:
+    """Raise ``MTPError`` where a ``$ref`` of ``schema`` reaches no end: its
+    references lead back to it and no finite JSON value satisfies it, so that
+    an answer held to it could never be finished (recursion with a way out,
+    a tree's optional children, is fine)."""
+    refs = _refs(schema, schema, set())
+    ends: set = set()  # the references some finite value satisfies
+    grew = True
+    while grew:
+        grew = False
+        for ref in refs - ends:
+            if _ends(_target(schema, ref), schema, ends):
+                ends.add(ref)
+                grew = True
+    stuck = sorted(refs - ends)
+    if stuck:
+        raise MTPError(
+            f"invalid JSON schema: '$ref' {json.dumps(stuck[0])} refers back to "
+            "itself and no finite value satisfies it"
+        )
+
+
+# what a schema keyword holds: one schema, a list of them, or a map to them
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not",
+        "if", "then", "else", "propertyNames", "unevaluatedItems",
+        "unevaluatedProperties")  # fmt: skip
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _subschemas(schema: dict):
+    """The schemas directly inside ``schema``."""
+    for key, value in schema.items():
+        if key in _ONE and isinstance(value, dict):
+            yield value
+        elif key in _LIST and isinstance(value, list):
+            yield from (s for s in value if isinstance(s, dict))
+        elif key in _MAP and isinstance(value, dict):
+            yield from (s for s in value.values() if isinstance(s, dict))
+
+
+def map_subschemas(schema: dict, fn) -> dict:
+    """A copy of ``schema`` with ``fn(subschema, keyword)`` in place of each
+    schema directly inside it."""
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _ONE and isinstance(value, dict):
+            out[key] = fn(value, key)
+        elif key in _LIST and isinstance(value, list):
+            out[key] = [fn(s, key) if isinstance(s, dict) else s for s in value]
+        elif key in _MAP and isinstance(value, dict):
+            out[key] = {
+                k: fn(s, key) if isinstance(s, dict) else s for k, s in value.items()
+            }
+    return out
+
+
+def _target(root: Any, ref: str) -> Any:
+    """What the local reference ``ref`` ("#/$defs/a") points to; None where it
+    points nowhere here (llguidance reports that)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _refs(schema: Any, root: Any, seen: set) -> set:
+    """The local references reachable from ``schema`` (``seen`` grows)."""
+    if not isinstance(schema, dict):
+        return seen
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen and _target(root, ref) is not None:
+        seen.add(ref)
+        _refs(_target(root, ref), root, seen)
+    for sub in _subschemas(schema):
+        _refs(sub, root, seen)
+    return seen
+
+
+def _ends(schema: Any, root: Any, ends: set) -> bool:
+    """Whether a finite value satisfies ``schema``, given that one satisfies
+    each reference in ``ends`` and none the other references."""
+    if not isinstance(schema, dict) or "const" in schema or "enum" in schema:
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and _target(root, ref) is not None and ref not in ends:
+        return False
+    if not all(_ends(s, root, ends) for s in schema.get("allOf") or ()):
+        return False
+    for key in ("anyOf", "oneOf"):
+        alternatives = schema.get(key)
+        if alternatives and not any(_ends(s, root, ends) for s in alternatives):
+            return False
+    kinds = schema.get("type")
+    if not isinstance(kinds, (str, list)):
+        return True  # untyped: a value of another kind will do
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    return any(_kind_ends(k, schema, root, ends) for k in kinds)
+
+
+def _kind_ends(kind: str, schema: dict, root: Any, ends: set) -> bool:
+    if kind == "object":
+        properties = schema.get("properties") or {}
+        required = schema.get("required") or ()
+        return all(_ends(properties.get(k, True), root, ends) for k in required)
+    if kind == "array":
+        n = schema.get("minItems") or 0
+        prefix = (schema.get("prefixItems") or [])[:n]
+        rest = n > len(prefix) and not _ends(schema.get("items", True), root, ends)
+        return all(_ends(s, root, ends) for s in prefix) and not rest
+    return True
+
+
+class Grammars:
+    """Compiled grammars for one tokenizer, the ``size`` last used kept.
+
+    ``compile(grammar)`` compiles a grammar on its first use (slow for a large
+    one: call it off the decoding thread). Constraints start from copies of
+    the compiled matcher, which share llguidance's lexer: what one request's
+    decoding builds of it, the next one reuses.
+    """
+
+    def __init__(self, ll_tokenizer, size: int = DEFAULT_GRAMMAR_CACHE):
+        self.ll_tokenizer, self.size = ll_tokenizer, size
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: str):
+        """The compiled matcher of ``grammar``, to be copied, never consumed.
+        Raises ``MTPError`` for a grammar llguidance refuses."""
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
+        matcher = compile_grammar(self.ll_tokenizer, grammar)  # slow: unlocked
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > self.size:
+                self._compiled.popitem(last=False)
+        return matcher
+
+
+def compile_grammar(ll_tokenizer, grammar: str):
+    """llguidance's matcher of ``grammar`` at its start, its first mask
+    computed here rather than in the first decoding step. ``MTPError`` for a
+    grammar it refuses, or one that allows no answer at all."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise MTPError(f"invalid JSON schema: {matcher.get_error()}")
+    matcher.compute_bitmask()
+    if matcher.is_error():  # the error is followed by the parser's state
+        reason = matcher.get_error().splitlines()[0]
+        raise MTPError(f"invalid JSON schema: no answer can begin ({reason})")
+    return matcher
+
+
 class JSONConstraint:
-    """Keeps the tokens after ``prompt_len`` inside ``grammar``."""
+    """Keeps the tokens after ``prompt_len`` inside ``grammar``; ``compiled``:
+    its matcher from ``Grammars.compile`` (else it is compiled here)."""
 
-    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int):
-        from llguidance import LLMatcher
-
-        self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise MTPError(f"invalid JSON schema: {self.matcher.get_error()}")
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, compiled=None):
+        if compiled is None:
+            compiled = compile_grammar(ll_tokenizer, grammar)
+        self.matcher = compiled.deep_copy()
         self.prompt_len = prompt_len
         self.vocab = ll_tokenizer.vocab_size
         self.eos = list(ll_tokenizer.eos_tokens)
@@ -138,11 +314,16 @@ class TriggeredConstraint:
     found again by where it opened when drafts are rolled back.
     """
 
-    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, trigger):
+    def __init__(self, grammar: str, ll_tokenizer, prompt_len: int, trigger,
+                 compiled=None):  # fmt: skip
         self.grammar, self.ll_tokenizer = grammar, ll_tokenizer
         self.prompt_len, self.trigger = prompt_len, list(trigger)
         self.parts: Dict[int, JSONConstraint] = {}  # by where each opened
-        JSONConstraint(grammar, ll_tokenizer, 0)  # a bad grammar fails here
+        # compiled now (a bad grammar fails here): a part opened while
+        # decoding only copies it
+        if compiled is None:
+            compiled = compile_grammar(ll_tokenizer, grammar)
+        self.compiled = compiled
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         generated = tokens[self.prompt_len :].tolist()
@@ -161,7 +342,7 @@ class TriggeredConstraint:
             start += n
             part = self.parts.get(start)
             if part is None:
-                part = JSONConstraint(self.grammar, self.ll_tokenizer, 0)
+                part = JSONConstraint(self.grammar, self.ll_tokenizer, 0, self.compiled)
                 self.parts[start] = part
             followed = part.follow(generated[start:])
             if not part.complete():

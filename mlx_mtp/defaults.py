@@ -16,7 +16,20 @@ DEFAULT_PREFILL_STEP = 2048
 # even at 90% acceptance per draft the 16th survives one round in five; past
 # that a longer verify pass only costs.
 MAX_DRAFT_MAX = 16
+# The most drafts one lookup proposes (a proposal costs nothing to make; a
+# verify over more tokens costs more, and the estimate decides how many pay).
+DEFAULT_LOOKUP_MAX = 8
 DEFAULT_BENCH_TOKENS = 128
+
+
+def min_bench_tokens(draft_max: int = 0) -> int:
+    """The fewest tokens per generation that ``bench`` can time at every
+    configuration: the first round (up to ``draft_max`` head drafts or
+    ``DEFAULT_LOOKUP_MAX`` lookup drafts, plus one) is counted with the
+    prompt, and at least as many tokens again must follow it to be timed."""
+    return 2 * (max(draft_max, DEFAULT_LOOKUP_MAX) + 1)
+
+
 DEFAULT_REPEATS = 3
 # ``mlx-mtp tune``: tokens generated per prompt for the acceptance, and
 # repetitions of every timing (medians are kept)

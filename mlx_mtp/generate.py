@@ -11,6 +11,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import MTPCache
+from .config import no_drafts_reason
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SOURCE,
@@ -260,14 +261,22 @@ def generate(
     model: MTPModel,
     tokenizer: Any,
     prompt: Union[str, Sequence[int], mx.array],
-    max_tokens: int = DEFAULT_MAX_TOKENS,
     verbose: bool = False,
     **kwargs,
 ) -> str:
-    """Generate a completion and return it as one string (see ``stream_generate``).
+    """Generate a completion and return it as one string (see ``stream_generate``,
+    whose keywords it takes: ``max_tokens=``, sampling, drafts).
 
-    ``verbose`` prints the text as it comes and then mlx-lm's lines (prompt
-    and generation speed, peak memory) and the speculative stats line."""
+    As in mlx-lm, ``verbose`` (the fourth argument) prints the text as it
+    comes and then mlx-lm's lines (prompt and generation speed, peak memory),
+    and after them the speculative stats line."""
+    if not isinstance(verbose, bool):
+        hint = f"max_tokens={verbose!r}" if isinstance(verbose, int) else "..."
+        raise TypeError(
+            f"generate(): verbose must be a bool, not {verbose!r} (as in mlx-lm, "
+            f"max_tokens is a keyword: generate(model, tokenizer, prompt, {hint}))"
+        )
+    max_tokens = kwargs.pop("max_tokens", DEFAULT_MAX_TOKENS)
     if kwargs.get("request") is None:
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k not in _STREAM_OPTIONS}
         kwargs["request"] = request_from(max_tokens, caller="generate", **mine)
@@ -294,7 +303,8 @@ def generate(
                 f"{response.generation_tps:.3f} tokens-per-sec"
             )
             print(f"Peak memory: {response.peak_memory:.3f} GB")
-        print(response.stats.summary())
+        why = no_drafts_reason(kwargs["request"].drafts.adaptive)
+        print(response.stats.summary(why))
     return text
 
 

@@ -113,7 +113,7 @@ def read_config(path: Path) -> Dict[str, Any]:
                 f"{path}: no such folder here; a Hugging Face repo is converted "
                 f"first: mlx-mtp convert {path} OUT, then --model OUT"
             )
-        raise MTPError(f"{path}: no such file or directory")
+        raise MTPError(f"{path}: no such file or folder")
     if not path.is_dir():
         if path.suffix.lower() == ".gguf":
             raise MTPError(

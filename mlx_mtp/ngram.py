@@ -26,12 +26,10 @@ the verify stays lossless at any temperature.
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .adaptive import AcceptanceEstimate, Costs, expected_tokens, prior_costs
+from .defaults import DEFAULT_LOOKUP_MAX
 
 DEFAULT_N_MAX = 4
 DEFAULT_N_MIN = 2
-# The most drafts one lookup proposes (a proposal costs nothing to make; a
-# verify over more tokens costs more, and the estimate decides how many pay).
-DEFAULT_LOOKUP_MAX = 8
 # Agreement classes: a proposal whose context agrees with its source's for at
 # least MATCH_CLASSES[i] tokens (counted back up to MATCH_CAP) starts from the
 # acceptance MATCH_PRIORS[i]. Greedy answers of the default model to 18

@@ -125,8 +125,10 @@ class MTPStats:
             else 0.0
         )
 
-    def summary(self) -> str:
-        """The stats line, in llama.cpp's words."""
+    def summary(self, why: str | None = None) -> str:
+        """The stats line, in llama.cpp's words. A run that could draft and
+        drafted nothing says so instead of counting zeros, with ``why`` where
+        the caller knows it."""
         per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance)
         n = self.prompt_tokens
         prompt = f"prompt: {n} token{'' if n == 1 else 's'}"
@@ -139,20 +141,22 @@ class MTPStats:
                 f"{1e3 * self.sync_time / self.syncs:.3f} ms each, "
                 f"{100 * self.sync_share:.1f}% of generation time"
             )
-        drafting = (
-            f"draft acceptance = {self.acceptance_rate:.2f} "
-            f"({self.accepted} accepted / {self.drafted} generated), "
-            f"mean acceptance length = {self.mean_accepted_length:.2f}, "
-            f"acceptance rate per position = ({per_pos})"
-            + (
-                f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
-                if self.lookup_drafted
-                else ""
+        drafting = ""  # a run that could not draft has nothing to count
+        if self.drafted:
+            drafting = (
+                f"draft acceptance = {self.acceptance_rate:.2f} "
+                f"({self.accepted} accepted / {self.drafted} generated), "
+                f"mean acceptance length = {self.mean_accepted_length:.2f}, "
+                f"acceptance rate per position = ({per_pos})"
             )
-            + "\n"
-            if self.draft_max or self.lookup_drafted  # else there is nothing to count
-            else ""
-        )
+            if self.lookup_drafted:
+                drafting += (
+                    f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
+                )
+            drafting += "\n"
+        elif self.draft_max:
+            why = why or "none was expected to pay, or the draft source had none"
+            drafting = f"no drafts this run ({why})\n"
         return (
             drafting + f"{prompt} | "
             f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s "

@@ -77,12 +77,12 @@ def test_trace_records_every_round(loaded):
 
 def test_generate_returns_the_streamed_text(loaded):
     model, tokenizer = loaded
-    text = mlx_mtp.generate(model, tokenizer, "Once upon", 25)
+    text = mlx_mtp.generate(model, tokenizer, "Once upon", max_tokens=25)
     streamed = "".join(
         r.text for r in mlx_mtp.stream_generate(model, tokenizer, "Once upon", 25)
     )
     assert text == streamed
-    plain = mlx_mtp.generate(model, tokenizer, "Once upon", 25, mtp=False)
+    plain = mlx_mtp.generate(model, tokenizer, "Once upon", max_tokens=25, mtp=False)
     assert text == plain
 
 
@@ -154,10 +154,13 @@ def test_prompt_cache_continues_a_generation(loaded):
 def test_sampling_as_one_value_or_as_keywords(loaded):
     model, tokenizer = loaded
     settings = dict(temp=0.8, top_k=20, repetition_penalty=1.2, seed=5)
-    by_keywords = mlx_mtp.generate(model, tokenizer, "hello", 16, **settings)
+    by_keywords = mlx_mtp.generate(model, tokenizer, "hello", max_tokens=16, **settings)
     config = mlx_mtp.SamplingConfig(**settings)
-    assert mlx_mtp.generate(model, tokenizer, "hello", 16, sampling=config) == (
-        by_keywords
+    by_value = mlx_mtp.generate(
+        model, tokenizer, "hello", max_tokens=16, sampling=config
     )
+    assert by_value == by_keywords
     with pytest.raises(TypeError, match="not both"):
-        mlx_mtp.generate(model, tokenizer, "hello", 4, sampling=config, temp=0.5)
+        mlx_mtp.generate(
+            model, tokenizer, "hello", max_tokens=4, sampling=config, temp=0.5
+        )

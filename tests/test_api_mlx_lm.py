@@ -2,6 +2,8 @@
 mlx-lm's own functions on a loaded model, logprobs, keyword errors, and
 ``batch_generate``."""
 
+import importlib
+import inspect
 import json
 
 import mlx.core as mx
@@ -76,7 +78,7 @@ def test_load_without_a_path_loads_the_default_model(cache, fake_build):  # noqa
     model, tokenizer, config = mlx_mtp.load(return_config=True, lazy=True)
     assert model.path == dm.default_model_path()
     assert model.head is not None and config is model.config
-    assert mlx_mtp.generate(model, tokenizer, "hi", 4, draft_max=2)
+    assert mlx_mtp.generate(model, tokenizer, "hi", max_tokens=4, draft_max=2)
 
 
 def test_load_takes_mlx_lm_keywords(folders, tmp_path):
@@ -116,7 +118,8 @@ def test_adapters_apply_to_the_trunk(folders, tmp_path):
     plain, _ = mlx_lm.load(str(trunk))
     want = mlx_lm.generate(reference, tokenizer, PROMPT, max_tokens=24)
     assert want != mlx_lm.generate(plain, tokenizer, PROMPT, max_tokens=24)
-    assert mlx_mtp.generate(model, tokenizer, PROMPT, 24, draft_max=3) == want
+    got = mlx_mtp.generate(model, tokenizer, PROMPT, max_tokens=24, draft_max=3)
+    assert got == want
     with pytest.raises(mlx_mtp.MTPError, match="adapter_config.json"):
         mlx_mtp.load(full, adapter_path=tmp_path)
 
@@ -160,7 +163,7 @@ def test_one_token_prompt_has_a_prompt_speed(pair):
 
 def test_verbose_prints_mlx_lm_lines_then_the_mtp_line(pair, capsys):
     model, tokenizer, _ = pair
-    text = mlx_mtp.generate(model, tokenizer, PROMPT, 12, verbose=True)
+    text = mlx_mtp.generate(model, tokenizer, PROMPT, max_tokens=12, verbose=True)
     out = capsys.readouterr().out
     head = "=" * 10 + "\n" + text + "\n" + "=" * 10 + "\n"
     assert out.startswith(head)
@@ -191,10 +194,25 @@ def test_unknown_keywords_name_the_function(pair, function):
     assert "draft_source" in message and "--mtp" in message
 
 
-def test_max_tokens_as_verbose_is_refused(pair):
+def test_generate_takes_verbose_where_mlx_lm_does(pair, capsys):
+    """mlx-lm's ``generate(model, tokenizer, prompt, verbose=False, **kwargs)``
+    and ``stream_generate(model, tokenizer, prompt, max_tokens, ...)``: the
+    fourth argument is ``verbose``, and ``max_tokens`` a keyword (an int in
+    its place, the old order, is refused saying so)."""
+    lm = importlib.import_module("mlx_lm.generate")
+
+    def head(function, n):
+        parameters = inspect.signature(function).parameters.values()
+        return [(p.name, p.kind, p.default) for p in parameters][:n]
+
+    assert head(mlx_mtp.generate, 5) == head(lm.generate, 5)
+    assert head(mlx_mtp.stream_generate, 4) == head(lm.stream_generate, 4)
     model, tokenizer, _ = pair
-    with pytest.raises(TypeError, match="max_tokens"):
-        mlx_mtp.generate(model, tokenizer, "hi", True)
+    text = mlx_mtp.generate(model, tokenizer, "hi", True, max_tokens=4)
+    out = capsys.readouterr().out
+    assert text in out and "Generation: 4 tokens" in out
+    with pytest.raises(TypeError, match=r"max_tokens is a keyword.*max_tokens=4\)"):
+        mlx_mtp.generate(model, tokenizer, "hi", 4)
 
 
 def _prompts(tokenizer):

@@ -202,3 +202,27 @@ def test_too_few_tokens_to_time_are_refused_before_any_run(
     assert f"ask for {least} or more (bench -n)" in err[0]
     with pytest.raises(MTPError, match="too few to time"):
         bench.run_bench(None, None, [], 3, max_tokens=1)
+
+
+def test_the_token_floor_is_shown_and_checked_before_the_model_loads(
+    monkeypatch, capsys
+):
+    """--help said x>=1 for -n while 17 tokens and fewer were refused, and only
+    once the model had loaded."""
+    from mlx_mtp.cli import options
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(options, "load_model", never)
+    for args, least in ((["-n", "17"], 18), (["-n", "25", "--draft-max", "12"], 26)):
+        assert run_app(["bench", "-m", "/no/such/model", *args]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ")
+        assert f"ask for {least} or more (bench -n)" in err[0]
+    assert run_app(["bench", "--help"]) == 0
+    rows = [line.strip("│ ") for line in capsys.readouterr().out.splitlines()]
+    help_text = " ".join(" ".join(rows).split())
+    assert "at least 18, or 2 x (--draft-max + 1) past --draft-max 8" in help_text
+    row = help_text[help_text.index("--max-tokens") : help_text.index("--repeats")]
+    assert "x>=1" not in row

@@ -183,18 +183,20 @@ def test_chat_mtp_and_hidden_tap(folders, skewed):
 
 
 def answers(out):
-    """The answers' text, between the input prompt and the footer."""
-    return re.findall(r">>> [^\n]*\n(.*?)\n(?=\d+ tokens, )", out, re.S)
+    """The answers' text, between the input prompt and the footer (and the
+    mark of an answer cut short)."""
+    cut = r"(?:\[cut at \d+ tokens\]\n)?"
+    return re.findall(r">>> [^\n]*\n(.*?)\n" + cut + r"(?=\d+ tokens, )", out, re.S)
 
 
 def test_chat_piped_reads_as_a_transcript_with_its_stats_on_stderr(folders):
     """Piped input was not echoed (``>>> answer``), the footers went to stdout
     (generate writes its stats to stderr), and the shell's prompt landed on
-    the last ``>>>`` line."""
+    the last ``>>>`` line (now the end of the input leaves no prompt)."""
     result = invoke("chat", "-m", folders[0], "-n", 6, input="hello\nagain\n")
     lines = result.stdout.split("\n")
     assert lines[1] == ">>> hello" and ">>> again" in lines[3:]
-    assert result.stdout.endswith("\n>>> \n")  # Ctrl-D ends the line
+    assert result.stdout.endswith("\n") and lines[-2] != ">>> "
     assert not FOOTER.search(result.stdout)
     assert len(FOOTER.findall(result.stderr)) == 2
 
@@ -387,4 +389,5 @@ def test_user_errors_are_one_line(folders, tmp_path, capsys):
     for command in ("chat", "bench"):
         err = one_line_error(capsys, command, "-m", folders[0], "--hidden-tap", "mid")
         assert "--hidden-tap must be one of post, pre" in err
-    assert "no such file" in one_line_error(capsys, "bench", "-m", tmp_path / "absent")
+    absent = one_line_error(capsys, "bench", "-m", tmp_path / "absent")
+    assert "no such file or folder" in absent

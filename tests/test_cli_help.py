@@ -153,5 +153,5 @@ def test_readme_snippet_applies_the_chat_template(default_is_tiny, capsys):
     prompt = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    expected = mlx_mtp.generate(model, tokenizer, prompt, 64, draft_max=1)
+    expected = mlx_mtp.generate(model, tokenizer, prompt, max_tokens=64, draft_max=1)
     assert out.startswith(expected + "\n") and "mean acceptance length" in out

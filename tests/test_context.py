@@ -90,7 +90,7 @@ def test_prefill_progress(tiny_folders):
     prompt = tiny.random_prompt(300)
     seen = []
     kwargs = dict(prefill_step_size=64, prefill_progress=lambda *a: seen.append(a))
-    text = generate(model, tokenizer, prompt, 8, **kwargs)
+    text = generate(model, tokenizer, prompt, max_tokens=8, **kwargs)
     # before each chunk of the 299 tokens read before the first round, and at the end
     assert seen == [(0, 299), (64, 299), (128, 299), (192, 299), (256, 299), (299, 299)]
-    assert text == generate(model, tokenizer, prompt, 8)
+    assert text == generate(model, tokenizer, prompt, max_tokens=8)

@@ -115,9 +115,9 @@ def test_default_model_greedy_output_is_the_same_with_mtp(tmp_path, monkeypatch)
         [{"role": "user", "content": "Write a Python function that reverses a list."}],
         add_generation_prompt=True,
     )
-    plain = generate(model, tokenizer, prompt, 48, mtp=False)
+    plain = generate(model, tokenizer, prompt, max_tokens=48, mtp=False)
     for k in (1, 3):
-        assert generate(model, tokenizer, prompt, 48, draft_max=k) == plain
+        assert generate(model, tokenizer, prompt, max_tokens=48, draft_max=k) == plain
 
 
 def _dead_pid() -> int:

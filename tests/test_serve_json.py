@@ -126,7 +126,7 @@ def test_bad_response_formats_are_400(client, response_format, code):
 def test_a_tokenizer_llguidance_cannot_read_is_400(server, client, monkeypatch):
     service = server.app.state.service
     real = app_module.grammar_tokenizer
-    monkeypatch.setattr(service, "_grammar_tokenizer", None)
+    monkeypatch.setattr(service, "_grammars", None)
     monkeypatch.setattr(app_module, "grammar_tokenizer", lambda t, v: real(object(), v))
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(

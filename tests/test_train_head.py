@@ -218,7 +218,7 @@ def test_distillation_resumes_after_an_interruption(llama_folder, tmp_path):
         tmp_path / "b.jsonl",
         3,
         progress=done.append,
-        should_stop=lambda: len(done) >= 4,
+        should_stop=lambda: sum(done) >= 4 * 16,  # tokens: 4 answers' worth
     )
     assert 0 < len(part) < 9
     with open(tmp_path / "b.jsonl", "a") as f:
@@ -343,8 +343,8 @@ def test_train_head_writes_a_head_the_runtime_attaches(
     tokens = tokenizer.encode(TEXT[:60])
     assert mtp_logits(model, tokens).shape == (len(tokens) - 1, tiny.VOCAB)
     prompt = tokenizer.encode("def add(a, b):")
-    with_mtp = generate(model, tokenizer, prompt, 40, draft_max=3)
-    assert with_mtp == generate(model, tokenizer, prompt, 40, mtp=False)
+    with_mtp = generate(model, tokenizer, prompt, max_tokens=40, draft_max=3)
+    assert with_mtp == generate(model, tokenizer, prompt, max_tokens=40, mtp=False)
 
     folder = tmp_path / "with-head"  # a head in the model folder attaches alone
     shutil.copytree(llama_folder, folder)
@@ -380,8 +380,8 @@ def test_vocab_subset_head_drafts_from_its_subset(llama_folder, data_file, tmp_p
     assert mx.all(mx.isinf(logits[:, outside])).item()
     assert mx.all(mx.isfinite(logits[:, vocab])).item()
     prompt = tokenizer.encode("for i in range(10):")
-    plain = generate(model, tokenizer, prompt, 32, mtp=False)
-    assert generate(model, tokenizer, prompt, 32, draft_max=2) == plain
+    plain = generate(model, tokenizer, prompt, max_tokens=32, mtp=False)
+    assert generate(model, tokenizer, prompt, max_tokens=32, draft_max=2) == plain
 
 
 def test_prompt_positions_carry_no_target():
@@ -637,7 +637,7 @@ def test_batch_flags_reach_generation_and_the_trunk(
         "--trunk-batch",
         "2",
         "--steps",
-        "2",
+        "5",  # room for the 5 answers: data is capped by what the steps use
         "--batch-size",
         "1",
         "--seq-len",
@@ -653,3 +653,20 @@ def test_batch_flags_reach_generation_and_the_trunk(
     # --eval-tokens: every held-out generation stops at 9 tokens
     per_k = report["acceptance"]["all"]["1"]
     assert per_k["rounds"] + per_k["accepted"] == 9 * 12
+
+
+def test_a_missing_path_is_no_such_file_or_folder_everywhere(tmp_path, capsys):
+    """One wording for a path that is not there: the OS's "no such file or
+    directory" is not what the CLI says anywhere else."""
+    from mlx_mtp.cli import run_app
+
+    absent = tmp_path / "absent"
+    for args in (
+        ["train-head", str(absent), str(tmp_path / "o"), "--data", str(absent)],
+        ["train-head", str(absent), str(tmp_path / "o"), "--text", str(absent)],
+        ["info", str(absent)],
+        ["generate", "-m", str(absent), "-p", "x"],
+    ):
+        assert run_app(args) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {absent}: no such file or folder\n", args

@@ -173,7 +173,8 @@ def test_text_and_chat_mix_from_the_cli(llama_folder, text_folder, tmp_path, cap
     args = ["train-head", str(llama_folder), str(out), "--text", str(text_folder)]
     args += ["--text", str(text_folder / "code.py"), "--text-tokens", "900"]
     args += ["--self-distill", "3", "--distill-tokens", "12", "--chat-share", "0.4"]
-    args += ["--validation-prompts", "1", "--steps", "4", "--batch-size", "2"]
+    # 10 steps of 2 x 48 tokens can use all 900 tokens of text
+    args += ["--validation-prompts", "1", "--steps", "10", "--batch-size", "2"]
     args += ["--seq-len", "48", "--no-acceptance", "--json"]
     assert run_app(args) == 0
     report = json.loads(capsys.readouterr().out)
@@ -209,8 +210,8 @@ def test_train_head_on_a_quantized_trunk(llama_folder, tmp_path):
     loaded, tokenizer = load(folder, mtp=out)
     assert loaded.head is not None
     prompt = tokenizer.encode("def f3(x):")
-    plain = generate(loaded, tokenizer, prompt, 24, mtp=False)
-    assert generate(loaded, tokenizer, prompt, 24, draft_max=2) == plain
+    plain = generate(loaded, tokenizer, prompt, max_tokens=24, mtp=False)
+    assert generate(loaded, tokenizer, prompt, max_tokens=24, draft_max=2) == plain
 
 
 def test_a_file_shorter_than_a_window_is_warned_about(llama_folder, tmp_path, capsys):
@@ -272,3 +273,41 @@ def test_trunk_view_keeps_the_argmax_and_the_top8_distribution(llama_folder):
     best = np.sort(probs, axis=-1)[..., -SOFT_TOP:]
     assert np.allclose(np.sort(top, axis=-1), best, atol=1e-6)
 
+
+
+# newcomer fixes (issue 42): a tiny run says what it will do, shows its
+# distillation's progress in a log, and prepares no more than its steps use
+
+
+def test_a_tiny_run_says_its_plan_and_prepares_only_what_its_steps_use(
+    llama_folder, tmp_path, capsys, monkeypatch
+):
+    from mlx_mtp.cli import run_app
+    from mlx_mtp.cli import train_head as cli
+
+    monkeypatch.setattr(cli, "LINE_EVERY", 0.0)  # every advance makes a line
+    text = tmp_path / "notes.txt"
+    text.write_text(CODE)  # thousands of tokens; 3 steps of 1 x 16 use 48
+    out = tmp_path / "head"
+    args = ["train-head", str(llama_folder), str(out), "--text", str(text)]
+    args += ["--steps", "3", "--batch-size", "1", "--seq-len", "16"]
+    args += ["--distill-batch", "4", "--no-acceptance", "--json"]
+    assert run_app(args) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0].startswith(
+        "train-head: self-distil 3 answers of up to 48 tokens (3 for validation), "
+        "read up to 48 tokens of text (as much as the steps can use), "
+        "train 3 steps of 1 x 16 tokens: about "
+    )
+    assert lines[0].endswith(" on this machine")
+    # 32 validation prompts asked (the default), 3 of 48 tokens made
+    rows = (out / "work" / "validation.jsonl").read_text().splitlines()
+    assert len(rows) == 3
+    assert all(len(r["tokens"]) - r["prompt_len"] <= 48 for r in map(json.loads, rows))
+    report = json.loads(captured.out)
+    assert 0 < report["text_tokens"] <= 48
+    # progress while the answers are written, not only as each one ends
+    distilling = [x for x in lines if x.startswith("self-distillation, validation")]
+    assert len(distilling) > 3
+    assert distilling[-1].startswith("self-distillation, validation (tokens): 144/144")

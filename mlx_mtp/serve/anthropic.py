@@ -287,7 +287,7 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         if count:
             return JSONResponse({"input_tokens": len(tokens)})
         p = parse.params(service, chat)
-        service.hold_calls(plan, p)
+        await service.hold(plan, p)
         stops, p.stop = _Stops(p.stop), []
         submitted = service.submit(http, tokens, p, "messages")
     except ToolError as e:

@@ -129,8 +129,9 @@ async def _http_error(http: HTTPRequest, e: HTTPException):
 
 
 async def _server_error(http: HTTPRequest, e: Exception):
-    body = openai.internal_error(f"{type(e).__name__}: {e}")
-    return JSONResponse(body, status_code=500)
+    error = APIError(f"{type(e).__name__}: {e}", code="internal_error", status=500,
+                     type="server_error")  # fmt: skip
+    return _refusal(http.url.path, error)
 
 
 @asynccontextmanager

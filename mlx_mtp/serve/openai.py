@@ -32,9 +32,9 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
         if kind == "chat":
             plan = tool_plan(body, service.tool_format)
             tokens = parse.chat_tokens(service, body, plan)
-            service.hold_calls(plan, p)
         else:
             tokens = parse.completion_tokens(service, body)
+        await service.hold(plan, p)
         param = "messages" if kind == "chat" else "prompt"
         submitted = service.submit(http, tokens, p, param)
     except ToolError as e:

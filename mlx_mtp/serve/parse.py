@@ -6,6 +6,7 @@ requests into chat requests and comes here too. A bad field raises
 """
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -37,6 +38,13 @@ def _get(body: dict, name: str, kinds: tuple, default=None, low=None, high=None)
             f"'{name}' must be {_KINDS[kinds[-1]]}, got {json.dumps(value)}",
             param=name,
             code="invalid_type",
+        )
+    # JSON has no NaN or infinities, but the body parser reads them
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(
+            f"'{name}' must be a finite number, got {value}",
+            param=name,
+            code="invalid_value",
         )
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
@@ -184,7 +192,8 @@ def _logit_bias(body: dict, vocab: int) -> Optional[Dict[int, float]]:
                 param="logit_bias",
                 code="invalid_value",
             )
-        if isinstance(value, bool) or not isinstance(value, _NUMBER):
+        number = isinstance(value, _NUMBER) and not isinstance(value, bool)
+        if not number or math.isnan(value):  # an infinity is clamped below
             raise APIError(
                 "'logit_bias' values must be numbers",
                 param="logit_bias",

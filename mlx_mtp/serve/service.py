@@ -11,7 +11,12 @@ import re
 import time
 from typing import List, Optional
 
-from ..constrain import JSONConstraint, TriggeredConstraint, grammar_tokenizer
+from ..constrain import (
+    Grammars,
+    JSONConstraint,
+    TriggeredConstraint,
+    grammar_tokenizer,
+)
 from ..errors import MTPError
 from ..prompts import context_length, fit_context
 from . import ServeConfig, tool_grammar
@@ -46,56 +51,79 @@ class Service:
         )
         self.created = int(time.time())
         self.aliases = model_aliases(name)
-        self._grammar_tokenizer = None
+        self._grammars: Grammars | None = None
         self.tool_format = tool_format(tokenizer)
 
-    def grammar_tokenizer(self, param: str):
-        """llguidance's view of the tokenizer, built on first use."""
-        if self._grammar_tokenizer is None:
+    def grammars(self, param: str) -> Grammars:
+        """The grammars compiled for this tokenizer (llguidance's view of it
+        built on first use)."""
+        if self._grammars is None:
             try:
-                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
+                ll = grammar_tokenizer(self.tokenizer, self.vocab)
             except MTPError as e:
                 raise APIError(str(e), param=param, code="unsupported_value") from None
-        return self._grammar_tokenizer
+            self._grammars = Grammars(ll)
+        return self._grammars
 
     def constraint(self, params, prompt_len: int):
         """The logits processor holding an answer (or, with a trigger, the
-        parts it opens) to ``params.grammar``."""
+        parts it opens) to ``params.grammar``, from the compiled grammar
+        (``hold`` compiled it; a server of several processes compiles it
+        here on the other ranks)."""
         param = "response_format"
-        ll = self.grammar_tokenizer(param)
+        grammars = self.grammars(param)
+        ll = grammars.ll_tokenizer
         try:
+            compiled = grammars.compile(params.grammar)
             if params.grammar_trigger is None:
-                return JSONConstraint(params.grammar, ll, prompt_len)
+                return JSONConstraint(params.grammar, ll, prompt_len, compiled)
             trigger = self.tokenizer.encode(
                 params.grammar_trigger, add_special_tokens=False
             )
-            return TriggeredConstraint(params.grammar, ll, prompt_len, trigger)
+            return TriggeredConstraint(
+                params.grammar, ll, prompt_len, trigger, compiled
+            )
         except MTPError as e:
             raise APIError(str(e), param=param, code="invalid_value") from None
 
-    def hold_calls(self, plan: ToolPlan, params) -> None:
+    async def hold(self, plan: ToolPlan, params) -> None:
+        """Settle what the answer is held to, the tool calls (``_hold_calls``)
+        or ``response_format``, and compile its grammar in a worker thread: a
+        large tool set's first compilation takes seconds, which neither the
+        event loop nor the engine thread waits for. Compiled grammars are
+        kept (``Grammars``), so the same tools or schema compile once."""
+        param = "tools" if self._hold_calls(plan, params) else "response_format"
+        if params.grammar is None:
+            return
+        grammars = self.grammars(param)
+        try:
+            await asyncio.to_thread(grammars.compile, params.grammar)
+        except MTPError as e:  # a schema llguidance refuses
+            raise APIError(str(e), param=param, code="invalid_value") from None
+
+    def _hold_calls(self, plan: ToolPlan, params) -> bool:
         """Hold the request's tool calls to the tools' schemas: a forced call
         from its start, an ``auto`` one once the model opens it (unless
-        ``response_format`` holds the answer already)."""
+        ``response_format`` holds the answer already). Whether it does."""
         fmt = plan.format
         if plan.tools is None or not tool_grammar.supported(fmt):
-            return
+            return False
         if not plan.prefix and params.grammar is not None:
-            return
+            return False
         written = plan.prefix or fmt.start
-        ll = self.grammar_tokenizer("tools")
+        ll = self.grammars("tools").ll_tokenizer
 
         def token_of(text: str) -> Optional[int]:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return ids[0] if len(ids) == 1 and ll.is_special_token(ids[0]) else None
 
-        grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
-        try:  # a tool's schema llguidance refuses is the tools' fault
-            JSONConstraint(grammar, ll, 0)
-        except MTPError as e:
+        try:
+            grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
+        except MTPError as e:  # a tool's schema that no call could finish
             raise APIError(str(e), param="tools", code="invalid_value") from None
         params.grammar = grammar
         params.grammar_trigger = None if plan.prefix else fmt.start
+        return True
 
     def check_model(self, model: Optional[str]) -> None:
         """Any name is this model's unless ``strict_model_names`` is set: a

@@ -6,9 +6,12 @@ the model's format), the arguments, and a tail (the end marker). The
 grammar (llguidance's lark) lists one such call per offered tool; what is
 already written (the forced start in the prompt, or the start marker the
 model wrote) is taken off the front of each. JSON arguments follow the
-tool's schema in ``json.dumps``'s layout; the XML-like formats (GLM's
-``<arg_key>``, Qwen3-Coder's ``<parameter=...>``) write the schema's
-properties in order, strings as text without ``<`` and other values as JSON.
+tool's schema in ``json.dumps``'s layout, each object held to the
+properties it lists unless its schema says more may come (a missing
+``additionalProperties`` reads as false: a model free to add keys may never
+end its call); the XML-like formats (GLM's ``<arg_key>``, Qwen3-Coder's
+``<parameter=...>``) write the schema's properties in order, strings as text
+without ``<`` and other values as JSON.
 
 Markers that are one added token of the tokenizer are written as that token
 (``<[id]>``): llguidance never reads an added token as text.
@@ -18,6 +21,7 @@ import json
 import re
 from typing import Callable, List, Optional, Tuple
 
+from ..constrain import check_schema, map_subschemas
 from .tools import (
     DS_CALL_BEGIN,
     DS_CALL_END,
@@ -88,6 +92,8 @@ def call_grammar(
             continue
         # no parameters (or ``{}``): a call without arguments
         schema = f.get("parameters") or _NO_ARGUMENTS
+        check_schema(schema)
+        schema = closed(schema)
         xml = fmt.name in ("glm47", "qwen3_coder")
         args = _xml_args(fmt, schema, i, rules, lit) if xml else _json(schema)
         rules.append(f"call{i}: {lit(head[len(written):])} {args} {lit(tail)}")
@@ -95,6 +101,23 @@ def call_grammar(
     if not alternatives:
         raise ValueError(f"no offered tool's call begins with {written!r}")
     return "\n".join(["start: " + " | ".join(alternatives), *rules])
+
+
+# keywords that let an object hold keys other than its ``properties`` (with
+# ``allOf``, its members' properties add up to the object's)
+_MORE_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties",
+              "allOf")  # fmt: skip
+
+
+def closed(schema: dict, keyword: str = "") -> dict:
+    """``schema`` with every object that lists its ``properties`` held to them,
+    where it says nothing of other keys (``keyword``: the one ``schema`` is
+    under)."""
+    schema = map_subschemas(schema, closed)
+    lists = isinstance(schema.get("properties"), dict)
+    if lists and keyword != "allOf" and not any(k in schema for k in _MORE_KEYS):
+        schema["additionalProperties"] = False
+    return schema
 
 
 def _json(schema: dict) -> str:

@@ -32,6 +32,8 @@ def check_data_file(path: Path) -> list[dict[str, Any]]:
         raw = path.read_bytes()
     except IsADirectoryError:
         raise MTPError(f"{path}: is a folder, not a text file") from None
+    except FileNotFoundError:  # the OS says "directory": the CLI says folder
+        raise MTPError(f"{path}: no such file or folder") from None
     except OSError as e:
         raise MTPError(f"{path}: cannot read ({e.strerror})") from None
     if not raw.strip():
@@ -123,13 +125,19 @@ def self_distill(
     ``out_file`` as ``{"i": prompt index, "tokens": prompt + answer,
     "prompt_len": n}`` when it ends (stop token kept: the head drafts it too).
     Returns every finished sequence in prompt order; stops early, keeping what
-    is done, when ``should_stop()`` turns true.
+    is done, when ``should_stop()`` turns true. ``progress(n)`` hears answer
+    tokens as they are written, and an answer's unused budget when it ends
+    early: ``len(prompts) * max_tokens`` in all (answers resumed from
+    ``out_file`` at once).
     """
     from mlx_lm.generate import BatchGenerator
 
     _repair(out_file)
     done = {r["i"]: r for r in read_jsonl(out_file) if r["i"] < len(prompts)}
     todo = [i for i in range(len(prompts)) if i not in done]
+    progress = progress or (lambda n: None)
+    if done:
+        progress(len(done) * max_tokens)
     if todo and not should_stop():
         rendered = [render_prompt(tokenizer, prompts[i]) for i in todo]
         gen = BatchGenerator(
@@ -145,18 +153,20 @@ def self_distill(
             answers = {u: [] for u in uids}
             with open(out_file, "a") as f:
                 while not should_stop() and (responses := gen.next_generated()):
+                    written = len(responses)
                     for r in responses:
                         answers[r.uid].append(int(r.token))
                         if r.finish_reason is None:
                             continue
                         i, prompt = index[r.uid]
-                        row = {"i": i, "tokens": prompt + answers.pop(r.uid)}
+                        answer = answers.pop(r.uid)
+                        written += max_tokens - len(answer)
+                        row = {"i": i, "tokens": prompt + answer}
                         row["prompt_len"] = len(prompt)
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                         done[i] = row
-                        if progress is not None:
-                            progress(1)
+                    progress(written)
         finally:
             gen.close()
     return [(done[i]["tokens"], done[i]["prompt_len"]) for i in sorted(done)]

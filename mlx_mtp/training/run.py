@@ -9,12 +9,13 @@ cleanly at the next safe point; running the same command with ``resume=True``
 goes on.
 """
 
+import math
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import mlx.core as mx
 from ..errors import MTPError
 from ..loader import load
 from . import evaluate
-from .corpus import read_text, short_warning, text_files
+from .corpus import DEFAULT_CORPUS_TOKENS, read_text, short_warning, text_files
 from .data import (
     DEFAULT_DISTILL_BATCH,
     DEFAULT_DISTILL_TOKENS,
@@ -34,7 +35,13 @@ from .data import (
     self_distill,
 )
 from .head import init_head, save_head
-from .prompts import eval_prompts, render_prompt, training_prompts, validation_prompts
+from .prompts import (
+    DEFAULT_EVAL_PER_KIND,
+    eval_prompts,
+    render_prompt,
+    training_prompts,
+    validation_prompts,
+)
 from .shards import ShardSet, shard_count, write_shards
 from .trainer import CHECKPOINT_DIR, TrainConfig, train
 
@@ -54,6 +61,8 @@ class Hooks:
     step: Callable[[int, float, int], Any] = lambda step, loss, tokens: None
     evaluated: Callable[[int, list[float]], Any] = lambda step, per_depth: None
     message: Callable[[str], Any] = lambda text: None
+    # once the model is loaded: what the run will do, about how many seconds
+    planned: Callable[[str, float], Any] = lambda what, seconds: None
 
 
 class Stop:
@@ -116,8 +125,25 @@ class RunConfig:
     resume: bool = False
     eval_tokens: int = DEFAULT_EVAL_TOKENS
     eval_draft_maxes: Sequence[int] = DEFAULT_EVAL_DRAFT_MAXES
-    eval_per_kind: int = 4
+    eval_per_kind: int = DEFAULT_EVAL_PER_KIND
     max_minutes: float = 0.0
+
+
+def capped(data: DataConfig, cfg: TrainConfig) -> DataConfig:
+    """``data`` with no more to prepare than ``cfg.steps`` can use: the steps
+    read ``steps x batch_size`` windows of ``seq_len`` tokens, so no more
+    self-distilled answers (each one a window at least) or validation prompts
+    than those windows, and no more text tokens or answer tokens than theirs."""
+    windows = cfg.steps * cfg.batch_size
+    tokens = windows * cfg.seq_len
+    text = data.text_tokens or (DEFAULT_CORPUS_TOKENS if data.corpus else tokens)
+    return replace(
+        data,
+        self_distill=min(data.self_distill, windows),
+        validation=min(data.validation, windows),
+        distill_tokens=min(data.distill_tokens, tokens),
+        text_tokens=min(text, tokens) if data.text or data.corpus else 0,
+    )
 
 
 class _Stopped(Exception):
@@ -145,7 +171,10 @@ def train_head(
     cfg, run = cfg or TrainConfig(), run or RunConfig()
     stop = stop or Stop(run.max_minutes)
     rows = _check(base, Path(out), data, cfg, run)  # before any model work
-    phases = _Phases(base, Path(out), data, cfg, run, hooks or Hooks(), stop)
+    hooks = hooks or Hooks()
+    prepared = capped(data, cfg)
+    phases = _Phases(base, Path(out), prepared, cfg, run, hooks, stop)
+    hooks.planned(*phases.plan(prepared != data))
     with interruptible(stop):
         try:
             windows = phases.windows(rows)
@@ -197,8 +226,40 @@ class _Phases:
             "base": base_identity(self.mtp_model.config, base)
         }
 
+    def plan(self, capped_by_steps: bool) -> tuple[str, float]:
+        """What this run will do, and about how many seconds it will take at
+        the speed of a few steps timed now."""
+        data, cfg, run = self.data, self.cfg, self.run
+        answers = data.validation + data.self_distill
+        distil = f"self-distil {answers} answers of up to {data.distill_tokens} tokens"
+        what = [f"{distil} ({data.validation} for validation)"]
+        if data.files:
+            what.append(f"read {len(data.files)} --data file(s)")
+        text = data.text_tokens if data.text or data.corpus else 0
+        if text:
+            what.append(f"read up to {text:,} tokens of text")
+        if capped_by_steps:
+            what[-1] += " (as much as the steps can use)"
+        what.append(
+            f"train {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens"
+        )
+        prompts = eval_prompts(run.eval_per_kind).values()
+        generations = sum(map(len, prompts)) * len(run.eval_draft_maxes)
+        if generations:
+            what.append(f"measure acceptance in {generations} generations")
+        # 1) self-distillation, 2) the trunk's pass, 3) training, 4) evaluation
+        batch = max(1, min(data.distill_batch, answers))
+        step, one, window = _speeds(self.mtp_model.trunk, batch, cfg.seq_len)
+        rounds = sum(math.ceil(n / batch) for n in (data.validation, data.self_distill))
+        seconds = rounds * data.distill_tokens * step
+        seconds += (answers * data.distill_tokens + text) / cfg.seq_len * window
+        seconds += cfg.steps * cfg.batch_size * cfg.depth * window
+        seconds += generations * run.eval_tokens * one
+        return "train-head: " + ", ".join(what), seconds
+
     def _distill(self, prompts, name):
-        self.hooks.phase(f"self-distillation, {name} (answers)", len(prompts))
+        tokens = len(prompts) * self.data.distill_tokens
+        self.hooks.phase(f"self-distillation, {name} (tokens)", tokens)
         seqs = self_distill(
             self.mtp_model.trunk.model,
             self.tokenizer,
@@ -368,6 +429,28 @@ def _config_dict(cfg: TrainConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["chain_weights"] = list(cfg.chain_weights)
     return d
+
+
+def _speeds(trunk, batch: int, seq_len: int) -> tuple[float, float, float]:
+    """Seconds, timed on this machine, of a decode step of ``batch`` streams,
+    of one stream, and of reading one window of ``seq_len`` tokens."""
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        tic = time.perf_counter()
+        fn()
+        return time.perf_counter() - tic
+
+    def step(n: int) -> float:
+        cache = trunk.make_cache()
+        tokens = mx.zeros((n, 1), dtype=mx.int32)
+        mx.eval(trunk(mx.zeros((n, 8), dtype=mx.int32), cache)[0])
+        return timed(lambda: mx.eval(trunk(tokens, cache)[0]))
+
+    window = mx.zeros((1, seq_len), dtype=mx.int32)
+    read = timed(lambda: mx.eval(trunk(window, trunk.make_cache())[0]))
+    batched = step(batch)
+    return batched, step(1) if batch > 1 else batched, read
 
 
 def _tokens(path: Path) -> int:
