@@ -98,6 +98,7 @@ class NoDrafts:
     name = "none"
     draft_max = 0
     drafters: FrozenSet[str] = frozenset()
+    asked = 0  # drafts per round asked for, of drafters left out (``can_pay``)
 
     def count(self) -> int:
         return 0
@@ -343,7 +344,11 @@ def make_source(
         return AutoDrafts(models, lookup)
     if lookup is not None:
         return LookupDrafts(lookup)
-    return models[0] if models else NoDrafts()
+    if models:
+        return models[0]
+    none = NoDrafts()
+    none.asked = draft_max if model.drafters and name != "ngram" else 0
+    return none
 
 
 def as_source(drafts) -> DraftSource:

@@ -120,5 +120,10 @@ def open_stream(
         logprobs=logprobs,
         source=source,
     )
-    stream.stats.draft_max = source.draft_max if source is not None else 0
+    # what the run could draft: as asked (a drafter that cannot pay here is
+    # left out of the source, and the stats say no drafts were made)
+    drafted = (
+        0 if source is None else max(source.draft_max, getattr(source, "asked", 0))
+    )
+    stream.stats.draft_max = drafted
     return stream
