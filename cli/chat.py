@@ -1,5 +1,6 @@
 """``mlx-mtp chat``: a terminal chat; the conversation logic is ``mlx_mtp.chat``."""
 
+import dataclasses
 import sys
 from typing import Optional
 
@@ -202,7 +203,7 @@ def chat(
     from mlx_mtp.prompts import has_chat_template
 
     o.processes()
-    request.max_tokens = max_tokens
+    request = dataclasses.replace(request, max_tokens=max_tokens)
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(

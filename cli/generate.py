@@ -1,5 +1,6 @@
 """``mlx-mtp generate``: stream a completion, then the speculative stats."""
 
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -126,7 +127,9 @@ def generate(
     from mlx_mtp.prompts import user_prompt
 
     group = o.processes()
-    request.max_tokens, request.truncate_prompt = max_tokens, truncate_prompt
+    request = dataclasses.replace(
+        request, max_tokens=max_tokens, truncate_prompt=truncate_prompt
+    )
     if (prompt is None) == (prompts is None):
         raise fail("pass one of --prompt and --prompts")
     if prompts is not None:

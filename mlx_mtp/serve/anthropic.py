@@ -14,6 +14,7 @@ Any ``model`` name is served: coding agents send the names of the models they
 were set up for (and a second, smaller one for chores), not this server's.
 """
 
+import dataclasses
 import json
 import uuid
 from typing import List, Optional, Tuple
@@ -287,8 +288,8 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         if count:
             return JSONResponse({"input_tokens": len(tokens)})
         p = parse.params(service, chat)
-        await service.hold(plan, p)
-        stops, p.stop = _Stops(p.stop), []
+        p = await service.hold(plan, p)
+        stops, p = _Stops(p.stop), dataclasses.replace(p, stop=[])
         submitted = service.submit(http, tokens, p, "messages")
     except ToolError as e:
         return error_response(_bad(str(e)))

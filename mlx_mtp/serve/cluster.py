@@ -25,7 +25,6 @@ exit 1. ``ranks.handshake`` starts it all.
 
 import dataclasses
 import pickle
-import random
 import sys
 import threading
 import time
@@ -295,9 +294,6 @@ class ClusterEngine(Engine):
     # -- rank 0: the HTTP side ---------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        sampling = request.params.sampling
-        if sampling.temp > 0 and sampling.seed is None:  # one seed on every rank
-            sampling.seed = random.getrandbits(31)
         key, emit = id(request), request.emit
 
         def tracked(event: Event) -> None:

@@ -34,7 +34,7 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
             tokens = parse.chat_tokens(service, body, plan)
         else:
             tokens = parse.completion_tokens(service, body)
-        await service.hold(plan, p)
+        p = await service.hold(plan, p)
         param = "messages" if kind == "chat" else "prompt"
         submitted = service.submit(http, tokens, p, param)
     except ToolError as e:

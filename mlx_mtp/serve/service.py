@@ -7,6 +7,8 @@ prompt is still being read frees the engine at once.
 """
 
 import asyncio
+import dataclasses
+import random
 import re
 import time
 from typing import List, Optional
@@ -86,30 +88,36 @@ class Service:
         except MTPError as e:
             raise APIError(str(e), param=param, code="invalid_value") from None
 
-    async def hold(self, plan: ToolPlan, params) -> None:
-        """Settle what the answer is held to, the tool calls (``_hold_calls``)
-        or ``response_format``, and compile its grammar in a worker thread: a
-        large tool set's first compilation takes seconds, which neither the
-        event loop nor the engine thread waits for. Compiled grammars are
-        kept (``Grammars``), so the same tools or schema compile once."""
-        param = "tools" if self._hold_calls(plan, params) else "response_format"
+    async def hold(self, plan: ToolPlan, params):
+        """``params`` with what the answer is held to: the tool calls
+        (``_hold_calls``) or ``response_format``; its grammar is compiled in a
+        worker thread: a large tool set's first compilation takes seconds,
+        which neither the event loop nor the engine thread waits for.
+        Compiled grammars are kept (``Grammars``), so the same tools or schema
+        compile once."""
+        calls = self._hold_calls(plan, params)
+        param = "tools" if calls is not None else "response_format"
+        if calls is not None:
+            params = dataclasses.replace(params, **calls)
         if params.grammar is None:
-            return
+            return params
         grammars = self.grammars(param)
         try:
             await asyncio.to_thread(grammars.compile, params.grammar)
         except MTPError as e:  # a schema llguidance refuses
             raise APIError(str(e), param=param, code="invalid_value") from None
+        return params
 
-    def _hold_calls(self, plan: ToolPlan, params) -> bool:
+    def _hold_calls(self, plan: ToolPlan, params) -> Optional[dict]:
         """Hold the request's tool calls to the tools' schemas: a forced call
         from its start, an ``auto`` one once the model opens it (unless
-        ``response_format`` holds the answer already). Whether it does."""
+        ``response_format`` holds the answer already). The grammar and its
+        trigger, or None where the calls are not held."""
         fmt = plan.format
         if plan.tools is None or not tool_grammar.supported(fmt):
-            return False
+            return None
         if not plan.prefix and params.grammar is not None:
-            return False
+            return None
         written = plan.prefix or fmt.start
         ll = self.grammars("tools").ll_tokenizer
 
@@ -121,9 +129,10 @@ class Service:
             grammar = tool_grammar.call_grammar(fmt, plan.tools, written, token_of)
         except MTPError as e:  # a tool's schema that no call could finish
             raise APIError(str(e), param="tools", code="invalid_value") from None
-        params.grammar = grammar
-        params.grammar_trigger = None if plan.prefix else fmt.start
-        return True
+        return {
+            "grammar": grammar,
+            "grammar_trigger": None if plan.prefix else fmt.start,
+        }
 
     def check_model(self, model: Optional[str]) -> None:
         """Any name is this model's unless ``strict_model_names`` is set: a
@@ -163,10 +172,17 @@ class Service:
 
 
 def engine_request(service: Service, tokens, params, param: str, emit) -> Request:
-    """The engine's record of a checked request: the one place it is built."""
-    params.max_tokens = service.fit(tokens, params.max_tokens, param)
+    """The engine's record of a checked request: the one place it is built,
+    its generation complete (limit, constraint, a seed where it samples
+    without one: every process of a server draws the same) and not changed
+    after."""
+    changes = {"max_tokens": service.fit(tokens, params.max_tokens, param)}
     if params.grammar is not None:
-        params.logits_processors = [service.constraint(params, len(tokens))]
+        changes["logits_processors"] = [service.constraint(params, len(tokens))]
+    if params.sampling.temp > 0 and params.sampling.seed is None:
+        seed = random.getrandbits(31)
+        changes["sampling"] = dataclasses.replace(params.sampling, seed=seed)
+    params = dataclasses.replace(params, **changes)
     return Request(prompt=tokens, params=params, emit=emit)
 
 
