@@ -108,7 +108,9 @@ def test_a_shorter_block_is_the_first_slots_of_a_causal_one(targets, tmp_path):
 
 def test_both_layouts_read_alike():
     v1 = td.drafter_config([1, 5], 9, layout="v1", block_size=16, rope_theta=1e6)
-    nested = td.drafter_config([1, 5], 9, layout="nested", block_size=16, rope_theta=1e6)
+    nested = td.drafter_config(
+        [1, 5], 9, layout="nested", block_size=16, rope_theta=1e6
+    )
     a, b = DFlashArgs.from_config(v1), DFlashArgs.from_config(nested)
     assert (a.block_size, a.rope_theta, a.target_layer_ids) == (16, 1e6, (1, 5))
     assert (b.block_size, b.rope_theta, b.mask_token_id) == (16, 1e6, td.MASK)
