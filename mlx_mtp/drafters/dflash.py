@@ -25,11 +25,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..drafter import Drafter, DraftView, Reads
+from ..loader import read_safetensors
 from ..sampling import Draft
 from ..trunk import output_head
 
@@ -378,8 +380,8 @@ class DFlashDrafter(Drafter):
 
 
 def read_weights(folder: Path) -> Dict[str, mx.array]:
-    from ..loader import read_safetensors
-
+    """The checkpoint's tensors, ``model.`` prefix dropped, and without the
+    target's embedding or output head should it carry them."""
     files = glob.glob(str(Path(folder) / "*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {folder}")
@@ -424,12 +426,9 @@ def check_fits(args: DFlashArgs, target) -> None:
         raise ValueError(f"block_size {args.block_size} drafts nothing")
 
 
-def build(model_class, folder, config, target) -> DFlashModel:
-    """``model_class`` with the weights of ``folder``, checked against ``target``."""
-    args = DFlashArgs.from_config(config)
-    check_fits(args, target)
-    model = model_class(args)
-    weights = read_weights(folder)
+def with_weights(model: nn.Module, weights: Dict[str, mx.array], config) -> None:
+    """Load ``weights`` (checkpoint names) into ``model``; the modules that
+    ``convert -q`` quantized (``config["quantization"]``) quantized alike."""
     quant = config.get("quantization")
     if quant:
         nn.quantize(
@@ -439,6 +438,14 @@ def build(model_class, folder, config, target) -> DFlashModel:
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
     model.load_weights(list(weights.items()))
+
+
+def build(model_class, folder, config, target) -> DFlashModel:
+    """``model_class`` with the weights of ``folder``, checked against ``target``."""
+    args = DFlashArgs.from_config(config)
+    check_fits(args, target)
+    model = model_class(args)
+    with_weights(model, read_weights(folder), config)
     model.eval()
     mx.eval(model.parameters())
     return model
@@ -447,7 +454,6 @@ def build(model_class, folder, config, target) -> DFlashModel:
 def relative_cost(model: nn.Module, target) -> float:
     """A block's cost in plain steps before ``tune`` measures it: the bytes it
     reads (its weights and the target's output head) over the target's."""
-    from mlx.utils import tree_flatten
 
     def nbytes(m):
         return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
@@ -467,3 +473,22 @@ def attach_parts(model: nn.Module, target):
 def load(folder, config: Dict[str, Any], target) -> DFlashDrafter:
     model = build(DFlashModel, folder, config, target)
     return DFlashDrafter(model, *attach_parts(model, target))
+
+
+def make_model(config: Dict[str, Any]) -> nn.Module:
+    """The drafter's module, its parameters named as the checkpoint's (convert)."""
+    return DFlashModel(DFlashArgs.from_config(config))
+
+
+def summary(config: Dict[str, Any]) -> Dict[str, Any]:
+    """What ``info`` shows of a drafter folder."""
+    args = DFlashArgs.from_config(config)
+    sliding = args.layer_types.count("sliding_attention")
+    return {
+        "block_size": args.block_size,
+        "target_layer_ids": list(args.target_layer_ids),
+        "num_target_layers": args.num_target_layers,
+        "mask_token_id": args.mask_token_id,
+        "hidden_size": args.hidden_size,
+        "sliding_window_layers": sliding,
+    }
