@@ -10,7 +10,9 @@ One forward: the context ``hidden_norm(fc(features))`` at positions
 RoPE) and the block ``[y, MASK...]`` at positions ``S..S+B-1`` queries the
 context and itself; a full-attention layer sees everything (``is_causal``
 unset), a sliding one causally within its window. Drafts are the target's
-output head over the final norm at block positions ``1..B-1``.
+output head over the final norm at block positions ``1..B-1``. DFlash 2
+(``DFlash2DraftModel``): the convolution around each sublayer and the
+candidate selector's greedy path, from the same file.
 """
 
 import json
@@ -71,9 +73,65 @@ class NumpyDFlash:
         window = self.cfg["sliding_window"] if kind == "sliding_attention" else None
         return causal, window
 
+    def _conv(self, h, dynamic, base):
+        """DFlash 2's grouped causal convolution over the block (model.py's
+        ``_grouped_dynamic_convolve``): ``sum_o (base[o] + dyn[t, o]) * h[t-o]``."""
+        B, D = h.shape
+        group = self._get("conv_group_size")
+        x = h.reshape(B, D // group, group)
+        out = np.zeros_like(x)
+        for o in range(base.shape[0]):
+            past = np.zeros_like(x)
+            past[o:] = x[: B - o] if o < B else 0
+            out += (base[o].reshape(D // group, group) + dynamic[:, o, :, None]) * past
+        return out.reshape(B, D)
+
+    def _prepare(self, h, prefix):
+        """The convolved input and the kernels of the output's convolution."""
+        w = self.w
+        if prefix + "base_kernel" not in w:
+            return h, None
+        kernel, group = self._get("conv_kernel_size"), self._get("conv_group_size")
+        dyn = (h @ w[prefix + "kernel_projection.weight"].T).reshape(
+            h.shape[0], 2, kernel, h.shape[1] // group
+        )
+        return self._conv(h, dyn[:, 0], w[prefix + "base_kernel"][0]), dyn[:, 1]
+
+    def _finish(self, h, dyn, prefix):
+        if dyn is None:
+            return h
+        return self._conv(h, dyn, self.w[prefix + "base_kernel"][1])
+
+    def select(self, hidden: np.ndarray, logits: np.ndarray, anchor: int):
+        """DFlash 2's greedy path (model.py's ``CandidateSelector.select``):
+        each slot's top-k candidates scored by their logit plus
+        ``<pred[previous] * P h, succ[candidate]>``."""
+        w, top = self.w, self._get("selector_top_k")
+        proj = hidden @ w["candidate_selector.hidden_projection.weight"].T
+        pred = w["candidate_selector.predecessor_codebook"]
+        succ = w["candidate_selector.successor_codebook"]
+        previous, path = anchor, []
+        for j in range(logits.shape[0]):
+            cands = np.argsort(-logits[j])[:top]
+            scores = logits[j, cands] + (pred[previous] * proj[j] * succ[cands]).sum(-1)
+            previous = int(cands[np.argmax(scores)])
+            path.append(previous)
+        return path
+
     def logits(self, features: np.ndarray, block) -> np.ndarray:
         """``features [S, n_taps * D]`` (the target's layer outputs at positions
         ``0..S-1``), ``block`` token ids: logits ``[len(block) - 1, V]``."""
+        return self.head(self.hidden(features, block))
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        logits = h @ self.lm_head.T * float(self._get("output_multiplier", 1.0))
+        cap = self._get("final_logit_softcapping")
+        if cap:
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def hidden(self, features: np.ndarray, block) -> np.ndarray:
+        """The final hidden states at block positions ``1..``."""
         cfg, w = self.cfg, self.w
         S, B = features.shape[0], len(block)
         H, KV, hd = (
@@ -90,6 +148,7 @@ class NumpyDFlash:
         for i in range(cfg["num_hidden_layers"]):
             p = f"layers.{i}."
             x = self._rms(h, w[p + "input_layernorm.weight"])
+            x, dyn = self._prepare(x, p + "attention_conv.")
             q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(B, H, hd)
             q = self._rms(q, w[p + "self_attn.q_norm.weight"]).transpose(1, 0, 2)
             both = np.concatenate([ctx, x])
@@ -113,14 +172,12 @@ class NumpyDFlash:
             att = np.exp(scores)
             att /= att.sum(-1, keepdims=True)
             o = (att @ v).transpose(1, 0, 2).reshape(B, H * hd)
-            h = h + o @ w[p + "self_attn.o_proj.weight"].T
+            o = o @ w[p + "self_attn.o_proj.weight"].T
+            h = h + self._finish(o, dyn, p + "attention_conv.")
             x = self._rms(h, w[p + "post_attention_layernorm.weight"])
+            x, dyn = self._prepare(x, p + "mlp_conv.")
             gate = x @ w[p + "mlp.gate_proj.weight"].T
             up = x @ w[p + "mlp.up_proj.weight"].T
-            h = h + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-        h = self._rms(h, w["norm.weight"])
-        logits = h[1:] @ self.lm_head.T * float(self._get("output_multiplier", 1.0))
-        cap = self._get("final_logit_softcapping")
-        if cap:
-            logits = np.tanh(logits / cap) * cap
-        return logits
+            m = (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+            h = h + self._finish(m, dyn, p + "mlp_conv.")
+        return self._rms(h, w["norm.weight"])[1:]

@@ -27,6 +27,10 @@ import tiny_plain
 
 MASK = tiny.VOCAB - 2  # a token no test prompt holds
 HIDDEN = 64
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2 = dict(
+    conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6
+)
 
 
 def build_target(path: Path, family: str = "qwen3", layers: int = 6, seed: int = 0):
@@ -57,10 +61,11 @@ def drafter_config(
     kv_heads: int = 2,
     layer_types: Optional[Sequence[str]] = None,
     sliding_window: Optional[int] = None,
+    kind: str = "dflash",
     **extra,
 ) -> dict:
     config = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[kind]],
         "model_type": "qwen3",
         "hidden_size": HIDDEN,
         "intermediate_size": 96,
@@ -77,6 +82,8 @@ def drafter_config(
         "dflash_config": {"mask_token_id": MASK, "target_layer_ids": list(layer_ids)},
         "dtype": "float32",
     }
+    if kind == "dflash2":  # its own keys, as z-lab's fixture holds them
+        config["dflash_config"].update(DFLASH2)
     if layout == "v1":
         config.update(block_size=block_size, rope_theta=rope_theta)
     else:  # the later layout
@@ -128,6 +135,25 @@ def drafter_weights(config: dict, agreeable: bool = False, seed: int = 0) -> dic
         w[p + "mlp.gate_proj.weight"] = mat(inter, d)
         w[p + "mlp.up_proj.weight"] = mat(inter, d)
         w[p + "mlp.down_proj.weight"] = mat(d, inter, 0.0 if agreeable else 1.0)
+    own = config["dflash_config"]
+    if "selector_rank" in own:  # DFlash 2: convolutions and the selector
+        kernel, groups = own["conv_kernel_size"], d // own["conv_group_size"]
+        for i in range(config["num_hidden_layers"]):
+            for conv in ("attention_conv", "mlp_conv"):
+                p = f"layers.{i}.{conv}."
+                base = rng.normal(size=(2, kernel, d)).astype(np.float32) * 0.3
+                base[:, 0] += 1.0  # about the identity, and more
+                w[p + "base_kernel"] = base * (0 if agreeable else 1)
+                if agreeable:
+                    w[p + "base_kernel"][:, 0] = 1.0
+                w[p + "kernel_projection.weight"] = mat(
+                    2 * kernel * groups, d, 0.0 if agreeable else 0.3
+                )
+        rank, vocab = own["selector_rank"], config["vocab_size"]
+        scale = 0.0 if agreeable else 1.0
+        w["candidate_selector.predecessor_codebook"] = mat(vocab, rank, scale * 4)
+        w["candidate_selector.successor_codebook"] = mat(vocab, rank, scale * 4)
+        w["candidate_selector.hidden_projection.weight"] = mat(rank, d, scale * 4)
     return w
 
 

@@ -311,15 +311,20 @@ class DFlashDrafter(Drafter):
     def dtype(self):
         return self.model.norm.weight.dtype  # norms stay unquantized
 
-    def block_logits(self, features: mx.array, token: int, k: int) -> mx.array:
-        """Teacher-forced: the logits ``[k, V]`` of the block ``[token, MASK x
-        k]`` after the context ``features`` (``[1, L, F]``) on fresh caches."""
+    def block_hidden(self, features: mx.array, token: int, k: int) -> mx.array:
+        """Teacher-forced: the final hidden states ``[k, D]`` at positions
+        1..k of the block ``[token, MASK x k]`` after the context
+        ``features`` (``[1, L, F]``), on fresh caches."""
         caches = self.make_caches()
         if features.shape[1]:
             self._absorb(features, None, caches)
         tokens = mx.array([[token] + [self.model.args.mask_token_id] * k])
         h, _ = self._block(mx.ones((1, k + 1, 1)), tokens, caches)
-        return self.model.logits(h[0, 1:], self.lm_head)
+        return h[0, 1:]
+
+    def block_logits(self, features: mx.array, token: int, k: int) -> mx.array:
+        """The logits ``[k, V]`` of ``block_hidden``."""
+        return self.model.logits(self.block_hidden(features, token, k), self.lm_head)
 
     # -- the round ----------------------------------------------------------------
 
@@ -339,12 +344,26 @@ class DFlashDrafter(Drafter):
     def catch_up(self, view: DraftView, streams: Sequence[Any]) -> None:
         self._read_pending(view, streams, [True] * len(streams))
 
+    def draft_block(self, stream, hidden, logits, p_min: float) -> List[Draft]:
+        """``stream``'s drafts from its block's hidden states and logits at
+        positions 1..k (``[k, D]``, ``[k, V]``): each its row's draft, until
+        one's probability falls below ``p_min``."""
+        drafts: List[Draft] = []
+        for j in range(logits.shape[0]):
+            d = stream.verifier.draft(logits[j : j + 1], stream.history, drafts)
+            if p_min > 0 and d.p.item() < p_min:
+                break
+            d.source = self.name
+            drafts.append(d)
+        return drafts
+
     def propose(
         self, view: DraftView, streams: Sequence[Any], ks: Sequence[int], p_min: float
     ) -> Tuple[List[List[Draft]], List[List[int]]]:
         """1) each drafting stream reads its pending features; 2) ONE forward
         over each one's block ``[y, MASK x k_b]``; 3) its drafts from the
-        target's output head at the block's positions 1..k_b."""
+        target's output head at the block's positions 1..k_b
+        (``draft_block``)."""
         ks = [min(k, self.max_drafts) for k in ks]
         drafts: List[List[Draft]] = [[] for _ in streams]
         tentative = [[0] for _ in streams]
@@ -357,19 +376,15 @@ class DFlashDrafter(Drafter):
             for s, k in zip(streams, ks)
         ]
         _, outs = view.ragged(self._block, items, view.caches(self))
-        rows = [o[0, 1:] for o in outs if o is not None]
-        logits = self.model.logits(mx.concatenate(rows), self.lm_head)
+        hidden = mx.concatenate([o[0, 1:] for o in outs if o is not None])
+        logits = self.model.logits(hidden, self.lm_head)
         at = 0
         for b, (s, k) in enumerate(zip(streams, ks)):
             if not k:
                 continue
             tentative[b][0] = k + 1
-            for j in range(k):
-                d = s.verifier.draft(logits[at + j : at + j + 1], s.history, drafts[b])
-                if p_min > 0 and d.p.item() < p_min:
-                    break
-                d.source = self.name
-                drafts[b].append(d)
+            rows = slice(at, at + k)
+            drafts[b] = self.draft_block(s, hidden[rows], logits[rows], p_min)
             at += k
         # the drafter computes while the caller builds the verify graph
         mx.async_eval([d.token for ds in drafts for d in ds])
