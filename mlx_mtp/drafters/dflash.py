@@ -394,9 +394,12 @@ class DFlashDrafter(Drafter):
 # -- loading ------------------------------------------------------------------------
 
 
-def read_weights(folder: Path) -> Dict[str, mx.array]:
-    """The checkpoint's tensors, ``model.`` prefix dropped, and without the
-    target's embedding or output head should it carry them."""
+def read_weights(
+    folder: Path, drop: Tuple[str, ...] = ("embed_tokens", "lm_head")
+) -> Dict[str, mx.array]:
+    """The checkpoint's tensors, ``model.`` prefix dropped, and without
+    ``drop`` (a DFlash drafter uses the target's embedding and output head,
+    should it carry copies)."""
     files = glob.glob(str(Path(folder) / "*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {folder}")
@@ -404,8 +407,8 @@ def read_weights(folder: Path) -> Dict[str, mx.array]:
     out = {}
     for k, v in weights.items():
         k = k[len("model.") :] if k.startswith("model.") else k
-        if k.split(".")[0] in ("embed_tokens", "lm_head"):
-            continue  # the drafter uses the target's
+        if k.split(".")[0] in drop:
+            continue
         out[k] = v
     return out
 
@@ -490,7 +493,7 @@ def load(folder, config: Dict[str, Any], target) -> DFlashDrafter:
     return DFlashDrafter(model, *attach_parts(model, target))
 
 
-def make_model(config: Dict[str, Any]) -> nn.Module:
+def make_model(config: Dict[str, Any], weights=None) -> nn.Module:
     """The drafter's module, its parameters named as the checkpoint's (convert)."""
     return DFlashModel(DFlashArgs.from_config(config))
 
