@@ -35,8 +35,8 @@ def convert_drafter(src: Path, out: Path, precision: Precision, force: bool) -> 
     config, kind = read_drafter_config(src)
     module = importlib.import_module(f"mlx_mtp.drafters.{kind}")
     try:
+        model = module.make_model(config)
         weights = module.read_weights(src)
-        model = module.make_model(config, weights)
         module.with_weights(model, weights, config)
     except (ValueError, KeyError) as e:
         raise MTPError(

@@ -493,7 +493,7 @@ def load(folder, config: Dict[str, Any], target) -> DFlashDrafter:
     return DFlashDrafter(model, *attach_parts(model, target))
 
 
-def make_model(config: Dict[str, Any], weights=None) -> nn.Module:
+def make_model(config: Dict[str, Any]) -> nn.Module:
     """The drafter's module, its parameters named as the checkpoint's (convert)."""
     return DFlashModel(DFlashArgs.from_config(config))
 

@@ -164,7 +164,7 @@ def load(folder, config: Dict[str, Any], target) -> DFlash2Drafter:
     return DFlash2Drafter(model, *dflash.attach_parts(model, target))
 
 
-def make_model(config: Dict[str, Any], weights=None) -> nn.Module:
+def make_model(config: Dict[str, Any]) -> nn.Module:
     return DFlash2Model(DFlashArgs.from_config(config))
 
 

@@ -20,7 +20,7 @@ chain reads the pre-norm output), ``models/llama.py``
 """
 
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..drafter import Reads
 from . import dflash
-from .dflash import target_shape, with_weights
+from .dflash import target_shape
 from .head import HeadDrafter
 
 KINDS = {
@@ -206,12 +206,16 @@ def read_weights(folder) -> Dict[str, mx.array]:
     return out
 
 
-def make_model(config: Dict[str, Any], weights: Optional[Dict] = None) -> Eagle3Model:
-    model = Eagle3Model(config)
-    if weights is not None and "embed_tokens.weight" in weights:
+def make_model(config: Dict[str, Any]) -> Eagle3Model:
+    return Eagle3Model(config)
+
+
+def with_weights(model: Eagle3Model, weights: Dict[str, mx.array], config) -> None:
+    """``dflash.with_weights``, with the head's own embedding where it has one."""
+    if "embed_tokens.weight" in weights and "embed_tokens" not in model:
         c = layer_config(config)
         model.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-    return model
+    dflash.with_weights(model, weights, config)
 
 
 def load(folder, config: Dict[str, Any], target) -> Eagle3Drafter:
@@ -227,9 +231,8 @@ def load(folder, config: Dict[str, Any], target) -> Eagle3Drafter:
         raise ValueError(
             f"aux hidden state layers {list(ids)} for the model's {layers}"
         )
-    weights = read_weights(folder)
-    model = make_model(config, weights)
-    with_weights(model, weights, config)
+    model = make_model(config)
+    with_weights(model, read_weights(folder), config)
     if "embed_tokens" not in model and c["hidden_size"] != dims:
         raise ValueError(
             "no embed_tokens of its own, and the target's is another width"
