@@ -242,3 +242,27 @@ def test_accepted_per_round_is_the_numpy_drafters(pair, k):
         assert [r.accepted for r in stats.trace] == want
         kept += sum(want)
     assert kept > 0
+
+
+def test_the_prompt_cache_keeps_the_drafters_caches(pair):
+    """A request that continues an earlier one starts from the cached target
+    and drafter caches (cut back where the prompts part) and answers as
+    plain decoding does."""
+    model, tokenizer, reference, _ = pair
+    config = ServeConfig(max_batch=2, draft_max=4, adaptive_draft=False)
+    server = LiveServer(model, tokenizer, "dflash", config)
+    prompt = PROMPTS[7]
+    try:
+        answers = []
+        for tail in ([], [65, 66, 67]):
+            body = {"prompt": prompt + tail, "max_tokens": 10, "temperature": 0,
+                    "draft_source": "dflash"}  # fmt: skip
+            status, data = server.post("/v1/completions", json.dumps(body).encode())
+            assert status == 200
+            answers.append(json.loads(data))
+    finally:
+        server.close()
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert answers[1]["usage"]["mtp"]["by_source"]["dflash"]["drafted"] > 0
+    want = until_eos(reference_greedy(reference, prompt + [65, 66, 67], 10))
+    assert answers[1]["choices"][0]["text"] == tokenizer.decode(want)

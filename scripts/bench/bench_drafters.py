@@ -21,7 +21,12 @@ The same is shown with the memory-bound prior verify costs (``1 + 0.2 (T -
 about T steps and no drafter can pay there.
 
     python scripts/bench/bench_drafters.py [--model FOLDER] [--k-max 8]
-        [--repeats 7] [--json]
+        [--repeats 7] [--json] [--keep DIR]
+
+A drafter that never agrees (these random ones) against plain decoding,
+through the loop and the server, is then measured with ``mlx-mtp bench
+--draft DIR/DFlashDraftModel --draft-max 7`` (the ``dflash auto`` row against
+``no-mtp``) and ``scripts/bench/bench_serve.py``.
 """
 
 import argparse
@@ -160,10 +165,18 @@ def main():
     parser.add_argument("--k-max", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="write the random drafters here (a folder per kind) and keep them: "
+        "mlx-mtp bench --draft KEEP/DFlashDraftModel then times a drafter that "
+        "never agrees against plain decoding",
+    )
     args = parser.parse_args()
 
     model, tokenizer = mlx_mtp.load(args.model)
-    root = Path(tempfile.mkdtemp(prefix="bench-drafters-"))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-drafters-"))
     for folder in build_drafters(model, root):
         model.attach(load_drafter(folder, model))
     prompt = encoded_prompts(tokenizer, load_prompts()[:1])[0]
