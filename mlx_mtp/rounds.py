@@ -117,6 +117,8 @@ def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> 
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
         drafts, accepted = drafts[: m - 1], m - 1
     stats.record_round([d.token.item() for d in drafts], accepted)
+    if drafts:
+        stats.record_source(drafts[0].source, len(drafts), accepted)
     if drafts and drafts[0].source == "lookup":
         stats.lookup_drafted += len(drafts)
         stats.lookup_accepted += accepted

@@ -15,7 +15,7 @@ collective that shares the verify decision: ``syncs`` counts them and
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -45,6 +45,9 @@ class MTPStats:
     # of ``drafted`` / ``accepted``: the drafts that came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # per source of drafts (the head "mtp", a drafter by its name, "lookup"):
+    # [drafted, accepted]
+    by_source: Dict[str, List[int]] = field(default_factory=dict)
 
     def record_round(self, drafted: List[int], accepted: int) -> None:
         """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
@@ -61,6 +64,12 @@ class MTPStats:
             self.accepted_at[j] += j < accepted
         if self.trace is not None:
             self.trace.append(DraftRound(list(drafted), accepted))
+
+    def record_source(self, source: str, drafted: int, accepted: int) -> None:
+        """Count ``drafted`` drafts of ``source`` of which ``accepted`` were kept."""
+        counts = self.by_source.setdefault(source, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
 
     def add(self, other: "MTPStats") -> None:
         """Add another generation's counts and times (totals over several runs)."""
@@ -87,6 +96,19 @@ class MTPStats:
             for j, v in enumerate(theirs):
                 mine[j] += v
         self.peak_memory = max(self.peak_memory, other.peak_memory)
+        for source, (drafted, accepted) in other.by_source.items():
+            self.record_source(source, drafted, accepted)
+
+    def acceptance_by_source(self) -> Dict[str, Dict[str, float]]:
+        """Drafted, accepted and their rate, per source of drafts."""
+        return {
+            source: {
+                "drafted": d,
+                "accepted": a,
+                "acceptance_rate": a / d if d else 0.0,
+            }
+            for source, (d, a) in sorted(self.by_source.items())
+        }
 
     @property
     def acceptance_rate(self) -> float:
@@ -153,6 +175,10 @@ class MTPStats:
                 drafting += (
                     f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
                 )
+            if set(self.by_source) - {"mtp", "lookup"}:
+                drafting += ", by source: " + ", ".join(
+                    f"{s} {a}/{d}" for s, (d, a) in sorted(self.by_source.items())
+                )
             drafting += "\n"
         elif self.draft_max:
             why = why or "none was expected to pay, or the draft source had none"
@@ -183,4 +209,5 @@ class MTPStats:
             "sync_share": self.sync_share,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "by_source": self.acceptance_by_source(),
         }

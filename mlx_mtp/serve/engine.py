@@ -166,6 +166,8 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPSta
             # of those, the prompt-lookup drafts
             "lookup_drafted": stats.lookup_drafted,
             "lookup_accepted": stats.lookup_accepted,
+            # per source of drafts: the head "mtp", a drafter, "lookup"
+            "by_source": stats.acceptance_by_source(),
         },
     }
 
@@ -189,6 +191,7 @@ class Engine(Scheduler):
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
+        self.totals = MTPStats()  # of every request finished (``/health``)
 
     def _policy(self) -> Optional[BatchDraftLength]:
         return BatchDraftLength() if self.config.adaptive_draft else None
@@ -230,6 +233,8 @@ class Engine(Scheduler):
             "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
             # rounds per draft length so far (adaptive)
             "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
+            # the requests finished so far, per source of drafts
+            "acceptance_by_source": self.totals.acceptance_by_source(),
             "prompt_cache": {
                 "entries": len(self.prompt_cache),
                 "max_entries": c.prompt_cache_entries,
@@ -374,6 +379,7 @@ class Engine(Scheduler):
         reason = job.text.finish or "length"
         request = job.request
         info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
+        self.totals.add(job.stream.stats)
         request.emit(
             Event(text, finish_reason=reason, usage=info, logprobs=job.logprobs())
         )
