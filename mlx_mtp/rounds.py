@@ -116,10 +116,8 @@ def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> 
     """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
         drafts, accepted = drafts[: m - 1], m - 1
-    stats.record_round([d.token.item() for d in drafts], accepted)
-    if drafts and drafts[0].source == "lookup":
-        stats.lookup_drafted += len(drafts)
-        stats.lookup_accepted += accepted
+    source = drafts[0].source if drafts else None
+    stats.record_round([d.token.item() for d in drafts], accepted, source)
 
 
 def settle(

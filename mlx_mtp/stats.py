@@ -15,7 +15,11 @@ collective that shares the verify decision: ``syncs`` counts them and
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+# the draft tags (``sampling.Draft.source``) of lookups: in the generation's
+# own tokens, in a predicted answer, in a server's earlier requests
+LOOKUP_SOURCES = ("lookup", "prediction", "memory")
 
 
 @dataclass
@@ -42,12 +46,25 @@ class MTPStats:
     trace: Optional[List[DraftRound]] = None
     syncs: int = 0
     sync_time: float = 0.0
-    # of ``drafted`` / ``accepted``: the drafts that came from prompt lookup
+    # of ``drafted`` / ``accepted``: the drafts that came from lookups (the
+    # prompt's, a predicted answer's, a server's memory's)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # drafted and accepted per draft tag ("mtp", "lookup", "prediction", ...)
+    drafted_by: Dict[str, int] = field(default_factory=dict)
+    accepted_by: Dict[str, int] = field(default_factory=dict)
 
-    def record_round(self, drafted: List[int], accepted: int) -> None:
-        """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
+    def record_round(
+        self, drafted: List[int], accepted: int, source: Optional[str] = None
+    ) -> None:
+        """Count a verify pass that tested ``drafted`` (drafts tagged
+        ``source``) and kept ``accepted`` of them."""
+        if drafted and source is not None:
+            self.drafted_by[source] = self.drafted_by.get(source, 0) + len(drafted)
+            self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
+            if source in LOOKUP_SOURCES:
+                self.lookup_drafted += len(drafted)
+                self.lookup_accepted += accepted
         self.rounds += 1
         self.drafted += len(drafted)
         self.accepted += accepted
@@ -79,6 +96,12 @@ class MTPStats:
             "lookup_accepted",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in (
+            (self.drafted_by, other.drafted_by),
+            (self.accepted_by, other.accepted_by),
+        ):
+            for source, n in theirs.items():
+                mine[source] = mine.get(source, 0) + n
         for mine, theirs in (
             (self.drafted_at, other.drafted_at),
             (self.accepted_at, other.accepted_at),
@@ -151,7 +174,7 @@ class MTPStats:
             )
             if self.lookup_drafted:
                 drafting += (
-                    f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
+                    f", from lookups {self.lookup_accepted}/{self.lookup_drafted}"
                 )
             drafting += "\n"
         elif self.draft_max:
@@ -183,4 +206,6 @@ class MTPStats:
             "sync_share": self.sync_share,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "drafted_by": dict(self.drafted_by),
+            "accepted_by": dict(self.accepted_by),
         }
