@@ -165,7 +165,8 @@ class LookupDrafts(NoDrafts):
 
     def __init__(self, lookup: Optional[PromptLookup], others: Sequence[Lookup] = ()):
         self.lookup = lookup
-        self.lookups: List[Lookup] = ([lookup] if lookup else []) + list(others)
+        lookups = ([lookup] if lookup else []) + list(others)
+        self.lookups: List[Lookup] = sorted(lookups, key=lambda x: x.order)
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         return self._propose(history, room, 1.0)

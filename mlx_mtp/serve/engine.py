@@ -11,7 +11,8 @@ runs too) in a thread. Each turn of its loop
 4) runs one speculative round of the whole batch and turns each stream's
    tokens into text: end-of-sequence tokens, ``max_tokens`` and stop strings
    finish a stream, which leaves the batch and leaves its cache to the
-   prompt cache.
+   prompt cache, and its prompt and answer to the lookup memory that later
+   requests draft from (``ngram.LookupMemory``).
 
 Models whose caches have no batch form here are served one stream at a time,
 through the same decoder (a batch of one).
@@ -32,12 +33,14 @@ import mlx.core as mx
 
 from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
+from ..ngram import LookupMemory
 from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
 from ..stats import MTPStats
 from ..stream import open_stream
 from . import ServeConfig
+from .metrics import Metrics, timings
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
@@ -53,6 +56,7 @@ class Event:
     error: Optional[str] = None
     # (token, logprob, top alternatives) of the tokens behind this event, if asked
     logprobs: List = field(default_factory=list)
+    timings: Optional[dict] = None  # at the end: llama-server's ``timings``
 
 
 @dataclass
@@ -150,12 +154,27 @@ class EngineJob(Job):
         return new
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPStats):
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    reused: int,
+    stats: MTPStats,
+    reasoning: int = 0,
+):
+    """OpenAI's ``usage`` (``reasoning``: tokens of thinking), with the MTP
+    counts; of a predicted answer's drafts, those kept and those not."""
+    predicted = stats.drafted_by.get("prediction", 0)
+    kept = stats.accepted_by.get("prediction", 0)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": reused},
+        "completion_tokens_details": {
+            "reasoning_tokens": reasoning,
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": predicted - kept,
+        },
         "mtp": {
             "draft_max": stats.draft_max,
             "rounds": stats.rounds,
@@ -166,6 +185,10 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPSta
             # of those, the prompt-lookup drafts
             "lookup_drafted": stats.lookup_drafted,
             "lookup_accepted": stats.lookup_accepted,
+            # drafted and accepted per source: "mtp" (the model's drafters),
+            # "lookup" (the prompt), "prediction", "memory" (earlier requests)
+            "drafted_by": dict(stats.drafted_by),
+            "accepted_by": dict(stats.accepted_by),
         },
     }
 
@@ -185,6 +208,10 @@ class Engine(Scheduler):
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
+        self.memory = None  # recent prompts and answers, that drafts come from
+        if config.lookup_memory_bytes > 0:
+            self.memory = LookupMemory(config.lookup_memory_bytes)
+        self.metrics = Metrics()
         self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -235,6 +262,12 @@ class Engine(Scheduler):
                 "max_entries": c.prompt_cache_entries,
                 "bytes": self.prompt_cache.nbytes,
                 "max_bytes": c.prompt_cache_bytes,
+            },
+            "lookup_memory": {
+                "sequences": len(self.memory) if self.memory else 0,
+                "tokens": self.memory.tokens if self.memory else 0,
+                "bytes": self.memory.nbytes if self.memory else 0,
+                "max_bytes": c.lookup_memory_bytes,
             },
         }
 
@@ -333,8 +366,10 @@ class Engine(Scheduler):
             cache=cache,
             stop_tokens=self.text_eos(),
             batched=True,
+            memory=self.memory,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read
+        self.metrics.lookup(job.reused)
 
     def text_eos(self):
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
@@ -367,15 +402,32 @@ class Engine(Scheduler):
             s = job.stream
             if keep:  # the trunk has read all of the history but its last token
                 self.prompt_cache.insert(s.history[:-1], s.cache)
-            if texts is not None:
-                self._finish(job, texts[i])
+            if texts is None:
+                self._report(job)  # counted, not answered: its client went away
+                continue
+            if self.memory is not None:
+                self.memory.add(s.history)
+            self._finish(job, texts[i])
+
+    def _report(self, job: EngineJob):
+        """A request's ``usage`` and ``timings``, counted in the metrics."""
+        request, stats = job.request, job.stream.stats
+        generated = job.text.tokens
+        thinking = request.params.thinking
+        reasoning = 0
+        if thinking is not None:
+            answer = job.stream.history[len(request.prompt) :][:generated]
+            reasoning = thinking.tokens_in(answer)
+        info = usage(len(request.prompt), generated, job.reused, stats, reasoning)
+        timing = timings(stats.prompt_tokens, generated, job.reused, stats)
+        self.metrics.request(timing, stats)
+        return info, timing
 
     def _finish(self, job: EngineJob, text: str) -> None:
         reason = job.text.finish or "length"
-        request = job.request
-        info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
-        request.emit(
-            Event(text, finish_reason=reason, usage=info, logprobs=job.logprobs())
+        info, timing = self._report(job)
+        job.request.emit(
+            Event(text, reason, info, logprobs=job.logprobs(), timings=timing)
         )
 
     def _end_all(self) -> None:
@@ -390,7 +442,8 @@ class Engine(Scheduler):
             self._leave(jobs, [job.text.flush() for job in jobs])
         for job in self.waiting:
             info = usage(len(job.prompt), 0, 0, MTPStats())
-            job.request.emit(Event(finish_reason="length", usage=info))
+            timing = timings(0, 0, 0, MTPStats())
+            job.request.emit(Event(finish_reason="length", usage=info, timings=timing))
         self.waiting.clear()
 
     def _fail_all(self, message: str) -> None:
