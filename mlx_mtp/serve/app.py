@@ -69,9 +69,11 @@ async def model(http: HTTPRequest):
 async def health(http: HTTPRequest):
     service = _service(http)
     engine = service.engine
+    fmt = service.reasoning.format.name if service.reasoning else None
     return JSONResponse(
-        {"status": "ok", "model": service.name, **engine.counts(), **engine.describe()}
-    )
+        {"status": "ok", "model": service.name, **engine.counts(),
+         **engine.describe(), "reasoning_parser": fmt}
+    )  # fmt: skip
 
 
 async def metrics(http: HTTPRequest):
