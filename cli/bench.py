@@ -41,6 +41,7 @@ def regime_line(regime: dict) -> str:
             if regime["mtp_head"]
             else "no MTP head"
         )
+        + "".join(f", drafter {name}" for name in regime.get("drafters", ()))
     )
 
 
@@ -157,6 +158,7 @@ def distributed_summary(result, sharding) -> dict:
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
+    draft: o.DraftPath = None,
     hidden_tap: o.HiddenTap = None,
     sharding: o.ShardingOption = o.Sharding.auto,
     prompts: Optional[Path] = typer.Option(
@@ -207,19 +209,29 @@ def bench(
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
 
-    from mlx_mtp.bench import check_max_tokens, configurations, run_bench
+    from mlx_mtp.bench import (
+        check_max_tokens,
+        configurations,
+        drafter_bounds,
+        run_bench,
+    )
     from mlx_mtp.config import cannot_gain_notice, default_draft_max
     from mlx_mtp.prompts import load_prompts
 
     o.processes()
     check_max_tokens(max_tokens, draft_max or 0)  # before the model is loaded
     bench_prompts = load_prompts(prompts)
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
+    _, loaded, tokenizer = o.load_model(
+        model, mtp, hidden_tap, sharding=sharding, draft=draft
+    )
     err = Console(stderr=True, highlight=False)
-    if draft_max is None:  # the head's count: past 8 it asks for more tokens
+    bounds = drafter_bounds(loaded, draft_max)
+    fixed = draft_max
+    if draft_max is None:
         draft_max = default_draft_max(loaded)
-        check_max_tokens(max_tokens, draft_max)  # before the warm-up's minutes
-    n_configs = len(configurations(draft_max, loaded.head is not None))
+    # before the warm-up's minutes
+    check_max_tokens(max_tokens, max([draft_max] + [b for _, b in bounds]))
+    n_configs = len(configurations(draft_max, bounds))
 
     plan = {}
     prefill = PromptProgress(
@@ -245,7 +257,7 @@ def bench(
             loaded,
             tokenizer,
             bench_prompts,
-            draft_max,
+            fixed,
             draft_p_min,
             repeats,
             max_tokens,

@@ -177,6 +177,7 @@ def _read(console) -> Optional[str]:
 def chat(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
+    draft: o.DraftPath = None,
     hidden_tap: o.HiddenTap = None,
     sharding: o.ShardingOption = o.Sharding.auto,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
@@ -207,7 +208,7 @@ def chat(
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(
-            model, mtp, hidden_tap, not request.drafts.mtp, sharding
+            model, mtp, hidden_tap, not request.drafts.mtp, sharding, draft
         )
     finally:
         loading.stop()

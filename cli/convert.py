@@ -22,7 +22,9 @@ QUANT = "Quantization"
 @app.command()
 def convert(
     src: str = typer.Argument(
-        ..., help="Hugging Face folder, Hub repo id, or GGUF file."
+        ...,
+        help="Hugging Face folder, Hub repo id, GGUF file, or a drafter folder "
+        "(DFlash).",
     ),
     out: Optional[Path] = typer.Argument(
         None, help="MLX folder to write (not with --mtp-only)."
@@ -46,7 +48,11 @@ def convert(
         rich_help_panel=MODEL,
     ),
     quantize: bool = typer.Option(
-        False, "--quantize", "-q", help="Quantize the trunk.", rich_help_panel=QUANT
+        False,
+        "--quantize",
+        "-q",
+        help="Quantize the trunk (a drafter: its linear layers, at 4 or 8 bits).",
+        rich_help_panel=QUANT,
     ),
     q_bits: int = typer.Option(
         DEFAULT_Q_BITS,
@@ -151,6 +157,14 @@ def _summary(path: Path) -> None:
     from mlx_mtp.convert.describe import describe, format_precision, format_size
 
     info = describe(path)
+    if info.drafter:
+        print(
+            f"{info.architecture}: {info.layers} layers, weights "
+            f"{format_precision(info.trunk_precision)}; "
+            f"{format_size(info.size_bytes)} on disk",
+            file=sys.stderr,
+        )
+        return
     mtp = format_precision(info.mtp_precision) if info.mtp_layers else "none"
     print(
         f"{info.architecture}: {info.layers} layers, "

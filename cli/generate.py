@@ -91,6 +91,7 @@ def generate(
         "is printed as one JSON line, in order.",
     ),
     mtp: o.HeadPath = None,
+    draft: o.DraftPath = None,
     hidden_tap: o.HiddenTap = None,
     sharding: o.ShardingOption = o.Sharding.auto,
     system: Optional[str] = typer.Option(
@@ -137,7 +138,7 @@ def generate(
             raise fail("--prompts runs in one process, not under mlx.launch")
         texts = read_prompts(prompts)
         _, loaded, tokenizer = o.load_model(
-            model, mtp, hidden_tap, not request.drafts.mtp
+            model, mtp, hidden_tap, not request.drafts.mtp, draft=draft
         )
         if not no_chat_template:
             texts = [user_prompt(tokenizer, t, system) for t in texts]
@@ -147,7 +148,7 @@ def generate(
         raise fail("under mlx.launch the prompt cannot come from stdin: pass it")
     text = read_prompt(prompt)
     _, loaded, tokenizer = o.load_model(
-        model, mtp, hidden_tap, not request.drafts.mtp, sharding
+        model, mtp, hidden_tap, not request.drafts.mtp, sharding, draft
     )
     if not no_chat_template:
         text = user_prompt(tokenizer, text, system)

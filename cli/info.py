@@ -12,6 +12,8 @@ from .app import OUTPUT, app
 def info_lines(info) -> list:
     from mlx_mtp.convert.describe import format_precision, format_size
 
+    if info.drafter:
+        return _drafter_lines(info, format_precision, format_size)
     return [
         ("path", f"{info.path} ({info.format})"),
         ("architecture", info.architecture),
@@ -32,6 +34,32 @@ def info_lines(info) -> list:
     ]
 
 
+def _drafter_lines(info, format_precision, format_size) -> list:
+    d = info.drafter
+    made_for = d.get("num_target_layers")
+    reads = ", ".join(map(str, d.get("target_layer_ids", [])))
+    lines = [
+        ("path", f"{info.path} ({info.format})"),
+        ("architecture", info.architecture),
+        ("layers", str(info.layers)),
+    ]
+    if "block_size" in d:
+        lines.append(
+            ("block size", f"{d['block_size']} ({d['block_size'] - 1} drafts)")
+        )
+    if reads:
+        target = f" of a {made_for}-layer target" if made_for else ""
+        lines.append(("reads", f"layers {reads}{target}"))
+    return lines + [
+        (
+            "weights",
+            f"{format_precision(info.trunk_precision)} "
+            f"({format_size(info.trunk_bytes)})",
+        ),
+        ("size on disk", format_size(info.size_bytes)),
+    ]
+
+
 def _mtp_layers(info) -> str:
     if not info.mtp_layers:
         return "none"
@@ -44,7 +72,8 @@ def _mtp_layers(info) -> str:
 def info(
     path: Optional[Path] = typer.Argument(
         None,
-        help="GGUF file, Hugging Face folder or MLX folder (none: the MTP families).",
+        help="GGUF file, Hugging Face folder, MLX folder or drafter folder (none: "
+        "the MTP families).",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object.", rich_help_panel=OUTPUT

@@ -24,6 +24,7 @@ from mlx_mtp.defaults import (
     DRAFT_SOURCES,
     MAX_DRAFT_MAX,
 )
+from mlx_mtp.drafters import kinds
 from mlx_mtp.trunk import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
@@ -34,8 +35,13 @@ class DraftSampling(str, Enum):
     sample = "sample"
 
 
-# the names ``drafts.make_source`` takes (and validates)
-DraftSource = Enum("DraftSource", {name: name for name in DRAFT_SOURCES}, type=str)
+# the names ``drafts.make_source`` takes (and validates): a drafter kind's
+# name drafts with that drafter alone
+DraftSource = Enum(
+    "DraftSource",
+    {name: name for name in [*DRAFT_SOURCES, *sorted(set(kinds().values()))]},
+    type=str,
+)
 
 
 class Sharding(str, Enum):  # distributed.SHARDINGS
@@ -61,6 +67,16 @@ ModelPath = Annotated[
 HeadPath = Annotated[
     Optional[Path],
     _option("--mtp", panel=MODEL, help="Attach the MTP head from this folder or file."),
+]
+DraftPath = Annotated[
+    Optional[Path],
+    _option(
+        "--draft",
+        panel=MODEL,
+        metavar="FOLDER",
+        help="Draft also with this drafter checkpoint (a DFlash folder); each round "
+        "takes the drafter, the MTP head or prompt lookup by what pays.",
+    ),
 ]
 HiddenTap = Annotated[
     Optional[str],
@@ -188,8 +204,9 @@ DraftSourceOption = Annotated[
     _option(
         "--draft-source",
         panel=SPECULATIVE,
-        help="mtp: drafts from the MTP head; ngram: prompt lookup (what followed "
-        "the last earlier occurrence of the latest tokens, free to make); auto: "
+        help="mtp: drafts from the MTP head (without one: the --draft drafter); "
+        "ngram: prompt lookup (what followed the last earlier occurrence of the "
+        "latest tokens, free to make); dflash: the --draft drafter alone; auto: "
         "each round whichever is expected to keep more per unit of time.",
     ),
 ]
@@ -226,9 +243,11 @@ def load_model(
     hidden_tap: Optional[str],
     no_mtp: bool = False,
     sharding: Sharding = Sharding.auto,
+    draft: Optional[Path] = None,
 ):
     """Check the model options, fall back to the default model, and load it
-    (this process's shard of it under ``mlx.launch``).
+    (this process's shard of it under ``mlx.launch``), with the drafter
+    ``draft`` attached.
 
     Returns ``(path, model, tokenizer)``; a notice (no MTP head) goes to stderr.
     """
@@ -242,6 +261,8 @@ def load_model(
     if model is None:
         model = default_model_path(lambda line: print(line, file=sys.stderr))
     if group.size() > 1:
+        if draft is not None:
+            raise fail("--draft runs in one process, not under mlx.launch")
         mode = Sharding(sharding).value
         loaded, tokenizer = distributed.load(model, mtp, hidden_tap, mode, group)
         if loaded.sharding.notice:  # replicated, and why
@@ -249,8 +270,8 @@ def load_model(
         else:
             print(f"distributed: {loaded.sharding.describe()}", file=sys.stderr)
     else:
-        loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap)
-    if loaded.notice and not no_mtp:
+        loaded, tokenizer = load(model, mtp=mtp, hidden_tap=hidden_tap, draft=draft)
+    if loaded.notice and not no_mtp and not loaded.drafters:
         print(f"notice: {loaded.notice}", file=sys.stderr)
     return model, loaded, tokenizer
 

@@ -29,6 +29,7 @@ SERVER = "Server"
 def serve(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
+    draft: o.DraftPath = None,
     hidden_tap: o.HiddenTap = None,
     host: str = typer.Option(
         DEFAULT_HOST,
@@ -187,11 +188,11 @@ def serve(
             "--lookup-memory-mb": lookup_memory_mb,
             "--reasoning-parser": reasoning_parser,
         }  # fmt: skip
-        loading = (model, mtp, hidden_tap, no_mtp, sharding)
+        loading = (model, mtp, hidden_tap, no_mtp, sharding, draft)
         _serve_cluster(group, config, settings, loading, (host, port), log)
         return
     sock = listen(host, port)  # a busy port fails before the model loads
-    path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp)
+    path, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, no_mtp, draft=draft)
     run(
         loaded,
         tokenizer,

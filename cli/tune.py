@@ -32,10 +32,27 @@ def tune_table(entry: dict) -> Table:
     return t
 
 
+def drafter_table(entry: dict, name: str) -> Table:
+    """A drafter's rows: its drafts' cost, acceptance and predicted speed-up
+    per count (verify costs extended past those measured)."""
+    drafts = entry["costs"]["drafters"][name]
+    accept = entry["drafters_acceptance"][name]
+    bound = entry["drafter_speedups"][name]
+    t = Table(title=f"drafter {name}")
+    for column in ("k", "drafts", "accept", "bound"):
+        t.add_column(column, justify="right", no_wrap=True)
+    for k in range(1, len(drafts) + 1):
+        t.add_row(
+            str(k), f"{drafts[k - 1]:.3f}", f"{accept[k - 1]:.2f}", f"{bound[k]:.2f}"
+        )
+    return t
+
+
 @app.command()
 def tune(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
+    draft: o.DraftPath = None,
     hidden_tap: o.HiddenTap = None,
     draft_max: Optional[int] = typer.Option(
         None,
@@ -87,7 +104,7 @@ def tune(
 
     if clock not in CLOCKS:
         raise fail(f"--clock must be one of {', '.join(CLOCKS)}")
-    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
+    _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, draft=draft)
     if draft_max is None:
         draft_max = max(1, default_draft_max(loaded))
     err = Console(stderr=True, highlight=False)
@@ -119,6 +136,8 @@ def tune(
         soft_wrap=True,
     )
     console.print(tune_table(entry))
+    for name in entry.get("drafters_acceptance") or {}:
+        console.print(drafter_table(entry, name))
     rounds = entry["speedups"]["rounds"]
     best = max(range(len(rounds)), key=rounds.__getitem__)
     console.print(

@@ -3,6 +3,7 @@
 Reads headers only (safetensors headers, GGUF metadata): no tensor is loaded.
 """
 
+import importlib
 import json
 import struct
 from collections import Counter
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_mtp.config import read_head_config
-from mlx_mtp.errors import MTPError
+from mlx_mtp.drafters import read_drafter_config
+from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.loader import (
     HEAD_FILE_GLOB,
@@ -39,6 +41,8 @@ class ModelInfo:
     mtp_bytes: int = 0
     size_bytes: int = 0
     trained_head: bool = False  # the head came from train-head (mtp_config.json)
+    # a drafter checkpoint's kind and shape (its weights count as the trunk's)
+    drafter: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -173,12 +177,48 @@ def describe_gguf(path: Path) -> ModelInfo:
     )
 
 
+def describe_drafter(path: Path, config: Dict[str, Any], kind: str) -> ModelInfo:
+    """A drafter folder: its kind (``mlx_mtp.drafters``), what it reads of its
+    target, and its weights' precision."""
+    module = importlib.import_module(f"mlx_mtp.drafters.{kind}")
+    try:
+        shape = module.summary(config)
+    except (ValueError, KeyError) as e:
+        raise MTPError(f"{path}: a drafter config it cannot read ({first_line(e)})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise MTPError(f"{path}: no *.safetensors weights")
+    entries: Dict[str, Dict[str, Any]] = {}
+    for f in files:
+        check_safetensors(f)
+        entries.update(_header(f)[0])
+    names = [n for n in config.get("architectures") or [] if n in module.KINDS]
+    name = names[0] if names else config.get("model_type", kind)
+    return ModelInfo(
+        path=str(path),
+        format="drafter folder",
+        architecture=f"{name} ({module.KINDS.get(name, kind)})",
+        layers=int(config.get("num_hidden_layers", 0)),
+        mtp_layers=0,
+        trunk_precision=dict(
+            _folder_precision(entries, config.get("quantization") or {})
+        ),
+        trunk_bytes=sum(_nbytes(e) for e in entries.values()),
+        size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        drafter={"kind": kind, **shape},
+    )
+
+
 def describe(path) -> ModelInfo:
-    """``ModelInfo`` for a GGUF file, a Hugging Face folder or an MLX folder."""
+    """``ModelInfo`` for a GGUF file, a Hugging Face folder, an MLX folder or
+    a drafter folder."""
     path = Path(path)
     if not path.exists():
         raise MTPError(f"{path}: no such file or folder")
     if path.is_dir():
+        config, kind = read_drafter_config(path)
+        if kind is not None:
+            return describe_drafter(path, config, kind)
         return describe_folder(path)
     if not is_gguf(path):
         raise MTPError(f"{path}: not a GGUF file or a model folder")

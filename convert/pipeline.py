@@ -11,8 +11,10 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
+from mlx_mtp.drafters import is_drafter
 from mlx_mtp.errors import MTPError
 
+from .drafter import convert_drafter
 from .gguf_source import read_gguf
 from .hub import resolve
 from .model import (
@@ -182,10 +184,16 @@ def convert(
     """Convert a Hugging Face folder, Hub repo id or GGUF file into an MLX folder.
 
     Returns the output folder. Options follow ``mlx_lm.convert``; ``mtp_bits``
-    (8 or 16) sets the MTP block's precision when the trunk is quantized.
+    (8 or 16) sets the MTP block's precision when the trunk is quantized. A
+    drafter folder (DFlash, ...) converts alone: ``quantize`` at ``q_bits``
+    (4 or 8) or floats at ``dtype``.
     """
     precision = Precision(quantize, q_bits, q_group_size, dtype, mtp_bits, dequantize)
     precision.check()
+    if is_drafter(Path(src)):
+        if mtp_gguf is not None:
+            raise MTPError("--mtp-gguf goes with a GGUF source")
+        return convert_drafter(Path(src), Path(out), precision, force)
     check_target(Path(out), force)  # before reading the source: that can take long
     with make_progress(progress) as bar:
         source = open_source(src, mtp_gguf, bar if progress else None)

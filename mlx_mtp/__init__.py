@@ -36,6 +36,7 @@ _EXPORTS = {
     "SamplingConfig": "sampling",
     "batch_generate": "batch",
     "default_model_path": "convert.default_model",
+    "draft_logits": "generate",
     "generate": "generate",
     "load": "convert.default_model",
     "load_model": "loader",
@@ -52,7 +53,13 @@ if TYPE_CHECKING:  # what __getattr__ returns
     from .convert.default_model import default_model_path, load  # noqa: F401
     from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401
     from .errors import MTPError  # noqa: F401
-    from .generate import GenerationResponse, generate, mtp_logits, stream_generate  # noqa: F401
+    from .generate import (  # noqa: F401
+        GenerationResponse,
+        draft_logits,
+        generate,
+        mtp_logits,
+        stream_generate,
+    )
     from .loader import MTPModel, load_model  # noqa: F401
     from .sampling import SamplingConfig  # noqa: F401
     from .speculative import speculative_generate_step  # noqa: F401

@@ -28,6 +28,7 @@ import mlx_lm
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from .adaptive import Costs
+from .cache import MTP
 from .config import backend, blas, default_draft_max, weights_dtype
 from .defaults import (
     DEFAULT_BENCH_TOKENS,
@@ -102,6 +103,9 @@ class ConfigResult:
     # the same in CPU time of this process (see ``Measurement.cpu_per_token``)
     cpu_ratio: Optional[float] = None
     cpu_bound: Optional[float] = None
+    # where its drafts came from: "mtp" (the head), a drafter's name, "ngram",
+    # "auto"
+    source: str = "mtp"
 
 
 @dataclass
@@ -152,6 +156,7 @@ def regime(model: MTPModel) -> Dict[str, Any]:
         "mlx_lm": mlx_lm.__version__,
         "model_type": model.model_type,
         "mtp_head": model.head is not None,
+        "drafters": [d.name for d in model.drafters if d.name != MTP],
         "hidden_tap": model.trunk.hidden_tap,
     }
 
@@ -218,20 +223,34 @@ def run_once(
     return timing, stats, mx.get_peak_memory() / 1e9
 
 
-def configurations(draft_max: int, has_head: bool = True) -> List[tuple]:
+def configurations(draft_max: int, drafters=((MTP, None),)) -> List[tuple]:
     """(name, draft_max, adaptive, draft source) for each configuration; a
-    draft_max of None stands for mlx-lm. Prompt lookup (``ngram``) needs no
-    head; ``auto`` picks per round between it and the head."""
-    out = [(BASELINE, None, False, "mtp"), (NO_MTP, 0, False, "mtp")]
+    draft_max of None stands for mlx-lm. Per drafter (``(name, bound)``: the
+    head "mtp", an attached drafter by its name; ``bound`` None: ``draft_max``)
+    a fixed ``k = 1..bound`` each and its own choice per round; prompt lookup
+    (``ngram``) needs none; ``auto`` picks per round among them all."""
+    out = [(BASELINE, None, False, MTP), (NO_MTP, 0, False, MTP)]
     lookup = (NGRAM, max(draft_max, 1), True, "ngram")
-    if not has_head or draft_max == 0:
+    if not drafters or draft_max == 0:
         return out + [lookup]
-    out += [(f"mtp k={k}", k, False, "mtp") for k in range(1, draft_max + 1)]
-    return out + [
-        (AUTO, draft_max, True, "mtp"),
-        lookup,
-        (BOTH, draft_max, True, "auto"),
-    ]
+    most = 0
+    for name, bound in drafters:
+        bound = draft_max if bound is None else bound
+        most = max(most, bound)
+        out += [(f"{name} k={k}", k, False, name) for k in range(1, bound + 1)]
+        out.append((f"{name} auto", bound, True, name))
+    return out + [lookup, (BOTH, most, True, "auto")]
+
+
+def drafter_bounds(model: MTPModel, draft_max: Optional[int]) -> List[tuple]:
+    """(name, most drafts per round) of each of ``model``'s drafters: at most
+    ``draft_max`` when given, else the head's recommended count and a block
+    drafter's block."""
+    out = []
+    for d in model.drafters:
+        own = default_draft_max(model) if d.name == MTP else d.max_drafts
+        out.append((d.name, min(own if draft_max is None else draft_max, d.max_drafts)))
+    return out
 
 
 def run_bench(
@@ -255,11 +274,14 @@ def run_bench(
     each prompt being read.
     """
     started = time.perf_counter()
+    given = draft_max
     if draft_max is None:
         draft_max = default_draft_max(model)
     check_max_tokens(max_tokens, draft_max)
+    bounds = drafter_bounds(model, given)
+    check_max_tokens(max_tokens, max([draft_max] + [b for _, b in bounds]))
     run = _Runner(model, tokenizer, draft_p_min, prefill_progress)
-    configs = configurations(draft_max, model.head is not None)
+    configs = configurations(draft_max, bounds)
     encoded = encoded_prompts(tokenizer, prompts)
     # 1) warm up every configuration (compile, allocate) and time the plan
     seconds = sum(run.warm_up(c, encoded, repeats, max_tokens) for c in configs)
@@ -288,7 +310,8 @@ def run_bench(
     result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
     result.configs = [
-        _summarise(name, k, runs, kinds, adaptive) for name, k, adaptive, _ in configs
+        _summarise(name, k, runs, kinds, adaptive, source)
+        for name, k, adaptive, source in configs
     ]
     if timer is not None:
         _bounds(result, timer)
@@ -345,8 +368,8 @@ def _bounds(result: BenchResult, timer: "CostTimer") -> None:
     result.costs, result.cpu_costs = timer.costs(), timer.costs(cpu=True)
     costs = Costs.from_dict(result.costs)
     cpu_costs = Costs.from_dict(result.cpu_costs)
-    for c in result.configs:
-        if c.draft_max and not c.adaptive:
+    for c in result.configs:  # the costs timed are the head's
+        if c.draft_max and not c.adaptive and c.source == MTP:
             c.bound = c.mean_accepted_length / costs.round_parts(c.draft_max)
             c.cpu_bound = c.mean_accepted_length / cpu_costs.round_parts(c.draft_max)
 
@@ -440,6 +463,7 @@ def _summarise(
     runs: List[Measurement],
     kinds: List[str],
     adaptive: bool = False,
+    source: str = MTP,
 ) -> ConfigResult:
     mine = [r for r in runs if r.config == name]
     base = {(r.prompt, r.repeat): r for r in runs if r.config == BASELINE}
@@ -477,4 +501,5 @@ def _summarise(
         by_kind=by_kind,
         adaptive=adaptive,
         cpu_ratio=statistics.median(cpu) if cpu else None,
+        source=source,
     )

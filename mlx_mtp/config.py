@@ -132,16 +132,18 @@ def cannot_gain_notice() -> Optional[str]:
 
     MLX's Linux wheel runs matmuls on the reference BLAS it bundles: a forward
     over k+1 tokens costs about k+1 one-token forwards, so a verify pass saves
-    nothing and the drafts only add (docs/performance.md). Cost-aware drafting
-    then drafts nothing; ``--fixed-draft`` drafts anyway.
+    nothing and the head's drafts only add (docs/performance.md). Cost-aware
+    drafting then leaves the head out (``drafts.can_pay``); ``--fixed-draft``
+    drafts anyway.
     """
     if not compute_bound():
         return None
     return (
         "MLX runs on the CPU with its bundled reference BLAS: checking k drafts "
-        "costs about k+1 plain steps, so MTP cannot gain speed here and rounds "
-        "draft nothing unless --fixed-draft (preloading OpenBLAS can change "
-        "that: see docs/performance.md in mlx-mtp)"
+        "costs about k+1 plain steps, so MTP cannot gain speed here and the "
+        "head drafts nothing unless --fixed-draft (only prompt lookup of a long "
+        "copy may pay; preloading OpenBLAS can change that: see "
+        "docs/performance.md in mlx-mtp)"
     )
 
 

@@ -35,13 +35,15 @@ from .adaptive import (
     prior_costs,
     speedups,
 )
-from .cache import can_rollback
+from .cache import MTP, can_rollback
+from .config import default_draft_max
 from .defaults import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_SOURCE,
     DRAFT_SOURCES,
     MAX_DRAFT_MAX,
 )
+from .drafters import kinds
 from .errors import MTPError
 from .ngram import Lookup, LookupMemory, MemoryLookup, PredictionLookup, PromptLookup
 from .probe import machine_costs
@@ -304,11 +306,17 @@ class PhasedDrafts:
         return self.current.may_propose_after(history)
 
 
+def source_names() -> List[str]:
+    """Every draft source name: ``DRAFT_SOURCES``, then each drafter kind's
+    (``mlx_mtp.drafters``: that drafter alone, where one is attached)."""
+    return list(DRAFT_SOURCES) + sorted(set(kinds().values()))
+
+
 def check_source_name(name: str) -> str:
     """``name`` if it names a draft source, else a one-line ``MTPError``."""
-    if name not in DRAFT_SOURCES:
+    if name not in source_names():
         raise MTPError(
-            f"draft source must be one of {', '.join(DRAFT_SOURCES)}, not {name!r}"
+            f"draft source must be one of {', '.join(source_names())}, not {name!r}"
         )
     return name
 
@@ -372,41 +380,49 @@ def can_pay(costs: Costs, prior: Optional[Sequence[float]], draft_max: int) -> b
 def make_source(
     model,
     name: str = DEFAULT_DRAFT_SOURCE,
-    draft_max: int = 0,
+    draft_max: Optional[int] = 0,
     adaptive: bool = True,
     batched: bool = False,
     prediction: Sequence[int] = (),
     memory: Optional[LookupMemory] = None,
 ) -> DraftSource:
-    """The draft source ``name`` ("mtp", "ngram", "auto") for one generation.
+    """The draft source ``name`` for one generation.
 
-    "mtp" takes the drafts of the model's drafters (its MTP head, a Gemma 4
-    assistant, a drafter attached from a checkpoint of its own), "ngram"
-    prompt lookup's, "auto" either, per round. ``draft_max`` bounds a
-    drafter's drafts per round (0: none; the caller resolves the head's
-    recommended count); ``adaptive``: as many as pay by this machine's costs
-    (``probe``; else always ``draft_max``), and a drafter that cannot pay
-    here at all (``can_pay``) is left out: it would cost without a chance
-    to gain. ``batched``: a served stream, whose draft count the batch's
-    policy chooses (each drafter's count policy then only keeps its running
-    acceptance, from its measured prior). A source that cannot be used here
-    falls back to what can: no drafter, no lookup, or plain steps.
+    "mtp" takes the drafts of the model's own head (a Gemma 4 assistant is
+    one; a model without a head: its attached drafters'), a drafter's name
+    ("dflash") that drafter's alone, "ngram" prompt lookup's, and "auto" any
+    of them, per round (``AutoDrafts``). ``draft_max`` bounds a drafter's
+    drafts per round (0: none; None: each drafter's own bound: the head's
+    recommended count, a block drafter's block); ``adaptive``: as many as pay
+    by this machine's costs (``probe``; else always the bound), and a
+    drafter that cannot pay here at all (``can_pay``) is left out: it would
+    cost without a chance to gain. ``batched``: a served stream, whose draft
+    count the batch's policy chooses (each drafter's count policy then only
+    keeps its running acceptance, from its measured prior). ``prediction``:
+    tokens the answer is expected to be (OpenAI's Predicted Outputs), and
+    ``memory``: earlier generations (a server's), both looked up beside the
+    prompt ("ngram", "auto"). A source that cannot be used here falls back
+    to what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
     check_draft_max(draft_max)
     models: List[ModelDrafts] = []
-    if draft_max > 0 and name != "ngram":
-        for d in model.drafters:
-            k = min(draft_max, d.max_drafts)
-            costs, prior = machine_costs(model, d), acceptance_prior(model, d.name)
-            if adaptive and not can_pay(costs, prior, k):
-                continue
-            if batched:
-                policy = FixedDraft(k, prior=prior)
-            else:
-                policy = make_policy(model, k, adaptive, d)
-            models.append(ModelDrafts(policy, d.name, costs))
-    lookup = make_lookup(model) if name != "mtp" else None
+    asked = 0  # the most drafts a left-out drafter would have taken
+    for d in _drafters_of(model, name):
+        own = default_draft_max(model) if d.name == MTP else d.max_drafts
+        k = min(own if draft_max is None else draft_max, d.max_drafts)
+        if k <= 0:
+            continue
+        costs, prior = machine_costs(model, d), acceptance_prior(model, d.name)
+        if adaptive and not can_pay(costs, prior, k):
+            asked = max(asked, k)
+            continue
+        if batched:
+            policy = FixedDraft(k, prior=prior)
+        else:
+            policy = make_policy(model, k, adaptive, d)
+        models.append(ModelDrafts(policy, d.name, costs))
+    lookup = make_lookup(model) if name in ("ngram", "auto") else None
     others: List[Lookup] = []
     if lookup is not None and prediction:
         others.append(PredictionLookup(prediction, lookup.costs))
@@ -419,8 +435,27 @@ def make_source(
     if models:
         return models[0]
     none = NoDrafts()
-    none.asked = draft_max if model.drafters and name != "ngram" else 0
+    none.asked = asked
     return none
+
+
+def _drafters_of(model, name: str) -> list:
+    """The model's drafters that source ``name`` takes drafts from."""
+    if name == "ngram":
+        return []
+    if name == "auto":
+        return list(model.drafters)
+    if name == MTP:
+        head = [d for d in model.drafters if d.name == MTP]
+        return head or list(model.drafters)
+    found = [d for d in model.drafters if d.name == name]
+    if not found:
+        attached = ", ".join(d.name for d in model.drafters) or "none"
+        raise MTPError(
+            f"draft source {name!r}: no such drafter attached (attached: {attached}; "
+            "attach one with --draft FOLDER)"
+        )
+    return found
 
 
 def as_source(drafts) -> DraftSource:

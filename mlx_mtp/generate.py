@@ -323,5 +323,34 @@ def mtp_logits(model: MTPModel, tokens: Union[Sequence[int], mx.array]) -> mx.ar
     return logits[0]
 
 
+def draft_logits(
+    model: MTPModel,
+    tokens: Union[Sequence[int], mx.array],
+    block_size: Optional[int] = None,
+) -> mx.array:
+    """Teacher-forced logits of the attached block drafter (DFlash) for the
+    block after ``tokens``: shape ``[block_size - 1, V]`` (its own block size
+    by default), row ``j`` its draft of the token ``j + 1`` places after
+    ``tokens[-1]``. The context is the target's chosen layer outputs over
+    ``tokens[:-1]``; the block's first input is ``tokens[-1]``."""
+    drafter = next((d for d in model.drafters if hasattr(d, "block_logits")), None)
+    if drafter is None:
+        raise ValueError("no block drafter attached (load the model with draft=)")
+    size = drafter.block_size if block_size is None else int(block_size)
+    if size < 2:
+        raise ValueError(f"block_size must be at least 2, not {size}")
+    tokens = [
+        int(t) for t in (tokens.tolist() if isinstance(tokens, mx.array) else tokens)
+    ]
+    if not tokens:
+        raise ValueError("draft_logits needs at least one token")
+    if len(tokens) > 1:
+        _, taps = model.trunk.forward(mx.array([tokens[:-1]]), model.trunk.make_cache())
+        features = drafter.features(taps)
+    else:
+        features = mx.zeros((1, 0, 1))
+    return drafter.block_logits(features, tokens[-1], size - 1)
+
+
 # stream_generate's own keywords (those generate passes through as they are)
 _STREAM_OPTIONS = _parameters(stream_generate) - {"model", "tokenizer", "prompt"}

@@ -33,6 +33,7 @@ from .heads import (
     norms,
     not_yet,
 )
+from .heads.common import rollback_caches
 from .trunk import Trunk, output_head
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
@@ -297,8 +298,22 @@ def load_model(
     if head is not None and head_config.get("tuned"):
         apply_draft_vocab(loaded)  # a draft vocabulary chosen here by ``tune``
     if draft is not None:
+        rollable_trunk(model, trunk, family_for(config))
         loaded.attach(load_drafter(draft, loaded))
     return loaded
+
+
+def rollable_trunk(model: nn.Module, trunk: Trunk, family) -> None:
+    """Give the trunk caches that drop rejected drafts (as a head's family
+    does, or sliding-window caches made plain), or a one-line error."""
+    if can_rollback(trunk.make_cache()):
+        return
+    getattr(family, "patch_trunk", rollback_caches)(model)
+    if not can_rollback(trunk.make_cache()):
+        model_type = getattr(model, "model_type", type(model).__name__)
+        raise MTPError(
+            f"{model_type}: its caches cannot roll back, so nothing can draft for it"
+        )
 
 
 def _load_trunk(path: Path, config, family, split, model_config):

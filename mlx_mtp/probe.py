@@ -17,8 +17,9 @@ as ``tune`` keys its entries), so later processes read them instead:
   whatever it drafts (``Drafter.flat_cost``).
 
 Each part is timed ``REPEATS`` times, interleaved (drift on a busy machine
-hits all alike), and the medians kept. On the default model that is about
-ten forwards: ~0.7 s with OpenBLAS, ~1 s on MLX's bundled reference BLAS.
+hits all alike), after one untimed forward and proposal, and the medians
+kept: about eight forwards on the default model (see docs/performance.md for
+what that costs a fresh process).
 
 A tuned entry wins; over several processes (``mlx.launch``) every rank uses
 the same prior guess (``adaptive.prior_costs``), as it must draft alike.
@@ -43,7 +44,7 @@ from .sampling import ExactMatchVerifier
 from .stream import open_stream
 
 COSTS_FILE = "costs.json"
-REPEATS = 3
+REPEATS = 2
 CONTEXT = 48  # tokens of warm cache the parts are timed after
 MAX_ENTRIES = 32
 DEPTHS = 4  # verify costs kept for 1..DEPTHS + 1 tokens
@@ -192,14 +193,16 @@ def measure(model) -> Optional[Dict[str, Any]]:
             jobs[d.name, k] = draft(d, k)
     times: Dict[Any, List[float]] = {key: [] for key in jobs}
     keys = list(jobs)
-    for rep in range(REPEATS + 1):  # the first is a warm-up
+    for key in keys[1:]:  # warm up: the kernels of each shape, untimed
+        cache.restore(snapshot)
+        jobs[key]()
+    for rep in range(REPEATS):
         shift = rep % len(keys)
         for key in keys[shift:] + keys[:shift]:
             cache.restore(snapshot)
             start = time.perf_counter()
             jobs[key]()
-            if rep:
-                times[key].append(time.perf_counter() - start)
+            times[key].append(time.perf_counter() - start)
     cache.restore(snapshot)
     view.remove([stream])
     med = {key: statistics.median(t) for key, t in times.items()}

@@ -51,7 +51,7 @@ class DraftSettings:
 
     def head_drafts(self, model) -> int:
         """The most drafts a round of this request may take from ``model``'s
-        drafters (its MTP head's recommended count unless ``draft_max``)."""
+        MTP head (its recommended count unless ``draft_max``)."""
         if not self.mtp or not model.drafters:
             return 0
         draft_max = self.draft_max
@@ -60,12 +60,12 @@ class DraftSettings:
     def make(self, model, batched: bool = False, memory=None) -> DraftSource:
         """This request's draft source on ``model`` (``batched``: a served
         stream, whose draft length the batch chooses; ``memory``: a server's
-        ``ngram.LookupMemory`` of earlier requests)."""
+        ``ngram.LookupMemory`` of earlier requests). Without ``draft_max``
+        each drafter drafts at most its own bound (``make_source``)."""
         if not self.mtp:
             return make_source(model, "mtp", 0)
-        draft_max = self.head_drafts(model)
         return make_source(
-            model, self.source, draft_max, self.adaptive, batched,
+            model, self.source, self.draft_max, self.adaptive, batched,
             self.prediction, memory,
         )  # fmt: skip
 

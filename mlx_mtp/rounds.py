@@ -116,8 +116,9 @@ def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> 
     """Record a round that kept ``m`` of its ``accepted + 1`` tokens."""
     if m <= accepted:  # cut inside the drafts: only the drafts before the cut count
         drafts, accepted = drafts[: m - 1], m - 1
-    source = drafts[0].source if drafts else None
-    stats.record_round([d.token.item() for d in drafts], accepted, source)
+    stats.record_round([d.token.item() for d in drafts], accepted)
+    if drafts:
+        stats.record_source(drafts[0].source, len(drafts), accepted)
 
 
 def settle(

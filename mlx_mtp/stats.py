@@ -50,21 +50,12 @@ class MTPStats:
     # prompt's, a predicted answer's, a server's memory's)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    # drafted and accepted per draft tag ("mtp", "lookup", "prediction", ...)
-    drafted_by: Dict[str, int] = field(default_factory=dict)
-    accepted_by: Dict[str, int] = field(default_factory=dict)
+    # per source of drafts (the head "mtp", a drafter by its name, the
+    # lookups "lookup", "prediction", "memory"): [drafted, accepted]
+    by_source: Dict[str, List[int]] = field(default_factory=dict)
 
-    def record_round(
-        self, drafted: List[int], accepted: int, source: Optional[str] = None
-    ) -> None:
-        """Count a verify pass that tested ``drafted`` (drafts tagged
-        ``source``) and kept ``accepted`` of them."""
-        if drafted and source is not None:
-            self.drafted_by[source] = self.drafted_by.get(source, 0) + len(drafted)
-            self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
-            if source in LOOKUP_SOURCES:
-                self.lookup_drafted += len(drafted)
-                self.lookup_accepted += accepted
+    def record_round(self, drafted: List[int], accepted: int) -> None:
+        """Count a verify pass that tested ``drafted`` and kept ``accepted`` of them."""
         self.rounds += 1
         self.drafted += len(drafted)
         self.accepted += accepted
@@ -79,6 +70,19 @@ class MTPStats:
         if self.trace is not None:
             self.trace.append(DraftRound(list(drafted), accepted))
 
+    def record_source(self, source: str, drafted: int, accepted: int) -> None:
+        """Count ``drafted`` drafts of ``source`` of which ``accepted`` were kept."""
+        counts = self.by_source.setdefault(source, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
+        if source in LOOKUP_SOURCES:
+            self.lookup_drafted += drafted
+            self.lookup_accepted += accepted
+
+    def source_counts(self, source: str) -> List[int]:
+        """[drafted, accepted] of ``source``'s drafts."""
+        return list(self.by_source.get(source, [0, 0]))
+
     def add(self, other: "MTPStats") -> None:
         """Add another generation's counts and times (totals over several runs)."""
         self.draft_max = other.draft_max
@@ -92,16 +96,8 @@ class MTPStats:
             "accepted",
             "syncs",
             "sync_time",
-            "lookup_drafted",
-            "lookup_accepted",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in (
-            (self.drafted_by, other.drafted_by),
-            (self.accepted_by, other.accepted_by),
-        ):
-            for source, n in theirs.items():
-                mine[source] = mine.get(source, 0) + n
         for mine, theirs in (
             (self.drafted_at, other.drafted_at),
             (self.accepted_at, other.accepted_at),
@@ -110,6 +106,19 @@ class MTPStats:
             for j, v in enumerate(theirs):
                 mine[j] += v
         self.peak_memory = max(self.peak_memory, other.peak_memory)
+        for source, (drafted, accepted) in other.by_source.items():
+            self.record_source(source, drafted, accepted)  # lookups' counts too
+
+    def acceptance_by_source(self) -> Dict[str, Dict[str, float]]:
+        """Drafted, accepted and their rate, per source of drafts."""
+        return {
+            source: {
+                "drafted": d,
+                "accepted": a,
+                "acceptance_rate": a / d if d else 0.0,
+            }
+            for source, (d, a) in sorted(self.by_source.items())
+        }
 
     @property
     def acceptance_rate(self) -> float:
@@ -176,6 +185,10 @@ class MTPStats:
                 drafting += (
                     f", from lookups {self.lookup_accepted}/{self.lookup_drafted}"
                 )
+            if set(self.by_source) - {"mtp", "lookup"}:
+                drafting += ", by source: " + ", ".join(
+                    f"{s} {a}/{d}" for s, (d, a) in sorted(self.by_source.items())
+                )
             drafting += "\n"
         elif self.draft_max:
             why = why or "none was expected to pay, or the draft source had none"
@@ -206,6 +219,5 @@ class MTPStats:
             "sync_share": self.sync_share,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
-            "drafted_by": dict(self.drafted_by),
-            "accepted_by": dict(self.accepted_by),
+            "by_source": self.acceptance_by_source(),
         }

@@ -36,7 +36,7 @@ from .cache import start_verify
 from .config import cached_identity, machine
 from .decoder import Decoder
 from .defaults import DEFAULT_PREFILL_STEP, DEFAULT_TUNE_REPEATS, DEFAULT_TUNE_TOKENS
-from .drafts import ModelDrafts
+from .drafts import AutoDrafts, ModelDrafts
 from .errors import MTPError
 from .loader import MTPModel
 from .prompts import encoded_prompts, load_prompts
@@ -69,11 +69,16 @@ class _State:
 
     def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
         self.model, self.drafter = model, model.drafters[0]
+        # every drafter reads along, so that each can be timed from here
+        reading = [
+            ModelDrafts(FixedDraft(0, draft_max=max(k_max, d.max_drafts)), d.name)
+            for d in model.drafters
+        ]
         self.stream = open_stream(
             model,
             context[:-1],
             verifier=make_verifier(),  # greedy
-            source=ModelDrafts(FixedDraft(0, draft_max=k_max), self.drafter.name),
+            source=reading[0] if len(reading) == 1 else AutoDrafts(reading, None),
             max_tokens=1 << 30,
         )
         self.decoder = Decoder(model, merge=False)
@@ -130,8 +135,8 @@ def _verify(state: _State, t: int) -> None:
 
 
 def _draft(state: _State, k: int, drafter=None) -> None:
-    """A drafter's proposal of ``k`` drafts, its catch-up included (the
-    model's first drafter, its MTP head, by default)."""
+    """The proposal of ``k`` drafts (its catch-up included) of ``drafter``
+    (None: the first, the head where there is one)."""
     drafter = drafter or state.drafter
     drafts, _ = drafter.propose(state.decoder, [state.stream], [k], 0.0)
     mx.eval([d.token for d in drafts[0]])
@@ -176,16 +181,17 @@ class CostTimer:
             ("draft", k, None, lambda k=k: _draft(state, k))
             for k in range(1, k_max + 1)
         ]
-        # the model's other drafters: their proposals, each length
-        self.others = model.drafters[1:]
-        self.jobs += [
-            (f"draft:{d.name}", k, None, lambda k=k, d=d: _draft(state, k, d))
-            for d in self.others
-            for k in range(1, min(k_max, d.max_drafts) + 1)
-        ]
         self.jobs += [
             ("round", k, _round_source(state, k), lambda: _round(state))
             for k in range(1, k_max + 1)
+        ]
+        # every other drafter's proposals, up to its own bound (a block drafter
+        # drafts a whole block for about the cost of one draft)
+        self.others = {d.name: d.max_drafts for d in model.drafters[1:]}
+        self.jobs += [
+            (f"draft:{d.name}", k, None, lambda k=k, d=d: _draft(state, k, d))
+            for d in model.drafters[1:]
+            for k in range(1, d.max_drafts + 1)
         ]
         self.k_max = k_max
         self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _, _ in self.jobs}
@@ -209,21 +215,16 @@ class CostTimer:
         }
         step = med["plain", 0] / PLAIN_STEPS
         k_max = self.k_max
-        out = {
+        return {
             "step_seconds": step,
             "verify": [med["verify", t] / step for t in range(1, k_max + 2)],
             "draft": [med["draft", k] / step for k in range(1, k_max + 1)],
             "round": [1.0] + [med["round", k] / step for k in range(1, k_max + 1)],
+            "drafters": {
+                name: [med[f"draft:{name}", k] / step for k in range(1, n + 1)]
+                for name, n in self.others.items()
+            },
         }
-        if self.others:  # (``probe.machine_costs`` reads them by name)
-            out["drafters"] = {
-                d.name: [
-                    med[f"draft:{d.name}", k] / step
-                    for k in range(1, min(k_max, d.max_drafts) + 1)
-                ]
-                for d in self.others
-            }
-        return out
 
 
 def measure_costs(
@@ -245,8 +246,10 @@ def measure_acceptance(
     k: int,
     max_tokens: int,
     stop_tokens: Sequence[int] = (),
+    drafter: str = "mtp",
 ) -> tuple:
-    """Greedy generations drafting ``k`` every round: their stats and sequences."""
+    """Greedy generations drafting ``k`` every round with ``drafter``: their
+    stats and sequences."""
     stats, sequences = MTPStats(), []
     for prompt in prompts:
         one = MTPStats()
@@ -256,7 +259,7 @@ def measure_acceptance(
                 prompt,
                 model,
                 max_tokens=max_tokens,
-                drafts=FixedDraft(k),
+                drafts=ModelDrafts(FixedDraft(k), drafter),
                 stop_tokens=stop_tokens,
                 stats=one,
             )
@@ -394,7 +397,10 @@ def _choose_draft_vocab(entry: Dict[str, Any], trials, step: float) -> None:
     if best is not None:
         trial, mine, accept = best
         entry["draft_vocab"] = trial["vocab"].tolist()
-        entry["costs"] = {k: [round(x, 4) for x in v] for k, v in mine.items()}
+        entry["costs"] = {
+            **{k: [round(x, 4) for x in v] for k, v in mine.items()},
+            "drafters": entry["costs"].get("drafters", {}),
+        }
         entry["acceptance_by_depth"] = [round(a, 4) for a in accept]
         entry["speedups"] = _predicted(accept, entry["costs"], len(accept))
 
@@ -422,8 +428,8 @@ def tune(
     most expected tokens (default: ``DRAFT_VOCAB_SIZES`` below half the
     vocabulary); the best goes into the entry when it raises the bound.
     """
-    if model.head is None:
-        raise MTPError("this model has no MTP head: there is nothing to tune")
+    if not model.drafters:
+        raise MTPError("this model has no MTP head and no drafter: nothing to tune")
     if draft_max < 1:
         raise MTPError("tune needs a draft-max of at least 1")
     say = progress or (lambda msg: None)
@@ -435,8 +441,19 @@ def tune(
     stops = list(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     say(f"acceptance: {len(prompts)} prompts, {max_tokens} tokens, {draft_max} drafts")
-    stats, sequences = measure_acceptance(model, prompts, draft_max, max_tokens, stops)
+    first_drafter = model.drafters[0]
+    draft_max = min(draft_max, first_drafter.max_drafts)
+    stats, sequences = measure_acceptance(
+        model, prompts, draft_max, max_tokens, stops, first_drafter.name
+    )
     acceptance = _depths(stats, draft_max)
+    others = {}
+    for d in model.drafters[1:]:
+        say(f"acceptance of {d.name}: {d.max_drafts} drafts")
+        found, _ = measure_acceptance(
+            model, prompts, d.max_drafts, max_tokens, stops, d.name
+        )
+        others[d.name] = _depths(found, d.max_drafts)
     say(f"costs: {repeats} repetitions")
     context = max(sequences, key=len)
     timer = CostTimer(model, context, draft_max)
@@ -458,15 +475,12 @@ def tune(
         "tests": stats.drafted_at[0] if stats.drafted_at else 0,
         "repeats": repeats,
     }
-    if "drafters" in costs:  # the model's other drafters' proposals, by name
-        entry["costs"]["drafters"] = {
-            name: [round(x, 4) for x in c] for name, c in costs["drafters"].items()
-        }
     entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
+    _drafter_entries(entry, first_drafter, acceptance, costs, others)
     vocab = model.trunk.embed_tokens.weight.shape[0]
     if vocab_sizes is None:
         vocab_sizes = [n for n in DRAFT_VOCAB_SIZES if 2 * n <= vocab]
-    takes_vocab = getattr(model.head, "takes_draft_vocab", True)
+    takes_vocab = getattr(model.head, "takes_draft_vocab", model.head is not None)
     if vocab_sizes and takes_vocab and "draft_vocab" not in model.head.layer(0):
         say(f"draft vocabulary: {', '.join(map(str, vocab_sizes))} tokens")
         trials = draft_vocab_trial(
@@ -482,6 +496,32 @@ def tune(
         _choose_draft_vocab(entry, trials, costs["step_seconds"])
     entry["seconds"] = round(time.perf_counter() - tic, 1)
     return entry
+
+
+def _drafter_entries(entry, first, acceptance, costs, others) -> None:
+    """Each drafter but the head, under its name: its draft costs
+    (``costs.drafters``, what ``adaptive.machine_costs`` reads), its per-depth
+    acceptance (``drafters_acceptance``) and its predicted speed-up per count
+    (``drafter_speedups``, verify costs extended past those measured)."""
+    drafts = {name: list(c) for name, c in costs["drafters"].items()}
+    accept = dict(others)
+    if first.name != "mtp":  # the first drafter is no head: it is one of them
+        drafts[first.name], accept[first.name] = list(costs["draft"]), acceptance
+    entry["costs"]["drafters"] = {
+        name: [round(x, 4) for x in c] for name, c in drafts.items()
+    }
+    entry["drafters_acceptance"] = {
+        name: [round(a, 4) for a in rates] for name, rates in accept.items()
+    }
+    entry["drafter_speedups"] = {
+        name: [
+            round(x, 4)
+            for x in speedups(
+                accept[name], Costs(costs["verify"], drafts[name]), len(drafts[name])
+            )
+        ]
+        for name in drafts
+    }
 
 
 def too_small(entry: Dict[str, Any]) -> Optional[str]:

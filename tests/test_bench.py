@@ -31,6 +31,7 @@ FIELDS = {
     "bound",
     "cpu_ratio",
     "cpu_bound",
+    "source",
 }
 
 

@@ -111,7 +111,7 @@ def test_greedy_output_is_the_main_models(server, client, loaded):
         # draft_max 0: none from the head (lookups, the memory's among them,
         # may draft; this prompt's earlier answers are in the memory)
         if k == 0:
-            assert r.usage.mtp["drafted_by"].get("mtp", 0) == 0
+            assert "mtp" not in r.usage.mtp["by_source"]
         else:
             assert r.usage.mtp["drafted"] > 0
     assert texts[0] == texts[1] == texts[2]

@@ -67,10 +67,12 @@ def test_a_prediction_equal_to_the_answer_is_mostly_accepted(no_memory, plain_te
     details = r.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= 0.8 * r.usage.completion_tokens
     assert (
-        details.accepted_prediction_tokens == r.usage.mtp["accepted_by"]["prediction"]
+        details.accepted_prediction_tokens
+        == r.usage.mtp["by_source"]["prediction"]["accepted"]
     )
     assert details.rejected_prediction_tokens == (
-        r.usage.mtp["drafted_by"]["prediction"] - details.accepted_prediction_tokens
+        r.usage.mtp["by_source"]["prediction"]["drafted"]
+        - details.accepted_prediction_tokens
     )
     assert r.timings["draft_n_accepted"] >= details.accepted_prediction_tokens
 
@@ -101,8 +103,8 @@ def test_the_same_request_twice_drafts_from_the_memory(loaded):
     try:
         first, second = ask(live), ask(live)
         assert second.choices[0].message.content == first.choices[0].message.content
-        assert "memory" not in first.usage.mtp["drafted_by"]
-        from_memory = second.usage.mtp["accepted_by"].get("memory", 0)
+        assert "memory" not in first.usage.mtp["by_source"]
+        from_memory = second.usage.mtp["by_source"]["memory"]["accepted"]
         assert from_memory >= 0.8 * second.usage.completion_tokens
         health = live.get("/health")[1]["lookup_memory"]
         assert health["sequences"] == 1  # the second added nothing new
@@ -115,7 +117,7 @@ def test_with_the_memory_off_the_same_request_twice_is_unchanged(no_memory):
     first, second = ask(no_memory), ask(no_memory)
     assert second.choices[0].message.content == first.choices[0].message.content
     assert second.usage.mtp == first.usage.mtp
-    assert "memory" not in second.usage.mtp["drafted_by"]
+    assert "memory" not in second.usage.mtp["by_source"]
     assert no_memory.get("/health")[1]["lookup_memory"]["tokens"] == 0
 
 

@@ -163,8 +163,7 @@ def usage(
 ):
     """OpenAI's ``usage`` (``reasoning``: tokens of thinking), with the MTP
     counts; of a predicted answer's drafts, those kept and those not."""
-    predicted = stats.drafted_by.get("prediction", 0)
-    kept = stats.accepted_by.get("prediction", 0)
+    predicted, kept = stats.source_counts("prediction")
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -182,13 +181,13 @@ def usage(
             "accepted": stats.accepted,
             "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_length": stats.mean_accepted_length,
-            # of those, the prompt-lookup drafts
+            # of those, the lookups' drafts (the prompt's, a prediction's,
+            # the memory's of earlier requests)
             "lookup_drafted": stats.lookup_drafted,
             "lookup_accepted": stats.lookup_accepted,
-            # drafted and accepted per source: "mtp" (the model's drafters),
-            # "lookup" (the prompt), "prediction", "memory" (earlier requests)
-            "drafted_by": dict(stats.drafted_by),
-            "accepted_by": dict(stats.accepted_by),
+            # per source of drafts: the head "mtp", a drafter, "lookup",
+            # "prediction", "memory"
+            "by_source": stats.acceptance_by_source(),
         },
     }
 
@@ -216,6 +215,7 @@ class Engine(Scheduler):
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
+        self.totals = MTPStats()  # of every request finished (``/health``)
 
     def _policy(self) -> Optional[BatchDraftLength]:
         return BatchDraftLength() if self.config.adaptive_draft else None
@@ -257,6 +257,8 @@ class Engine(Scheduler):
             "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
             # rounds per draft length so far (adaptive)
             "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
+            # the requests finished so far, per source of drafts
+            "acceptance_by_source": self.totals.acceptance_by_source(),
             "prompt_cache": {
                 "entries": len(self.prompt_cache),
                 "max_entries": c.prompt_cache_entries,
@@ -426,6 +428,7 @@ class Engine(Scheduler):
     def _finish(self, job: EngineJob, text: str) -> None:
         reason = job.text.finish or "length"
         info, timing = self._report(job)
+        self.totals.add(job.stream.stats)
         job.request.emit(
             Event(text, reason, info, logprobs=job.logprobs(), timings=timing)
         )

@@ -73,9 +73,9 @@ class Metrics:
             self.counts["generation_tokens"] += timing["predicted_n"]
             self.counts["prefill_seconds"] += timing["prompt_ms"] / 1e3
             self.counts["decode_seconds"] += timing["predicted_ms"] / 1e3
-            for source, n in stats.drafted_by.items():
-                self.drafted[source] += n
-                self.accepted[source] += stats.accepted_by.get(source, 0)
+            for source, (drafted, accepted) in stats.by_source.items():
+                self.drafted[source] += drafted
+                self.accepted[source] += accepted
 
     def render(self, engine) -> str:
         """Prometheus' text exposition of the counters, with the engine's

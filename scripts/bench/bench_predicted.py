@@ -120,7 +120,10 @@ def speed(answer: dict) -> float:
 
 def share(answer: dict, source: str) -> float:
     usage = answer["usage"]
-    return usage["mtp"]["accepted_by"].get(source, 0) / usage["completion_tokens"]
+    return (
+        usage["mtp"]["by_source"].get(source, {}).get("accepted", 0)
+        / usage["completion_tokens"]
+    )
 
 
 def text(answer: dict) -> str:
@@ -155,7 +158,7 @@ def once(model, prompt: str, args) -> dict:
         "memory on: wall ratio": on[0]["wall"] / on[1]["wall"],
         "memory on: same text": text(on[1]) == text(on[0]),
         "memory off: no memory drafts": "memory"
-        not in off[1]["usage"]["mtp"]["drafted_by"],
+        not in off[1]["usage"]["mtp"]["by_source"],
         "memory off: same text": text(off[1]) == text(off[0]),
         "memory off: speed ratio": speed(off[1]) / speed(off[0]),
     }

@@ -55,6 +55,8 @@ def start_server(model: Path, port: int, args, checkout=None) -> subprocess.Pope
     cmd += ["--prompt-cache-entries", "0", "--draft-max", str(args.draft_max)]
     if args.fixed_draft:
         cmd.append("--fixed-draft")
+    if args.draft is not None and checkout is None:
+        cmd += ["--draft", str(args.draft.resolve())]
     # not from a checkout, whose mlx_mtp/ would shadow the installed package
     # (or the one ``checkout`` names)
     env = dict(os.environ)
@@ -138,6 +140,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--fixed-draft", action="store_true", help="serve --fixed-draft")
+    ap.add_argument(
+        "--draft",
+        type=Path,
+        help="serve --draft FOLDER: its drafts against plain (a drafter that never "
+        "agrees: scripts/bench/bench_drafters.py --keep)",
+    )
     ap.add_argument("--json", type=Path, help="write every run here")
     ap.add_argument(
         "--baseline",

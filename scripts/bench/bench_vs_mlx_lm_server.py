@@ -61,22 +61,32 @@ def start(cmd, port: int, env=None) -> subprocess.Popen:
     sys.exit(f"error: {cmd[2]} did not start in 120 s")
 
 
+def serve(model: Path, args, checkout, memory_mb=None) -> tuple:
+    """An ``mlx-mtp serve`` process (``checkout``'s mlx_mtp, else the
+    installed one) and its port; ``memory_mb``: its ``--lookup-memory-mb``
+    (None: its default, or a checkout from before the flag)."""
+    port = free_port()
+    mtp = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model),
+           "--port", str(port), "--prompt-cache-entries", "0",
+           "--max-batch", str(max(args.streams)), "--draft-max",
+           str(args.draft_max)]  # fmt: skip
+    if memory_mb is not None:
+        mtp += ["--lookup-memory-mb", str(memory_mb)]
+    env = dict(os.environ)
+    if checkout is not None:  # that checkout's mlx_mtp, not an installed one
+        env["PYTHONPATH"] = str(checkout.resolve())
+    return start(mtp, port, env), port
+
+
 def servers(model: Path, args):
     """(mlx_lm.server, mlx-mtp serve) processes and their ports."""
-    n = str(max(args.streams))
-    lm_port, mtp_port = free_port(), free_port()
+    lm_port = free_port()
     lm = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
           "--port", str(lm_port), "--prompt-cache-size", "0",
-          "--decode-concurrency", n, "--log-level", "WARNING"]  # fmt: skip
-    mtp = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model),
-           "--port", str(mtp_port), "--prompt-cache-entries", "0",
-           "--max-batch", n, "--draft-max", str(args.draft_max)]  # fmt: skip
-    if args.lookup_memory_mb is not None:
-        mtp += ["--lookup-memory-mb", str(args.lookup_memory_mb)]
-    env = dict(os.environ)
-    if args.checkout is not None:  # this checkout's mlx_mtp, not an installed one
-        env["PYTHONPATH"] = str(args.checkout.resolve())
-    return (start(lm, lm_port), lm_port), (start(mtp, mtp_port, env), mtp_port)
+          "--decode-concurrency", str(max(args.streams)),
+          "--log-level", "WARNING"]  # fmt: skip
+    memory = args.lookup_memory_mb
+    return (start(lm, lm_port), lm_port), serve(model, args, args.checkout, memory)
 
 
 def stream_one(port: int, prompt: str, max_tokens: int, extra: dict) -> int:
@@ -127,6 +137,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--checkout", type=Path, help="run this checkout's mlx_mtp")
+    ap.add_argument("--baseline", type=Path,
+                    help="also serve this checkout's mlx_mtp (before a change), "
+                    "its two sides interleaved with the others")  # fmt: skip
     ap.add_argument("--py-spy", type=Path, help="py-spy's raw samples of serve here")
     ap.add_argument("--json", type=Path, help="write every run here")
     ap.add_argument("--lookup-memory-mb", type=int,
@@ -151,6 +164,11 @@ def main():
         "serve, no drafts": (mtp, mtp_port, {"draft_max": 0}),
         "serve, drafts": (mtp, mtp_port, {"draft_max": args.draft_max}),
     }
+    base = None
+    if args.baseline is not None:
+        base, base_port = serve(model, args, args.baseline)
+        sides["base, no drafts"] = (base, base_port, {"draft_max": 0})
+        sides["base, drafts"] = (base, base_port, {"draft_max": args.draft_max})
     names = list(sides)
     runs, spy = [], None
     try:
@@ -165,7 +183,7 @@ def main():
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
         for rep in range(args.repeats):
-            order = names[rep % 3 :] + names[: rep % 3]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for n in args.streams:
                 row = {"rep": rep, "streams": n}
                 for name in order:
@@ -180,7 +198,7 @@ def main():
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        for process in (spy, lm, mtp):
+        for process in (spy, lm, mtp, base):
             if process is None:
                 continue
             process.send_signal(2)  # SIGINT: py-spy writes its samples then
@@ -219,6 +237,20 @@ def table(runs, args, model):
               f"{med(lambda r: r[drafts]):.1f} | {ratio(plain, lm):.3f} | "
               f"{ratio(drafts, lm):.3f} | {ratio(plain + ' cpu', lm + ' cpu'):.3f} | "
               f"{ratio(drafts + ' cpu', lm + ' cpu'):.3f} |")  # fmt: skip
+    if "base, drafts" in runs[0]:
+        print("\nthis checkout against the baseline, paired (tok/s; per CPU-s):")
+        print("| streams | no drafts | drafts | no drafts, CPU | drafts, CPU |")
+        print("|" + " --- |" * 5)
+        for n in args.streams:
+            rs = [r for r in runs if r["streams"] == n]
+
+            def paired(a, b):
+                return statistics.median(r[a] / max(r[b], 1e-9) for r in rs)
+
+            print(f"| {n} | {paired(plain, 'base, no drafts'):.3f} | "
+                  f"{paired(drafts, 'base, drafts'):.3f} | "
+                  f"{paired(plain + ' cpu', 'base, no drafts cpu'):.3f} | "
+                  f"{paired(drafts + ' cpu', 'base, drafts cpu'):.3f} |")  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,88 @@
+"""A block drafter's drafts per round come from the cost model: its block
+costs about the same at any length (``flat_cost``), so the count follows the
+running acceptance alone; one that never agrees is probed now and then and
+costs little against plain decoding."""
+
+import mlx.core as mx
+import pytest
+import tiny
+import tiny_dflash as td
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+import mlx_mtp
+from mlx_mtp.adaptive import CostAwareDraft
+from mlx_mtp.probe import machine_costs
+from mlx_mtp.drafts import AutoDrafts, ModelDrafts, make_source
+from mlx_mtp.speculative import speculative_generate_step
+
+BLOCK_COST = 0.15  # a 5-layer drafter against a 30-layer target, about
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash-policy")
+    return td.build_target(root / "target", "qwen3", 6), root
+
+
+def attach(target, root, agreeable: bool):
+    folder = td.build_drafter(
+        root / f"dflash-{agreeable}", [1, 4], 6, agreeable=agreeable, seed=3
+    )
+    model = mlx_mtp.load_model(target, draft=folder)
+    model.drafters[-1].cost = BLOCK_COST
+    return model
+
+
+def run(model, prompt, n, source):
+    stats = mlx_mtp.MTPStats(trace=[])
+    steps = speculative_generate_step(
+        prompt, model, max_tokens=n, drafts=source, stats=stats
+    )
+    return [t for t, _ in steps], stats
+
+
+def test_flat_costs_reach_the_policy(target):
+    model = attach(*target, agreeable=True)
+    drafter = model.drafters[-1]
+    costs = machine_costs(model, drafter)
+    assert [costs.draft_cost(k) for k in (1, 4, 7)] == [BLOCK_COST] * 3
+    source = make_source(model, "dflash", None)
+    assert isinstance(source, ModelDrafts) and source.draft_max == 7
+    assert isinstance(source.policy, CostAwareDraft)
+    auto = make_source(model, "auto", None)
+    assert isinstance(auto, AutoDrafts)
+    assert "dflash" in auto.drafters
+
+
+def test_the_block_size_is_chosen_per_round(target):
+    model = attach(*target, agreeable=True)
+    reference = mlx_lm_load_model(target[0])[0]
+    lengths, kept = set(), 0
+    for seed in range(3):
+        prompt = tiny.random_prompt(20 + 5 * seed, seed=seed)
+        got, stats = run(model, prompt, 40, make_source(model, "dflash", None))
+        want = generate_step(
+            mx.array(prompt), reference, max_tokens=40,
+            sampler=lambda x: mx.argmax(x, -1),
+        )  # fmt: skip
+        assert got == [int(t) for t, _ in want]
+        lengths |= {len(r.drafted) for r in stats.trace}
+        kept += stats.accepted
+    assert kept > 0
+    assert len(lengths - {0}) > 1 and max(lengths) <= 7  # 1 to block_size - 1
+
+
+def test_a_drafter_that_never_agrees_costs_at_most_three_percent(target):
+    """By the cost model's own account: the rounds' costs (a plain step is 1)
+    over what plain decoding would take for the same tokens."""
+    model = attach(*target, agreeable=False)
+    source = make_source(model, "dflash", None)
+    costs = source.costs
+    prompt = tiny.random_prompt(30, seed=11)
+    got, stats = run(model, prompt, 300, source)
+    assert stats.accepted <= 2  # it never agrees
+    spent = sum(costs.round(len(r.drafted)) for r in stats.trace)
+    assert len(got) / spent >= 0.97
+    probes = [r for r in stats.trace if r.drafted]
+    assert 0 < len(probes) <= 12  # it keeps looking, now and then
