@@ -25,7 +25,8 @@ with the memory on, the requests after the first of each prompt can draft
 their answers from it (what a client that retries gains); ``--vary-prompts``
 ends every prompt with its repetition and stream, so that no request is sent
 twice (answers to the same question may still share passages, which the
-memory then drafts).
+memory then drafts). The flag reaches this checkout's serve only: a
+``--baseline`` from before the memory has none.
 """
 
 import argparse
