@@ -9,6 +9,7 @@ import typer
 from mlx_mtp.serve import (
     API_KEY_ENV,
     DEFAULT_HOST,
+    DEFAULT_LOOKUP_MEMORY_MB,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_PORT,
@@ -73,6 +74,24 @@ def serve(
         help="Memory those caches may take together, in MiB.",
         rich_help_panel=SERVER,
     ),
+    lookup_memory_mb: int = typer.Option(
+        DEFAULT_LOOKUP_MEMORY_MB,
+        "--lookup-memory-mb",
+        min=0,
+        help="Memory for recent prompts and answers that drafts are looked up "
+        "in, in MiB (0: none; it lets one user's request time tell what "
+        "others sent: docs/serve.md).",
+        rich_help_panel=SERVER,
+    ),
+    reasoning_parser: str = typer.Option(
+        "auto",
+        "--reasoning-parser",
+        metavar="NAME",
+        help="How a thinking model's thinking is told from its answer: auto "
+        "(from the chat template), none, think (<think>...</think>), kimi, "
+        "gpt_oss; or vLLM's qwen3, deepseek_r1, glm45.",
+        rich_help_panel=SERVER,
+    ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
         "--shutdown-timeout",
@@ -130,10 +149,15 @@ def serve(
     Under mlx.launch, one server over every process: rank 0 listens."""
     from mlx_mtp.serve import ServeConfig
     from mlx_mtp.serve.app import listen, run
+    from mlx_mtp.serve.reasoning import check_parser
 
     group = o.processes()
     if api_key is not None and not api_key.strip():
         raise fail(f"the API key is empty (--api-key or {API_KEY_ENV})")
+    try:
+        check_parser(reasoning_parser)
+    except ValueError as e:
+        raise fail(f"--reasoning-parser: {e}") from None
     config = ServeConfig(
         draft_max=draft_max,
         mtp=not no_mtp,
@@ -148,6 +172,8 @@ def serve(
         api_key=api_key.strip() if api_key else None,
         cors_origins=tuple(cors_origin or ()),
         strict_model_names=strict_model_names,
+        lookup_memory_bytes=lookup_memory_mb << 20,
+        reasoning_parser=reasoning_parser,
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if group.size() > 1:
@@ -159,6 +185,8 @@ def serve(
             "--max-batch": max_batch, "--prompt-cache-entries": prompt_cache_entries,
             "--prompt-cache-mb": prompt_cache_mb, "--draft-max": draft_max,
             "--draft-source": config.draft_source, "--fixed-draft": fixed_draft,
+            "--lookup-memory-mb": lookup_memory_mb,
+            "--reasoning-parser": reasoning_parser,
         }  # fmt: skip
         loading = (model, mtp, hidden_tap, no_mtp, sharding, draft)
         _serve_cluster(group, config, settings, loading, (host, port), log)

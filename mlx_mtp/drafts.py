@@ -13,15 +13,17 @@ API and both HTTP APIs go through it).
   head, a Gemma 4 assistant, a drafter from a checkpoint of its own); its
   count policy (``adaptive.CostAwareDraft`` or ``FixedDraft``) keeps the
   running acceptance per depth;
-- ``LookupDrafts``: prompt lookup (``ngram.PromptLookup``), checked whenever
-  that is expected to beat a plain step;
+- ``LookupDrafts``: prompt lookup (``ngram.PromptLookup``), and lookups in a
+  predicted answer and a server's earlier requests, checked whenever that is
+  expected to beat a plain step;
 - ``AutoDrafts``: per round, a lookup proposal where it is expected to keep
   more per unit of time than the best drafter's round, else that drafter;
+- ``PhasedDrafts``: a thinking model's, one source per phase (thinking, answer);
 - ``NoDrafts``: plain steps.
 """
 
 from dataclasses import dataclass, field
-from typing import FrozenSet, List, Optional, Protocol, Sequence
+from typing import Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence
 
 from . import config
 from .adaptive import (
@@ -43,7 +45,7 @@ from .defaults import (
 )
 from .drafters import kinds
 from .errors import MTPError
-from .ngram import PromptLookup
+from .ngram import Lookup, LookupMemory, MemoryLookup, PredictionLookup, PromptLookup
 from .probe import machine_costs
 
 # A drafter takes part only where, at an optimistic acceptance, some draft
@@ -156,32 +158,45 @@ class ModelDrafts(NoDrafts):
 
 
 class LookupDrafts(NoDrafts):
-    """Prompt-lookup drafts, checked where that beats a plain step."""
+    """Lookup drafts, checked where that beats a plain step: prompt lookup
+    (``lookup``, in the generation's own tokens) and ``others`` (a predicted
+    answer, a server's memory of earlier requests: ``ngram.Lookup``s). Each
+    round the proposal expected to keep the most per unit of time wins."""
 
     name = "ngram"
 
-    def __init__(self, lookup: Optional[PromptLookup]):
+    def __init__(self, lookup: Optional[PromptLookup], others: Sequence[Lookup] = ()):
         self.lookup = lookup
+        lookups = ([lookup] if lookup else []) + list(others)
+        self.lookups: List[Lookup] = sorted(lookups, key=lambda x: x.order)
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         return self._propose(history, room, 1.0)
 
     def _propose(self, history: Sequence[int], room: int, against: float) -> Plan:
-        if self.lookup is None:
+        if room <= 0:
             return Plan()
-        self.lookup.sync(history)
-        tokens = self.lookup.drafts(room, against) if room > 0 else []
-        return Plan(tokens=tokens, source="lookup")
+        best, tokens, value = None, [], against
+        for lookup in self.lookups:
+            lookup.sync(history)
+            offer, worth = lookup.offer(room)
+            if offer and worth > value:
+                best, tokens, value = lookup, offer, worth
+        if best is None:
+            return Plan()
+        best.used += 1
+        return Plan(tokens=tokens, source=best.tag)
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
-        if source == "lookup":
-            self.lookup.update(drafted, accepted)
+        for lookup in self.lookups:
+            if lookup.tag == source:
+                lookup.update(drafted, accepted)
 
     def may_propose_after(self, history: Sequence[int]) -> bool:
-        if self.lookup is None:
-            return False
-        self.lookup.sync(history)
-        return self.lookup.may_propose_next(history[-1])
+        return any(lookup.may_propose_after(history) for lookup in self.lookups)
+
+    def _costs(self) -> Costs:
+        return self.lookups[0].costs if self.lookups else prior_costs()
 
 
 class AutoDrafts(LookupDrafts):
@@ -192,8 +207,13 @@ class AutoDrafts(LookupDrafts):
 
     name = "auto"
 
-    def __init__(self, models: Sequence[ModelDrafts], lookup: Optional[PromptLookup]):
-        super().__init__(lookup)
+    def __init__(
+        self,
+        models: Sequence[ModelDrafts],
+        lookup: Optional[PromptLookup],
+        others: Sequence[Lookup] = (),
+    ):
+        super().__init__(lookup, others)
         self.models = list(models)
         self.chosen = self.models[0]  # the drafter the next round asks
 
@@ -218,7 +238,7 @@ class AutoDrafts(LookupDrafts):
         return k
 
     def _speed(self, model: ModelDrafts, k: int) -> float:
-        return model.speed(k, self.lookup.costs if self.lookup else prior_costs())
+        return model.speed(k, self._costs())
 
     def rates(self) -> Sequence[float]:
         return self.chosen.rates()
@@ -233,12 +253,57 @@ class AutoDrafts(LookupDrafts):
         return proposal if proposal.tokens else Plan(k=k, drafter=model.drafter)
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
-        if source == "lookup":
-            super().update(source, drafted, accepted)
-            return
+        super().update(source, drafted, accepted)
         for m in self.models:
             if m.drafter == source:
                 m.update(source, drafted, accepted)
+
+
+class PhasedDrafts:
+    """A thinking model's drafts: a source of its own for each phase of the
+    answer (``thinking.Phases``: thinking, then the answer), built by
+    ``make`` when the phase first comes. Drafts are kept at other rates while
+    a model thinks than in its answer (a head trained on answers, lookups
+    in quoted code), so neither phase's running acceptance starts the
+    other's: the answer's source starts from the priors, as a new
+    generation does, and its lookups index the thinking too."""
+
+    def __init__(self, make: Callable[[], DraftSource], phases):
+        self.make, self.phases = make, phases
+        self.sources: Dict[str, DraftSource] = {phases.phase: make()}
+        self.current = self.sources[phases.phase]
+        self.planned: Optional[DraftSource] = None  # the source of the last plan
+        first = self.current
+        self.draft_max, self.drafters = first.draft_max, first.drafters
+        self.asked = getattr(first, "asked", 0)
+
+    @property
+    def name(self) -> str:
+        return self.current.name
+
+    def _follow(self, history: Sequence[int]) -> None:
+        phase = self.phases(history)
+        if phase not in self.sources:
+            self.sources[phase] = self.make()
+        self.current = self.sources[phase]
+
+    def count(self) -> int:
+        return self.current.count()
+
+    def rates(self) -> Sequence[float]:
+        return self.current.rates()
+
+    def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
+        self._follow(history)
+        self.planned = self.current
+        return self.current.plan(history, room, k)
+
+    def update(self, source: str, drafted: int, accepted: int) -> None:
+        (self.planned or self.current).update(source, drafted, accepted)
+
+    def may_propose_after(self, history: Sequence[int]) -> bool:
+        self._follow(history)
+        return self.current.may_propose_after(history)
 
 
 def source_names() -> List[str]:
@@ -318,6 +383,8 @@ def make_source(
     draft_max: Optional[int] = 0,
     adaptive: bool = True,
     batched: bool = False,
+    prediction: Sequence[int] = (),
+    memory: Optional[LookupMemory] = None,
 ) -> DraftSource:
     """The draft source ``name`` for one generation.
 
@@ -331,9 +398,11 @@ def make_source(
     drafter that cannot pay here at all (``can_pay``) is left out: it would
     cost without a chance to gain. ``batched``: a served stream, whose draft
     count the batch's policy chooses (each drafter's count policy then only
-    keeps its running acceptance, from its measured prior). A source that
-    cannot be used here falls back to what can: no drafter, no lookup, or
-    plain steps.
+    keeps its running acceptance, from its measured prior). ``prediction``:
+    tokens the answer is expected to be (OpenAI's Predicted Outputs), and
+    ``memory``: earlier generations (a server's), both looked up beside the
+    prompt ("ngram", "auto"). A source that cannot be used here falls back
+    to what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
     check_draft_max(draft_max)
@@ -354,10 +423,15 @@ def make_source(
             policy = make_policy(model, k, adaptive, d)
         models.append(ModelDrafts(policy, d.name, costs))
     lookup = make_lookup(model) if name in ("ngram", "auto") else None
+    others: List[Lookup] = []
+    if lookup is not None and prediction:
+        others.append(PredictionLookup(prediction, lookup.costs))
+    if lookup is not None and memory is not None and memory.max_bytes > 0:
+        others.append(MemoryLookup(memory, lookup.costs))
     if models and (lookup is not None or len(models) > 1):
-        return AutoDrafts(models, lookup)
+        return AutoDrafts(models, lookup, others)
     if lookup is not None:
-        return LookupDrafts(lookup)
+        return LookupDrafts(lookup, others)
     if models:
         return models[0]
     none = NoDrafts()

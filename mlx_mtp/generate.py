@@ -148,7 +148,7 @@ def stream_generate(
         max_tokens=max_tokens,
         draft_p_min=request.drafts.p_min,
         verifier=verifier,
-        drafts=request.drafts.make(model),
+        drafts=request.source(model),
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,

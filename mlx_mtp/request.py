@@ -9,13 +9,20 @@ A new request field is a field here and the code that reads it.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from .config import default_draft_max
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_TOKENS
-from .drafts import DraftSource, check_draft_max, check_source_name, make_source
+from .drafts import (
+    DraftSource,
+    PhasedDrafts,
+    check_draft_max,
+    check_source_name,
+    make_source,
+)
 from .errors import MTPError
 from .sampling import SamplingConfig, make_verifier
+from .thinking import Thinking
 
 
 @dataclass
@@ -33,6 +40,8 @@ class DraftSettings:
     p_min: float = DEFAULT_DRAFT_P_MIN
     adaptive: bool = True
     mtp: bool = True
+    # tokens the answer is expected to be (OpenAI's Predicted Outputs): looked up
+    prediction: Tuple[int, ...] = ()
 
     def validate(self) -> None:
         check_source_name(self.source)
@@ -48,14 +57,17 @@ class DraftSettings:
         draft_max = self.draft_max
         return default_draft_max(model) if draft_max is None else draft_max
 
-    def make(self, model, batched: bool = False) -> DraftSource:
+    def make(self, model, batched: bool = False, memory=None) -> DraftSource:
         """This request's draft source on ``model`` (``batched``: a served
-        stream, whose draft length the batch chooses). Without ``draft_max``
+        stream, whose draft length the batch chooses; ``memory``: a server's
+        ``ngram.LookupMemory`` of earlier requests). Without ``draft_max``
         each drafter drafts at most its own bound (``make_source``)."""
         if not self.mtp:
             return make_source(model, "mtp", 0)
-        draft_max = self.draft_max
-        return make_source(model, self.source, draft_max, self.adaptive, batched)
+        return make_source(
+            model, self.source, self.draft_max, self.adaptive, batched,
+            self.prediction, memory,
+        )  # fmt: skip
 
 
 @dataclass
@@ -71,12 +83,24 @@ class GenerationRequest:
     # the constraints of JSON mode and tool calls
     logits_processors: List[Callable] = field(default_factory=list)
     truncate_prompt: bool = False
+    # a thinking model's markers and budget (its processor is among
+    # ``logits_processors``); its draft source keeps one estimate per phase
+    thinking: Optional[Thinking] = None
 
     def validate(self) -> "GenerationRequest":
         if self.max_tokens < 1:
             raise MTPError(f"max_tokens must be at least 1, not {self.max_tokens}")
         self.drafts.validate()
         return self
+
+    def source(self, model, batched: bool = False, memory=None) -> DraftSource:
+        """This request's draft source (``DraftSettings.make``), one per phase
+        where the model thinks (``drafts.PhasedDrafts``)."""
+        if self.thinking is None:
+            return self.drafts.make(model, batched, memory)
+        return PhasedDrafts(
+            lambda: self.drafts.make(model, batched, memory), self.thinking.phases()
+        )
 
     def verifier(self, sampler=None):
         """The verifier of this request's sampling and constraints."""

@@ -119,9 +119,6 @@ def count_round(stats: MTPStats, drafts: List[Draft], accepted: int, m: int) -> 
     stats.record_round([d.token.item() for d in drafts], accepted)
     if drafts:
         stats.record_source(drafts[0].source, len(drafts), accepted)
-    if drafts and drafts[0].source == "lookup":
-        stats.lookup_drafted += len(drafts)
-        stats.lookup_accepted += accepted
 
 
 def settle(

@@ -17,6 +17,10 @@ collective that shares the verify decision: ``syncs`` counts them and
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+# the draft tags (``sampling.Draft.source``) of lookups: in the generation's
+# own tokens, in a predicted answer, in a server's earlier requests
+LOOKUP_SOURCES = ("lookup", "prediction", "memory")
+
 
 @dataclass
 class DraftRound:
@@ -42,11 +46,12 @@ class MTPStats:
     trace: Optional[List[DraftRound]] = None
     syncs: int = 0
     sync_time: float = 0.0
-    # of ``drafted`` / ``accepted``: the drafts that came from prompt lookup
+    # of ``drafted`` / ``accepted``: the drafts that came from lookups (the
+    # prompt's, a predicted answer's, a server's memory's)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    # per source of drafts (the head "mtp", a drafter by its name, "lookup"):
-    # [drafted, accepted]
+    # per source of drafts (the head "mtp", a drafter by its name, the
+    # lookups "lookup", "prediction", "memory"): [drafted, accepted]
     by_source: Dict[str, List[int]] = field(default_factory=dict)
 
     def record_round(self, drafted: List[int], accepted: int) -> None:
@@ -70,6 +75,13 @@ class MTPStats:
         counts = self.by_source.setdefault(source, [0, 0])
         counts[0] += drafted
         counts[1] += accepted
+        if source in LOOKUP_SOURCES:
+            self.lookup_drafted += drafted
+            self.lookup_accepted += accepted
+
+    def source_counts(self, source: str) -> List[int]:
+        """[drafted, accepted] of ``source``'s drafts."""
+        return list(self.by_source.get(source, [0, 0]))
 
     def add(self, other: "MTPStats") -> None:
         """Add another generation's counts and times (totals over several runs)."""
@@ -84,8 +96,6 @@ class MTPStats:
             "accepted",
             "syncs",
             "sync_time",
-            "lookup_drafted",
-            "lookup_accepted",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -97,7 +107,7 @@ class MTPStats:
                 mine[j] += v
         self.peak_memory = max(self.peak_memory, other.peak_memory)
         for source, (drafted, accepted) in other.by_source.items():
-            self.record_source(source, drafted, accepted)
+            self.record_source(source, drafted, accepted)  # lookups' counts too
 
     def acceptance_by_source(self) -> Dict[str, Dict[str, float]]:
         """Drafted, accepted and their rate, per source of drafts."""
@@ -173,7 +183,7 @@ class MTPStats:
             )
             if self.lookup_drafted:
                 drafting += (
-                    f", from prompt lookup {self.lookup_accepted}/{self.lookup_drafted}"
+                    f", from lookups {self.lookup_accepted}/{self.lookup_drafted}"
                 )
             if set(self.by_source) - {"mtp", "lookup"}:
                 drafting += ", by source: " + ", ".join(

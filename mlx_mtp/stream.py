@@ -87,6 +87,7 @@ def open_stream(
     logprobs=None,
     seed_offset: int = 0,
     batched: bool = False,
+    memory=None,
 ) -> Stream:
     """The stream that generates after ``prompt`` on ``model``.
 
@@ -97,7 +98,9 @@ def open_stream(
     there is none, from ``verifier`` and ``source`` as given. ``cache`` holds
     ``cached_tokens`` already (None: a new cache). ``seed_offset`` gives a
     seeded request's streams seeds of their own (prompt ``i`` of a batch).
-    ``prompt`` is the tokens not yet in the cache.
+    ``prompt`` is the tokens not yet in the cache. ``memory``: a server's
+    lookup memory of earlier requests (``ngram.LookupMemory``), which the
+    request's draft source consults.
     """
     if request is not None:
         sampling = request.sampling
@@ -105,7 +108,8 @@ def open_stream(
             sampling = dataclasses.replace(sampling, seed=sampling.seed + seed_offset)
             request = dataclasses.replace(request, sampling=sampling)
         verifier = verifier or request.verifier(sampler)
-        source = source if source is not None else request.drafts.make(model, batched)
+        if source is None:
+            source = request.source(model, batched, memory)
         if max_tokens is None:
             max_tokens = request.max_tokens
         if logprobs is None and request.logprobs is not None:

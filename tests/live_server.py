@@ -78,15 +78,16 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-def module_fixtures(name: str):
+def module_fixtures(name: str, **config):
     """A test module's ``server`` fixture (its own ``loaded`` fixture, the
-    model it tests, served as ``name`` with fixed draft counts, closed after the
-    module) and ``client`` fixture (the OpenAI client once the server is idle):
+    model it tests, served as ``name`` with fixed draft counts and ``config``'s
+    other ``ServeConfig`` fields, closed after the module) and ``client``
+    fixture (the OpenAI client once the server is idle):
     ``server, client = module_fixtures(NAME)``."""
 
     @pytest.fixture(scope="module")
     def server(loaded):
-        live = LiveServer(*loaded, name, ServeConfig(adaptive_draft=False))
+        live = LiveServer(*loaded, name, ServeConfig(adaptive_draft=False, **config))
         yield live
         live.close()
 

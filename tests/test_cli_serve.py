@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 
+from mlx_mtp.serve import DEFAULT_LOOKUP_MEMORY_MB
+
 # the checkout's mlx_mtp/ would shadow the installed package
 NOT_THE_CHECKOUT = tempfile.gettempdir()
 
@@ -73,6 +75,7 @@ def folder(tiny_folders):
 def test_defaults_and_flags_reach_the_server(folder):
     args = ["--model", folder, "--max-tokens", "5", "--draft-max", "0"]
     args += ["--max-batch", "1", "--prompt-cache-entries", "0"]
+    args += ["--lookup-memory-mb", "0", "--reasoning-parser", "think"]
     with Served(*args) as s:
         assert s.log.strip().endswith(f"on http://127.0.0.1:{s.port}/v1")
         first = s.complete()
@@ -91,6 +94,8 @@ def test_defaults_and_flags_reach_the_server(folder):
         assert health["peak_batch"] == 1 and health["max_batch"] == 1
         assert health["draft_policy"] == "adaptive"
         assert health["prompt_cache"]["max_entries"] == 0
+        assert health["lookup_memory"]["max_bytes"] == 0  # --lookup-memory-mb 0
+        assert health["reasoning_parser"] == "think"
 
 
 def test_more_flags(folder):
@@ -100,6 +105,10 @@ def test_more_flags(folder):
         r = s.complete(max_tokens=12)
         assert 0 < r["usage"]["mtp"]["drafted"] <= 2 * r["usage"]["mtp"]["rounds"]
         assert s.get("/health")["draft_policy"] == "fixed"
+        memory = s.get("/health")["lookup_memory"]  # the default size, in use
+        assert memory["max_bytes"] == DEFAULT_LOOKUP_MEMORY_MB << 20
+        assert memory["tokens"] > 0
+        assert s.get("/health")["reasoning_parser"] is None  # its template: none
         again = s.complete(max_tokens=12)  # --prompt-cache-mb 0 keeps nothing
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert s.get("/health")["prompt_cache"]["entries"] == 0
@@ -160,6 +169,18 @@ def test_an_empty_api_key_is_one_line(folder):
     assert r.stderr.strip().splitlines() == [
         "error: the API key is empty (--api-key or MLX_MTP_API_KEY)"
     ]
+
+
+def test_an_unknown_reasoning_parser_is_one_line(folder):
+    from mlx_mtp.cli import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(
+        app, ["serve", "--model", folder, "--reasoning-parser", "eagle"]
+    )
+    assert r.exit_code == 1
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith("error: --reasoning-parser: reasoning parser must be one")
 
 
 def test_a_bad_model_folder_is_one_line(tmp_path):

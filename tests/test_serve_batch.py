@@ -82,8 +82,13 @@ def _prompts():
 @pytest.mark.parametrize("draft", ["fixed", "adaptive"])
 def test_eight_clients_at_once_get_their_answers_alone(folders, family, draft):
     model, tokenizer = mlx_mtp.load(folders(family))
+    # no lookup memory: drafts from the answers alone would let the first
+    # requests finish before the last has joined (peak_batch below)
     config = ServeConfig(
-        max_batch=CLIENTS, prompt_cache_entries=0, adaptive_draft=draft == "adaptive"
+        max_batch=CLIENTS,
+        prompt_cache_entries=0,
+        adaptive_draft=draft == "adaptive",
+        lookup_memory_bytes=0,
     )
     server = LiveServer(model, tokenizer, family, config)
     try:

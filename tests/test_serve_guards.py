@@ -118,6 +118,10 @@ def test_without_the_key_both_apis_answer_401_in_their_own_shape(guarded):
     # no header at all, and /health, which load balancers ask without one
     assert _http(guarded, "POST", "/v1/completions", json={}).status_code == 401
     assert _http(guarded, "GET", "/health").status_code == 200
+    # /metrics tells how the server is used: it wants the key
+    assert _http(guarded, "GET", "/metrics").status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert _http(guarded, "GET", "/metrics", headers=auth).status_code == 200
 
 
 def test_the_key_opens_both_apis_by_either_header(guarded):

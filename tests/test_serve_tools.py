@@ -295,7 +295,9 @@ def loaded(tiny_folders, tmp_path_factory):
     return mlx_mtp.load(tool_model.build(folder, target))
 
 
-server, client = module_fixtures(NAME)
+# streamed calls are counted in deltas: replays of earlier answers from the
+# lookup memory would come in fewer, longer ones
+server, client = module_fixtures(NAME, lookup_memory_bytes=0)
 
 
 def _bias(text):
@@ -529,7 +531,8 @@ def ds_loaded(tiny_folders, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ds_client(ds_loaded):
     model, tokenizer = ds_loaded
-    live = LiveServer(model, tokenizer, NAME, ServeConfig(adaptive_draft=False))
+    config = ServeConfig(adaptive_draft=False, lookup_memory_bytes=0)  # as above
+    live = LiveServer(model, tokenizer, NAME, config)
     yield live.client()
     live.close()
 

@@ -26,6 +26,9 @@ DEFAULT_SERVE_MAX_TOKENS = 512
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 # A request body past this is refused (413) before it is read.
 DEFAULT_MAX_BODY_MB = 16
+# The lookup memory of recent prompts and answers that every request's drafts
+# may come from (0: none).
+DEFAULT_LOOKUP_MEMORY_MB = 64
 # Where ``--api-key`` may come from instead, out of the process list.
 API_KEY_ENV = "MLX_MTP_API_KEY"
 
@@ -42,6 +45,12 @@ class ServeConfig:
     ``draft_max`` every round. ``shutdown_timeout``: seconds the streams
     running at SIGINT/SIGTERM may go on before they end (a second signal
     ends them at once).
+
+    ``lookup_memory_bytes``: the memory of recent prompts and answers that
+    drafts are looked up in (``ngram.LookupMemory``; 0: none).
+    ``reasoning_parser``: how a thinking model's thinking is told from its
+    answer ("auto": from the chat template; "none": it is not;
+    ``reasoning.PARSERS``).
 
     ``max_body_bytes``: larger request bodies get a 413 before they are read.
     ``api_key``: every endpoint but ``/health`` wants it (``Authorization:
@@ -64,12 +73,15 @@ class ServeConfig:
     api_key: Optional[str] = None
     cors_origins: Tuple[str, ...] = ()
     strict_model_names: bool = False
+    lookup_memory_bytes: int = DEFAULT_LOOKUP_MEMORY_MB << 20
+    reasoning_parser: str = "auto"
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes")
+        names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes",
+                 "lookup_memory_bytes")  # fmt: skip
         for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")

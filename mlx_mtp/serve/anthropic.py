@@ -3,13 +3,17 @@
 A request is translated into the chat completions request it means (system
 prompt, text, ``tool_use`` and ``tool_result`` blocks, tools and tool
 choice) and served by the same path; the answer comes back as a ``message``
-with text and ``tool_use`` blocks, or streamed as Anthropic's events
-(``message_start``, ``content_block_start``/``delta``/``stop``,
-``message_delta``, ``message_stop``). Errors have Anthropic's shape,
+with ``thinking`` (a thinking model's), text and ``tool_use`` blocks, or
+streamed as Anthropic's events (``message_start``,
+``content_block_start``/``delta``/``stop``, ``message_delta``,
+``message_stop``). ``thinking`` (``enabled`` with its ``budget_tokens``,
+``disabled``, ``adaptive``) reaches the chat template as ``enable_thinking``
+and the engine as a thinking budget. Errors have Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}``.
 
-``draft_max``, ``seed``, ``min_p``, ``logit_bias`` and
-``repetition_penalty`` are this server's extensions, as on the chat path.
+``draft_max``, ``seed``, ``min_p``, ``logit_bias``, ``repetition_penalty``,
+``chat_template_kwargs`` and ``max_thinking_tokens`` are this server's
+extensions, as on the chat path.
 Any ``model`` name is served: coding agents send the names of the models they
 were set up for (and a second, smaller one for chores), not this server's.
 """
@@ -24,6 +28,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from . import parse
 from .http import APIError, read_body
+from .middleware import note_usage
 from .tools import Part, ToolError, split, tool_plan
 
 _ERROR_TYPES = {
@@ -34,7 +39,8 @@ _ERROR_TYPES = {
     500: "api_error",
 }
 # this server's fields, as on /v1/chat/completions
-EXTENSIONS = ("draft_max", "seed", "min_p", "logit_bias", "repetition_penalty")
+EXTENSIONS = ("draft_max", "seed", "min_p", "logit_bias", "repetition_penalty",
+              "chat_template_kwargs", "max_thinking_tokens")  # fmt: skip
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -175,7 +181,28 @@ def chat_request(body: dict, count: bool = False) -> dict:
     }
     for name in ("temperature", "top_p", "top_k", "stream", *EXTENSIONS):
         out[name] = body.get(name)
+    _thinking(body.get("thinking"), out)
     return out
+
+
+def _thinking(thinking, out: dict) -> None:
+    """``thinking`` as the chat request's ``chat_template_kwargs``
+    (``enable_thinking``) and ``max_thinking_tokens``."""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise _bad('thinking.type: must be "enabled", "disabled" or "adaptive"')
+    kwargs = out.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs: must be an object")
+    out["chat_template_kwargs"] = {**(kwargs or {}),
+                                   "enable_thinking": kind != "disabled"}  # fmt: skip
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise _bad("thinking.budget_tokens: must be an integer of at least 0")
+        out["max_thinking_tokens"] = budget
 
 
 class _Stops:
@@ -225,7 +252,20 @@ class _Blocks:
     def add(self, parts: List[Part]) -> List[dict]:
         events = []
         for part in parts:
-            if part.kind == "text" and part.text:
+            if part.kind == "thinking":
+                if self.open != "thinking":
+                    events += self.close()
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    self.blocks.append(block)
+                    start = dict(block)
+                    events.append(
+                        self._event("content_block_start", content_block=start)
+                    )
+                    self.open = "thinking"
+                self.blocks[-1]["thinking"] += part.text
+                delta = {"type": "thinking_delta", "thinking": part.text}
+                events.append(self._event("content_block_delta", delta=delta))
+            elif part.kind == "text" and part.text:
                 if self.open != "text":
                     events += self.close()
                     self.blocks.append({"type": "text", "text": ""})
@@ -256,8 +296,12 @@ class _Blocks:
     def close(self) -> List[dict]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":  # no signature: the thinking is not Claude's
+            delta = {"type": "signature_delta", "signature": ""}
+            events.append(self._event("content_block_delta", delta=delta))
         self.open = None
-        return [self._event("content_block_stop")]
+        return events + [self._event("content_block_stop")]
 
     def whole(self) -> List[dict]:
         """The blocks of the answer, less a call cut off before its end."""
@@ -284,10 +328,11 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         body = await read_body(http, service.config.max_body_bytes)
         chat = chat_request(body, count)
         plan = tool_plan(chat, service.tool_format)
-        tokens = parse.chat_tokens(service, chat, plan)
         if count:
+            tokens = parse.chat_tokens(service, chat, plan, bool(plan.prefix))
             return JSONResponse({"input_tokens": len(tokens)})
         p = parse.params(service, chat)
+        tokens = parse.chat_tokens(service, chat, plan, bool(plan.prefix))
         p = await service.hold(plan, p)
         stops, p = _Stops(p.stop), dataclasses.replace(p, stop=[])
         submitted = service.submit(http, tokens, p, "messages")
@@ -301,7 +346,8 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         "role": "assistant",
         "model": body.get("model") or service.name,
     }
-    answer = _Answer(service, submitted, plan.splitter(), stops)
+    reasoning = service.reasoning.splitter(tokens) if service.reasoning else None
+    answer = _Answer(service, http, submitted, plan.splitter(), stops, reasoning)
     if p.stream:
         usage = {"input_tokens": len(tokens), "output_tokens": 0}
         start = {
@@ -332,6 +378,7 @@ async def messages(service, http: HTTPRequest, count: bool = False):
             "content": answer.blocks.whole(),
             **_stop(answer.finish, stops),
             "usage": usage,
+            "timings": answer.timings,
         }
     )
 
@@ -339,13 +386,15 @@ async def messages(service, http: HTTPRequest, count: bool = False):
 class _Answer:
     """The engine's events for one request, as content blocks."""
 
-    def __init__(self, service, submitted, splitter, stops: _Stops):
-        self.service, self.submitted = service, submitted
+    def __init__(self, service, http, submitted, splitter, stops: _Stops, reasoning):
+        self.service, self.http, self.submitted = service, http, submitted
         self.splitter, self.stops = splitter, stops
+        self.reasoning = reasoning  # a ``ReasoningSplitter``, for a thinking model
         self.blocks = _Blocks()
         self.finish: Optional[str] = None
         self.error: Optional[str] = None
         self.output_tokens = 0
+        self.timings: Optional[dict] = None
 
     async def events(self):
         """Stream events as the blocks grow; ``finish`` is set at the end
@@ -358,7 +407,10 @@ class _Answer:
                 self.error = event.error
                 return
             finish = event.finish_reason
-            text = self.stops.feed(event.text, final=finish is not None)
+            thinking, text = "", event.text
+            if self.reasoning is not None:
+                thinking, text = self.reasoning.feed(text, final=finish is not None)
+            text = self.stops.feed(text, final=finish is not None)
             if self.stops.matched is not None and finish is None:
                 self.submitted.cancel()  # it would not stop there itself
                 finish = "stop"
@@ -371,7 +423,12 @@ class _Answer:
                 )
             elif finish is not None:
                 self.output_tokens = event.usage["completion_tokens"]
+            if finish is not None and event.usage is not None:
+                note_usage(self.http, event.usage)
+                self.timings = event.timings
             parts, finish = split(self.splitter, text, finish)
+            if thinking:
+                parts.insert(0, Part("thinking", thinking))
             for e in self.blocks.add(parts):
                 yield e
             if finish is not None:
@@ -395,7 +452,8 @@ class _Answer:
             else:
                 usage = {"output_tokens": self.output_tokens}
                 delta = _stop(self.finish, self.stops)
-                yield _sse({"type": "message_delta", "delta": delta, "usage": usage})
+                yield _sse({"type": "message_delta", "delta": delta, "usage": usage,
+                            "timings": self.timings})  # fmt: skip
                 yield _sse({"type": "message_stop"})
             done = True
         finally:

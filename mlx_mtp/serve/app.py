@@ -2,7 +2,8 @@
 
 OpenAI's ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``GET /v1/models`` (``openai.py``), Anthropic's ``POST /v1/messages``
-(``anthropic.py``) and ``GET /health``; each path also without ``/v1``.
+(``anthropic.py``), ``GET /health`` and ``GET /metrics`` (Prometheus,
+``metrics.py``); each ``/v1`` path also without ``/v1``.
 Around them: the access log, CORS (``cors_origins``) and the API key.
 Requests are checked and tokenized on the event loop (``parse.py``); the
 engine thread generates (``engine.py``), and its events come back through an
@@ -25,12 +26,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..errors import MTPError
 from ..request import DraftSettings
-from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic, openai
+from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic, openai, reasoning
 from .engine import Engine
 from .http import APIError
 from .middleware import AccessLog, APIKey, logger
@@ -68,8 +69,17 @@ async def model(http: HTTPRequest):
 async def health(http: HTTPRequest):
     service = _service(http)
     engine = service.engine
+    fmt = service.reasoning.format.name if service.reasoning else None
     return JSONResponse(
-        {"status": "ok", "model": service.name, **engine.counts(), **engine.describe()}
+        {"status": "ok", "model": service.name, **engine.counts(),
+         **engine.describe(), "reasoning_parser": fmt}
+    )  # fmt: skip
+
+
+async def metrics(http: HTTPRequest):
+    engine = _service(http).engine
+    return PlainTextResponse(
+        engine.metrics.render(engine), media_type="text/plain; version=0.0.4"
     )
 
 
@@ -81,6 +91,7 @@ ROUTES = [
     ("/v1/models", models, "GET"),
     ("/v1/models/{name:path}", model, "GET"),
     ("/health", health, "GET"),
+    ("/metrics", metrics, "GET"),
 ]
 ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
 
@@ -103,10 +114,22 @@ def _refusal(path: str, e: APIError):
     return e.response()
 
 
-def _middleware(config: ServeConfig) -> list:
+def _endpoint(path: str) -> str:
+    """The route ``path`` asks for, as ``/metrics`` counts it (not the path
+    itself: any path would make a count of its own)."""
+    path = path if path.startswith("/v1/") else "/v1" + path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{name}"
+    known = {p for p, _, _ in ROUTES}
+    if path in known:
+        return path
+    return path[3:] if path[3:] in known else "other"
+
+
+def _middleware(config: ServeConfig, metrics) -> list:
     # CORS outside the key: a browser's preflight carries no key, and a 401
     # must carry the CORS headers for the page to read it
-    middleware = [Middleware(AccessLog)]
+    middleware = [Middleware(AccessLog, count=metrics.answered, endpoint=_endpoint)]
     if config.cors_origins:
         middleware.append(
             Middleware(
@@ -159,7 +182,9 @@ def create_app(
     config.validate()
     # the server's draft defaults, checked where every request's are
     DraftSettings(config.draft_source, config.draft_max).validate()
-    middleware = _middleware(config)
+    reasoning.check_parser(config.reasoning_parser)
+    service = Service(model, tokenizer, name, config, engine)
+    middleware = _middleware(config, service.engine.metrics)
     guard = getattr(engine, "guard", None)  # over processes: 503 once a rank is lost
     if guard is not None:
         middleware.insert(1, Middleware(guard, engine=engine))
@@ -170,7 +195,7 @@ def create_app(
         lifespan=_lifespan,
     )
     app.state.on_start = None
-    app.state.service = Service(model, tokenizer, name, config, engine)
+    app.state.service = service
     return app
 
 

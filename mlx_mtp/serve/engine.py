@@ -11,7 +11,8 @@ runs too) in a thread. Each turn of its loop
 4) runs one speculative round of the whole batch and turns each stream's
    tokens into text: end-of-sequence tokens, ``max_tokens`` and stop strings
    finish a stream, which leaves the batch and leaves its cache to the
-   prompt cache.
+   prompt cache, and its prompt and answer to the lookup memory that later
+   requests draft from (``ngram.LookupMemory``).
 
 Models whose caches have no batch form here are served one stream at a time,
 through the same decoder (a batch of one).
@@ -32,12 +33,14 @@ import mlx.core as mx
 
 from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
+from ..ngram import LookupMemory
 from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
 from ..stats import MTPStats
 from ..stream import open_stream
 from . import ServeConfig
+from .metrics import Metrics, timings
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
@@ -53,6 +56,7 @@ class Event:
     error: Optional[str] = None
     # (token, logprob, top alternatives) of the tokens behind this event, if asked
     logprobs: List = field(default_factory=list)
+    timings: Optional[dict] = None  # at the end: llama-server's ``timings``
 
 
 @dataclass
@@ -150,12 +154,26 @@ class EngineJob(Job):
         return new
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPStats):
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    reused: int,
+    stats: MTPStats,
+    reasoning: int = 0,
+):
+    """OpenAI's ``usage`` (``reasoning``: tokens of thinking), with the MTP
+    counts; of a predicted answer's drafts, those kept and those not."""
+    predicted, kept = stats.source_counts("prediction")
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": reused},
+        "completion_tokens_details": {
+            "reasoning_tokens": reasoning,
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": predicted - kept,
+        },
         "mtp": {
             "draft_max": stats.draft_max,
             "rounds": stats.rounds,
@@ -163,10 +181,12 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int, stats: MTPSta
             "accepted": stats.accepted,
             "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_length": stats.mean_accepted_length,
-            # of those, the prompt-lookup drafts
+            # of those, the lookups' drafts (the prompt's, a prediction's,
+            # the memory's of earlier requests)
             "lookup_drafted": stats.lookup_drafted,
             "lookup_accepted": stats.lookup_accepted,
-            # per source of drafts: the head "mtp", a drafter, "lookup"
+            # per source of drafts: the head "mtp", a drafter, "lookup",
+            # "prediction", "memory"
             "by_source": stats.acceptance_by_source(),
         },
     }
@@ -187,6 +207,10 @@ class Engine(Scheduler):
         self.prompt_cache = PromptCache(
             config.prompt_cache_entries, config.prompt_cache_bytes
         )
+        self.memory = None  # recent prompts and answers, that drafts come from
+        if config.lookup_memory_bytes > 0:
+            self.memory = LookupMemory(config.lookup_memory_bytes)
+        self.metrics = Metrics()
         self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -240,6 +264,12 @@ class Engine(Scheduler):
                 "max_entries": c.prompt_cache_entries,
                 "bytes": self.prompt_cache.nbytes,
                 "max_bytes": c.prompt_cache_bytes,
+            },
+            "lookup_memory": {
+                "sequences": len(self.memory) if self.memory else 0,
+                "tokens": self.memory.tokens if self.memory else 0,
+                "bytes": self.memory.nbytes if self.memory else 0,
+                "max_bytes": c.lookup_memory_bytes,
             },
         }
 
@@ -338,8 +368,10 @@ class Engine(Scheduler):
             cache=cache,
             stop_tokens=self.text_eos(),
             batched=True,
+            memory=self.memory,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read
+        self.metrics.lookup(job.reused)
 
     def text_eos(self):
         return getattr(self.tokenizer, "eos_token_ids", ()) or ()
@@ -372,16 +404,33 @@ class Engine(Scheduler):
             s = job.stream
             if keep:  # the trunk has read all of the history but its last token
                 self.prompt_cache.insert(s.history[:-1], s.cache)
-            if texts is not None:
-                self._finish(job, texts[i])
+            if texts is None:
+                self._report(job)  # counted, not answered: its client went away
+                continue
+            if self.memory is not None:
+                self.memory.add(s.history)
+            self._finish(job, texts[i])
+
+    def _report(self, job: EngineJob):
+        """A request's ``usage`` and ``timings``, counted in the metrics."""
+        request, stats = job.request, job.stream.stats
+        generated = job.text.tokens
+        thinking = request.params.thinking
+        reasoning = 0
+        if thinking is not None:
+            answer = job.stream.history[len(request.prompt) :][:generated]
+            reasoning = thinking.tokens_in(answer)
+        info = usage(len(request.prompt), generated, job.reused, stats, reasoning)
+        timing = timings(stats.prompt_tokens, generated, job.reused, stats)
+        self.metrics.request(timing, stats)
+        return info, timing
 
     def _finish(self, job: EngineJob, text: str) -> None:
         reason = job.text.finish or "length"
-        request = job.request
-        info = usage(len(request.prompt), job.text.tokens, job.reused, job.stream.stats)
+        info, timing = self._report(job)
         self.totals.add(job.stream.stats)
-        request.emit(
-            Event(text, finish_reason=reason, usage=info, logprobs=job.logprobs())
+        job.request.emit(
+            Event(text, reason, info, logprobs=job.logprobs(), timings=timing)
         )
 
     def _end_all(self) -> None:
@@ -396,7 +445,8 @@ class Engine(Scheduler):
             self._leave(jobs, [job.text.flush() for job in jobs])
         for job in self.waiting:
             info = usage(len(job.prompt), 0, 0, MTPStats())
-            job.request.emit(Event(finish_reason="length", usage=info))
+            timing = timings(0, 0, 0, MTPStats())
+            job.request.emit(Event(finish_reason="length", usage=info, timings=timing))
         self.waiting.clear()
 
     def _fail_all(self, message: str) -> None:

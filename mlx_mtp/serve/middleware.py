@@ -21,10 +21,11 @@ def note_usage(http, usage: Optional[dict]) -> None:
 
 class AccessLog:
     """One INFO line per request once its response is sent: status, tokens, MTP
-    acceptance, time."""
+    acceptance, time; and ``count(endpoint(path), status)``, for the metrics."""
 
-    def __init__(self, app):
+    def __init__(self, app, count: Optional[Callable] = None, endpoint=None):
         self.app = app
+        self.count, self.endpoint = count, endpoint or (lambda path: path)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -50,6 +51,8 @@ class AccessLog:
                 if mtp.get("drafted"):
                     line += f", MTP acceptance {mtp['acceptance_rate']:.2f}"
             logger.info("%s, %.2f s", line, time.perf_counter() - start)
+            if self.count is not None and status[0] is not None:
+                self.count(self.endpoint(scope["path"]), status[0])
 
 
 class APIKey:

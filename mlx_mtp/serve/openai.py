@@ -3,9 +3,12 @@
 
 A request is checked and tokenized (``parse.py``) and handed to the engine;
 its events come back as a whole ``chat.completion`` / ``text_completion``, or
-streamed as server-sent events ending in ``data: [DONE]``. ``usage`` carries
-the MTP counts under ``usage.mtp``. Errors have OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``.
+streamed as server-sent events ending in ``data: [DONE]``. A thinking
+model's thinking comes as ``reasoning_content`` (and ``reasoning``,
+mlx_lm.server's name), apart from ``content``. ``usage`` carries the MTP
+counts under ``usage.mtp``; every answer carries llama-server's ``timings``.
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 import json
@@ -28,11 +31,15 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
     try:
         body = await read_body(http, service.config.max_body_bytes)
         p = parse.params(service, body)
-        plan = ToolPlan()
+        plan, reasoning = ToolPlan(), None
         if kind == "chat":
             plan = tool_plan(body, service.tool_format)
-            tokens = parse.chat_tokens(service, body, plan)
+            held = bool(plan.prefix) or p.grammar is not None
+            tokens = parse.chat_tokens(service, body, plan, held)
+            if service.reasoning is not None:
+                reasoning = service.reasoning.splitter(tokens)
         else:
+            parse.chat_only(body)
             tokens = parse.completion_tokens(service, body)
         p = await service.hold(plan, p)
         param = "messages" if kind == "chat" else "prompt"
@@ -44,7 +51,7 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.name}  # fmt: skip
-    answer = _Answer(service, http, submitted, kind, meta, plan.splitter())
+    answer = _Answer(service, http, submitted, kind, meta, plan.splitter(), reasoning)
     if p.stream:
         return StreamingResponse(
             answer.stream(p.include_usage),
@@ -69,10 +76,21 @@ async def model(service: Service, http: HTTPRequest):
 class _Answer:
     """The engine's events for one request, as OpenAI's chunks or answer."""
 
-    def __init__(self, service, http, submitted: Submitted, kind, meta, splitter):
+    def __init__(
+        self, service, http, submitted: Submitted, kind, meta, splitter, reasoning
+    ):
         self.service, self.http, self.submitted = service, http, submitted
         self.kind, self.meta, self.splitter = kind, meta, splitter
+        self.reasoning = reasoning  # a ``ReasoningSplitter``, for a thinking model
         self.call_index = -1  # the streamed call being written
+
+    def separate(self, event):
+        """The event's thinking, and its content as parts with the finish
+        reason (``tools.split``)."""
+        thinking, text = "", event.text
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.feed(text, event.finish_reason is not None)
+        return thinking, *split(self.splitter, text, event.finish_reason)
 
     def logprobs(self, entries: list, offset: int = 0):
         if self.submitted.request.params.logprobs is None:
@@ -80,7 +98,7 @@ class _Answer:
         return _logprobs(self.kind, entries, self.service.tokenizer, offset)
 
     async def stream(self, include_usage: bool):
-        kind, meta, splitter = self.kind, self.meta, self.splitter
+        kind, meta = self.kind, self.meta
         done, sent = False, 0
         try:
             first = _chunk(kind, meta, "", None, first=True)
@@ -92,16 +110,23 @@ class _Answer:
                 if event.error is not None:
                     yield _sse(internal_error(event.error))
                     break
-                parts, finish = split(splitter, event.text, event.finish_reason)
+                thinking, parts, finish = self.separate(event)
+                if thinking:
+                    chunk = _chunk(kind, meta, "", None, False, reasoning=thinking)
+                    yield _sse(_with_usage(chunk, include_usage))
                 if parts or finish or event.logprobs:
                     lp = self.logprobs(event.logprobs, sent)
                     sent += len(event.text)
-                    for chunk in self.chunks(parts, finish, lp):
+                    chunks = self.chunks(parts, finish, lp)
+                    if finish is not None:  # llama-server's timings on the last
+                        chunks[-1]["timings"] = event.timings
+                    for chunk in chunks:
                         yield _sse(_with_usage(chunk, include_usage))
                 if event.finish_reason is not None:
                     note_usage(self.http, event.usage)
                     if include_usage:
-                        yield _sse(_usage_chunk(kind, meta, event.usage))
+                        usage = _usage_chunk(kind, meta, event.usage)
+                        yield _sse({**usage, "timings": event.timings})
                     break
             done = True
             yield "data: [DONE]\n\n"
@@ -149,7 +174,7 @@ class _Answer:
         return {"index": self.call_index, "function": {"arguments": part.text}}
 
     async def whole(self):
-        parts, calls, entries = [], [], []
+        parts, calls, entries, thoughts = [], [], [], []
         try:
             while True:
                 event = await self.submitted.next()
@@ -157,7 +182,8 @@ class _Answer:
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 if event.error is not None:
                     return JSONResponse(internal_error(event.error), status_code=500)
-                made, finish = split(self.splitter, event.text, event.finish_reason)
+                thinking, made, finish = self.separate(event)
+                thoughts.append(thinking)
                 parts += [p.text for p in made if p.kind == "text"]
                 calls += [p.call for p in made if p.kind == "close"]
                 entries += event.logprobs
@@ -166,9 +192,9 @@ class _Answer:
                     lp = self.logprobs(entries)
                     body = _whole(
                         self.kind, self.meta, "".join(parts), finish, event.usage, lp,
-                        calls,
+                        calls, "".join(thoughts),
                     )  # fmt: skip
-                    return JSONResponse(body)
+                    return JSONResponse({**body, "timings": event.timings})
         finally:
             self.submitted.close()
 
@@ -177,12 +203,14 @@ class _Answer:
 
 
 def _chunk(kind: str, meta: dict, text: str, finish: Optional[str], first: bool,
-           lp=None, calls=()):  # fmt: skip
-    """``calls``: the chunk's ``tool_calls`` deltas."""
+           lp=None, calls=(), reasoning: str = ""):  # fmt: skip
+    """``calls``: the chunk's ``tool_calls`` deltas; ``reasoning``: thinking."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        if reasoning:  # vLLM's name and mlx_lm.server's
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if calls:
             delta["tool_calls"] = list(calls)
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
@@ -235,9 +263,11 @@ def _with_usage(chunk: dict, include_usage: bool) -> dict:
 
 
 def _whole(kind: str, meta: dict, text: str, finish: str, usage: dict,
-           lp=None, calls=()) -> dict:  # fmt: skip
+           lp=None, calls=(), reasoning: str = "") -> dict:  # fmt: skip
     if kind == "chat":
         message = {"role": "assistant", "content": text}
+        if reasoning:  # vLLM's name and mlx_lm.server's
+            message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
             message["content"] = text or None
             message["tool_calls"] = [c.openai() for c in calls]

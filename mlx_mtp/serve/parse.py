@@ -1,6 +1,7 @@
-"""An OpenAI request's fields, checked: ``params`` (sampling, drafts, stops,
-limits, logprobs, ``response_format``) and the prompt's tokens
-(``chat_tokens``, ``completion_tokens``). The Anthropic API translates its
+"""An OpenAI request's fields, checked: ``params`` (sampling, drafts and a
+predicted answer, stops, limits, logprobs, ``response_format``, a thinking
+budget) and the prompt's tokens (``chat_tokens``, with the chat template's
+arguments; ``completion_tokens``). The Anthropic API translates its
 requests into chat requests and comes here too. A bad field raises
 ``APIError`` naming it.
 """
@@ -18,6 +19,7 @@ from ..request import DraftSettings, GenerationRequest
 from ..sampling import SamplingConfig
 from .fim import fim_prompt, fim_tokens
 from .http import APIError
+from .reasoning import left_open
 from .tools import ToolPlan, render, template_message
 
 # chat roles the templates know; "developer" is OpenAI's newer name for system
@@ -65,6 +67,9 @@ class Params(GenerationRequest):
     # text whose tokens open a part held to ``grammar`` (a tool call in
     # "auto"); None: the whole answer is held to it
     grammar_trigger: Optional[str] = None
+    # a thinking model's thinking tokens at most (None: any); then the server
+    # closes the thinking (``thinking.ThinkingBudget``)
+    max_thinking_tokens: Optional[int] = None
 
 
 def params(service, body: dict) -> Params:
@@ -84,12 +89,13 @@ def params(service, body: dict) -> Params:
     p = Params(
         max_tokens=max_tokens,
         sampling=_sampling(body, service.vocab),
-        drafts=_drafts(service.config, body),
+        drafts=_drafts(service, body),
         stop=_stop(body),
         logprobs=_logprobs(body),
         stream=_get(body, "stream", (bool,), False),
         include_usage=_get(options, "include_usage", (bool,), False),
         grammar=grammar,
+        max_thinking_tokens=_get(body, "max_thinking_tokens", (int,), low=0),
     )
     try:
         p.sampling.validate()
@@ -145,10 +151,13 @@ def _sampling(body: dict, vocab: int) -> SamplingConfig:
     )
 
 
-def _drafts(config, body: dict) -> DraftSettings:
+def _drafts(service, body: dict) -> DraftSettings:
     """The request's draft settings: ``draft_max`` and ``draft_source`` where
-    given, the server's (``config``) where not."""
+    given, the server's where not; OpenAI's ``prediction`` (the answer as
+    the client expects it) as tokens to look drafts up in."""
+    config = service.config
     drafts = DraftSettings(
+        prediction=_prediction(service, body.get("prediction")),
         source=_get(body, "draft_source", (str,), config.draft_source),
         draft_max=_get(body, "draft_max", (int,), config.draft_max, 0, MAX_DRAFT_MAX),
         adaptive=config.adaptive_draft,
@@ -159,6 +168,29 @@ def _drafts(config, body: dict) -> DraftSettings:
     except MTPError as e:
         raise APIError(str(e), param="draft_source", code="invalid_value") from None
     return drafts
+
+
+def _prediction(service, prediction) -> tuple:
+    """The tokens of OpenAI's ``prediction``: ``{"type": "content",
+    "content": text or text parts}``."""
+    if prediction is None:
+        return ()
+    content = None
+    if isinstance(prediction, dict) and prediction.get("type") == "content":
+        content = prediction.get("content")
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text"
+            and isinstance(p.get("text"), str) for p in content
+        ):  # fmt: skip
+            content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(
+            '\'prediction\' must be {"type": "content", "content": a string '
+            "or an array of text parts}",
+            param="prediction",
+            code="invalid_value",
+        )
+    return tuple(service.tokenizer.encode(content, add_special_tokens=False))
 
 
 def _stop(body: dict) -> List[str]:
@@ -206,8 +238,13 @@ def _logit_bias(body: dict, vocab: int) -> Optional[Dict[int, float]]:
 # -- the prompt ------------------------------------------------------------------
 
 
-def chat_tokens(service, body: dict, plan: Optional[ToolPlan] = None) -> List[int]:
-    """The chat template's rendering of ``messages`` (and the tools), tokenized."""
+def chat_tokens(
+    service, body: dict, plan: Optional[ToolPlan] = None, held: bool = False
+) -> List[int]:
+    """The chat template's rendering of ``messages`` (and the tools, and
+    ``chat_template_kwargs``), tokenized. ``held``: the answer is held to a
+    grammar from its start (a forced tool call, ``response_format``), so a
+    thinking model's thinking, if the template opens it, is closed first."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(
@@ -229,13 +266,47 @@ def chat_tokens(service, body: dict, plan: Optional[ToolPlan] = None) -> List[in
         )
     plan = plan or ToolPlan()
     turns = [_message(m, i) for i, m in enumerate(messages)]
+    kwargs = template_kwargs(body)
     try:
-        text = render(service.tokenizer, turns, plan.tools)
+        text = render(service.tokenizer, turns, plan.tools, **kwargs)
     except Exception as e:  # the template refuses the conversation
         raise APIError(
             f"the chat template refused the messages: {e}", param="messages"
         ) from None
+    fmt = service.reasoning.format if service.reasoning else None
+    if held and fmt is not None and left_open(fmt, text[-256:]):
+        text += fmt.close  # an answer held from its start does not think first
     return encode(service.tokenizer, text + plan.prefix)
+
+
+# the chat template's own arguments, which a request may not set
+_TEMPLATE_ARGS = {"messages", "conversation", "tools", "documents", "chat_template",
+                  "add_generation_prompt", "continue_final_message", "tokenize",
+                  "return_dict", "tokenizer_kwargs"}  # fmt: skip
+
+
+def template_kwargs(body: dict) -> dict:
+    """``chat_template_kwargs``: more variables for the chat template, such
+    as ``enable_thinking``."""
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {})
+    for key in kwargs:
+        if not key.isidentifier() or key in _TEMPLATE_ARGS:
+            raise APIError(
+                f"'chat_template_kwargs' may not set {json.dumps(key)}",
+                param="chat_template_kwargs",
+                code="invalid_value",
+            )
+    return kwargs
+
+
+def chat_only(body: dict) -> None:
+    """Refuse the fields that need a chat template on ``/v1/completions``."""
+    for name in ("chat_template_kwargs", "max_thinking_tokens"):
+        if body.get(name) is not None:
+            raise APIError(
+                f"'{name}' needs /v1/chat/completions", param=name,
+                code="unsupported_value",
+            )  # fmt: skip
 
 
 def completion_tokens(service, body: dict) -> List[int]:

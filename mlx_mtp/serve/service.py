@@ -21,7 +21,7 @@ from ..constrain import (
 )
 from ..errors import MTPError
 from ..prompts import context_length, fit_context
-from . import ServeConfig, tool_grammar
+from . import ServeConfig, reasoning, tool_grammar
 from .engine import Engine, Event, Request
 from .http import APIError, wait_disconnect
 from .tools import ToolPlan, tool_format
@@ -55,6 +55,9 @@ class Service:
         self.aliases = model_aliases(name)
         self._grammars: Grammars | None = None
         self.tool_format = tool_format(tokenizer)
+        # how its thinking is told from its answer (None: it is not)
+        fmt = reasoning.choose(tokenizer, config.reasoning_parser)
+        self.reasoning = reasoning.Markers(fmt, tokenizer) if fmt else None
 
     def grammars(self, param: str) -> Grammars:
         """The grammars compiled for this tokenizer (llguidance's view of it
@@ -173,12 +176,21 @@ class Service:
 
 def engine_request(service: Service, tokens, params, param: str, emit) -> Request:
     """The engine's record of a checked request: the one place it is built,
-    its generation complete (limit, constraint, a seed where it samples
+    its generation complete (limit, constraint, a thinking model's markers
+    and the processor holding its thinking budget, a seed where it samples
     without one: every process of a server draws the same) and not changed
     after."""
     changes = {"max_tokens": service.fit(tokens, params.max_tokens, param)}
+    processors = []
     if params.grammar is not None:
-        changes["logits_processors"] = [service.constraint(params, len(tokens))]
+        processors.append(service.constraint(params, len(tokens)))
+    if service.reasoning is not None:
+        thinking = service.reasoning.thinking(tokens, params.max_thinking_tokens)
+        changes["thinking"] = thinking
+        if thinking.processor() is not None:  # last: what it writes, goes
+            processors.append(thinking.processor())
+    if processors:
+        changes["logits_processors"] = processors
     if params.sampling.temp > 0 and params.sampling.seed is None:
         seed = random.getrandbits(31)
         changes["sampling"] = dataclasses.replace(params.sampling, seed=seed)

@@ -243,15 +243,18 @@ def _history_call(c, where: str) -> dict:
     return call
 
 
-def render(tokenizer, messages: List[dict], tools: Optional[List[dict]]) -> str:
-    """The conversation through the chat template with ``tools``, ready for the
-    answer. Arguments go in as objects (mlx-lm's and Qwen's and GLM's templates
+def render(
+    tokenizer, messages: List[dict], tools: Optional[List[dict]], **kwargs
+) -> str:
+    """The conversation through the chat template with ``tools`` (and
+    ``kwargs``, more variables for the template), ready for the answer.
+    Arguments go in as objects (mlx-lm's and Qwen's and GLM's templates
     iterate them); a template that refuses them (DeepSeek-V3's joins them as
     text) gets them as JSON strings."""
 
     def apply(msgs):
         return tokenizer.apply_chat_template(
-            msgs, tools=tools, tokenize=False, add_generation_prompt=True
+            msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
         )
 
     try:

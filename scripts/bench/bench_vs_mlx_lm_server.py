@@ -18,6 +18,15 @@ process are shown too (Linux).
 Without ``--model``, the default model. ``--py-spy PATH`` samples the
 mlx-mtp server with py-spy (every thread, in its ``--format raw``, for
 ``flamegraph.pl`` or a quick ``sort``) while the repetitions run.
+
+``--lookup-memory-mb N`` sets serve's lookup memory of earlier requests (0:
+off; without it, serve's default). The repetitions send the same prompts, so
+with the memory on, the requests after the first of each prompt can draft
+their answers from it (what a client that retries gains); ``--vary-prompts``
+ends every prompt with its repetition and stream, so that no request is sent
+twice (answers to the same question may still share passages, which the
+memory then drafts). The flag reaches this checkout's serve only: a
+``--baseline`` from before the memory has none.
 """
 
 import argparse
@@ -53,14 +62,17 @@ def start(cmd, port: int, env=None) -> subprocess.Popen:
     sys.exit(f"error: {cmd[2]} did not start in 120 s")
 
 
-def serve(model: Path, args, checkout) -> tuple:
+def serve(model: Path, args, checkout, memory_mb=None) -> tuple:
     """An ``mlx-mtp serve`` process (``checkout``'s mlx_mtp, else the
-    installed one) and its port."""
+    installed one) and its port; ``memory_mb``: its ``--lookup-memory-mb``
+    (None: its default, or a checkout from before the flag)."""
     port = free_port()
     mtp = [sys.executable, "-m", "mlx_mtp", "serve", "--model", str(model),
            "--port", str(port), "--prompt-cache-entries", "0",
            "--max-batch", str(max(args.streams)), "--draft-max",
            str(args.draft_max)]  # fmt: skip
+    if memory_mb is not None:
+        mtp += ["--lookup-memory-mb", str(memory_mb)]
     env = dict(os.environ)
     if checkout is not None:  # that checkout's mlx_mtp, not an installed one
         env["PYTHONPATH"] = str(checkout.resolve())
@@ -74,7 +86,8 @@ def servers(model: Path, args):
           "--port", str(lm_port), "--prompt-cache-size", "0",
           "--decode-concurrency", str(max(args.streams)),
           "--log-level", "WARNING"]  # fmt: skip
-    return (start(lm, lm_port), lm_port), serve(model, args, args.checkout)
+    memory = args.lookup_memory_mb
+    return (start(lm, lm_port), lm_port), serve(model, args, args.checkout, memory)
 
 
 def stream_one(port: int, prompt: str, max_tokens: int, extra: dict) -> int:
@@ -130,6 +143,11 @@ def main():
                     "its two sides interleaved with the others")  # fmt: skip
     ap.add_argument("--py-spy", type=Path, help="py-spy's raw samples of serve here")
     ap.add_argument("--json", type=Path, help="write every run here")
+    ap.add_argument("--lookup-memory-mb", type=int,
+                    help="serve's lookup memory of earlier requests (0: off)")
+    ap.add_argument("--vary-prompts", action="store_true",
+                    help="end each prompt with its repetition and stream: no "
+                    "request is sent twice")  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true",
                     help="no warm-up: the first repetition meets fresh servers, "
                     "as a user's first requests do (in one serve process: "
@@ -171,8 +189,12 @@ def main():
                 row = {"rep": rep, "streams": n}
                 for name in order:
                     process, port, extra = sides[name]
+                    asked = prompts[:n]
+                    if args.vary_prompts:
+                        asked = [f"{p} ({name}, {rep}.{n}.{i})"
+                                 for i, p in enumerate(asked)]  # fmt: skip
                     row[name], row[name + " cpu"] = run(
-                        process, port, prompts[:n], args.max_tokens, extra
+                        process, port, asked, args.max_tokens, extra
                     )
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -193,9 +215,11 @@ def main():
 def table(runs, args, model):
     blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") \
         else "stock BLAS"  # fmt: skip
+    memory = "default" if args.lookup_memory_mb is None else args.lookup_memory_mb
     print(f"model: {model.name}, {args.max_tokens} tokens per stream, streamed "
-          f"chat, greedy, draft_max {args.draft_max}, {blas}, medians of "
-          f"{args.repeats} interleaved repetitions")  # fmt: skip
+          f"chat, greedy, draft_max {args.draft_max}, {blas}, lookup memory "
+          f"{memory} MiB{', varied prompts' if args.vary_prompts else ''}, medians "
+          f"of {args.repeats} interleaved repetitions")  # fmt: skip
     print("| streams | mlx_lm.server tok/s | serve, no drafts | serve, drafts | "
           "no drafts / mlx_lm | drafts / mlx_lm | per CPU-s: no drafts / mlx_lm | "
           "drafts / mlx_lm |")  # fmt: skip
