@@ -42,6 +42,7 @@ from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
 from .drafts import Plan
+from .kv import room
 from .stream import Stream
 
 
@@ -323,7 +324,14 @@ class Decoder(DraftView):
         """The most drafter drafts stream ``s`` may take this round."""
         if not self.model.drafters:
             return 0
-        return max(0, min(s.source.draft_max, s.remaining - 1))
+        return max(0, min(s.source.draft_max, self.width(s) - 1))
+
+    def width(self, s: Stream) -> int:
+        """The most tokens stream ``s``'s next forward may read: its remaining
+        tokens, and no more than its own caches take in one form and can take
+        back (``kv.room``: a cache about to turn quantized, a bounded one)."""
+        limit = room(s.cache.trunk)
+        return s.remaining if limit is None else min(s.remaining, limit)
 
     def _plan(self, s: Stream, cap: int, k: int) -> Plan:
         """Stream ``s``'s plan this round: a ready proposal, or up to
@@ -332,8 +340,10 @@ class Decoder(DraftView):
         draft length found worth its cost: a wider one would widen every
         stream's verify (and ``k`` 0, a batch where drafts do not pay, takes
         none)."""
-        room = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
-        return s.source.plan(s.history, room, min(cap, k))
+        width = self.width(s) - 1
+        return s.source.plan(
+            s.history, width if len(self.streams) == 1 else min(width, k), min(cap, k)
+        )
 
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""

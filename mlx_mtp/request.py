@@ -2,7 +2,7 @@
 
 The command line, the Python API and each HTTP API turn what they were given
 into a ``GenerationRequest``: sampling (``SamplingConfig``), draft settings
-(``DraftSettings``), limits, stop strings, log-probabilities and the logits
+(``DraftSettings``), the caches' policy (``kv.KVSettings``), limits, stop strings, log-probabilities and the logits
 processors that constrain the output (JSON mode, tool calls). The loops and
 the server's engine read it; nothing copies its fields into another record.
 A new request field is a field here and the code that reads it.
@@ -16,6 +16,7 @@ from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_TOK
 from .drafts import DraftSource, batch_source, check_draft_max, check_source_name
 from .drafts import make_source
 from .errors import MTPError
+from .kv import KVSettings
 from .sampling import SamplingConfig, make_verifier
 
 
@@ -72,11 +73,14 @@ class GenerationRequest:
     # the constraints of JSON mode and tool calls
     logits_processors: List[Callable] = field(default_factory=list)
     truncate_prompt: bool = False
+    # how the stream's attention caches hold its context (quantized, bounded)
+    kv: KVSettings = field(default_factory=KVSettings)
 
     def validate(self) -> "GenerationRequest":
         if self.max_tokens < 1:
             raise MTPError(f"max_tokens must be at least 1, not {self.max_tokens}")
         self.drafts.validate()
+        self.kv.validate()
         return self
 
     def verifier(self, sampler=None):
