@@ -4,8 +4,9 @@ The command line, the Python API and each HTTP API turn what they were given
 into a ``GenerationRequest``: sampling (``SamplingConfig``), draft settings
 (``DraftSettings``), the caches' policy (``kv.KVSettings``), limits, stop
 strings, log-probabilities and the logits processors that constrain the
-output (JSON mode, tool calls). The loops and the server's engine read it; nothing copies its fields into another record.
-A new request field is a field here and the code that reads it.
+output (JSON mode, tool calls). The loops and the server's engine read it;
+nothing copies its fields into another record. A new request field is a
+field here and the code that reads it.
 """
 
 from dataclasses import dataclass, field
