@@ -25,6 +25,7 @@ SERVER = "Server"
 
 
 @app.command()
+@o.kv_options
 def serve(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -123,6 +124,7 @@ def serve(
     ),
     no_mtp: o.NoMTP = False,
     sharding: o.ShardingOption = o.Sharding.auto,
+    kv=None,  # the KV cache options (o.kv_options)
 ):
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once.
 
@@ -147,6 +149,7 @@ def serve(
         api_key=api_key.strip() if api_key else None,
         cors_origins=tuple(cors_origin or ()),
         strict_model_names=strict_model_names,
+        kv=kv,
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if group.size() > 1:
@@ -158,6 +161,7 @@ def serve(
             "--max-batch": max_batch, "--prompt-cache-entries": prompt_cache_entries,
             "--prompt-cache-mb": prompt_cache_mb, "--draft-max": draft_max,
             "--draft-source": config.draft_source, "--fixed-draft": fixed_draft,
+            **{f"--{k.replace('_', '-')}": v for k, v in kv.metadata().items()},
         }  # fmt: skip
         loading = (model, mtp, hidden_tap, no_mtp, sharding)
         _serve_cluster(group, config, settings, loading, (host, port), log)

@@ -42,7 +42,7 @@ from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
 from .drafts import Plan
-from .kv import room
+from .kv import KVSettings, QuantizingKVCache, room
 from .stream import Stream
 
 
@@ -107,11 +107,17 @@ class Decoder(DraftView):
         draft_p_min: float = 0.0,
         policy: Optional[BatchDraftLength] = None,
         merge: bool = True,
+        convert: bool = True,
+        kv: Optional[KVSettings] = None,
     ):
         """``policy``: each round drafts as deep as pays at this batch size
         (a ``BatchDraftLength``; one shared by several decoders keeps what it
         measured); None: as deep as each stream's own count asks.
-        ``merge=False``: one stream, on its own caches."""
+        ``merge=False``: one stream, on its own caches. ``convert=False``:
+        caches of a quantizing policy stay in full precision in the batch (a
+        reader of prompts whose caches have not turned yet: ``turning``).
+        ``kv``: the policy the streams' caches follow (a bounded cache has
+        no batch form: one stream at a time)."""
         self.model = model
         self.draft_p_min = draft_p_min
         self.streams: List[Stream] = []
@@ -124,7 +130,10 @@ class Decoder(DraftView):
         self.ahead: Optional[_Ahead] = None  # the round under way, not read yet
         self.next_k: Optional[int] = None  # the next round's K, once chosen
         self.landed: Optional[dict] = None  # tokens read by ``add``, by stream
+        self.convert = convert
         cache = model.make_cache()
+        if kv is not None:
+            kv.apply(cache)
         self.batched = merge and batchable(cache.state_list())
 
     def __len__(self) -> int:
@@ -153,10 +162,13 @@ class Decoder(DraftView):
                 raise ValueError("this decoder runs one stream at a time")
             self.streams += streams
             return
-        trunk = [merge(layer) for layer in zip(*(s.cache.trunk for s in streams))]
+        convert = self.convert
+        trunk = [
+            merge(layer, convert) for layer in zip(*(s.cache.trunk for s in streams))
+        ]
         drafts = {
             d.name: [
-                merge(layer)
+                merge(layer, convert)
                 for layer in zip(*(s.cache.drafts[d.name].caches for s in streams))
             ]
             for d in self.model.drafters
@@ -208,6 +220,15 @@ class Decoder(DraftView):
         for c in self._trunk + [c for cs in self._drafts.values() for c in cs]:
             c.filter(keep)
         self.streams = [self.streams[b] for b in keep]
+
+    def turning(self) -> List[Stream]:
+        """Streams whose caches (held in full precision, ``convert=False``)
+        turn quantized at their next write: a reader hands them on."""
+        for c in self._trunk:
+            like = getattr(c, "like", None)
+            if isinstance(like, QuantizingKVCache) and not like.quantized:
+                return [s for s, n in zip(self.streams, c.lengths) if n >= like.turn]
+        return []
 
     # -- what a round reads and rolls back (``drafter.DraftView``) -------------
 
@@ -302,6 +323,8 @@ class Decoder(DraftView):
         want = [min(m, step) for m in left]
         if not self._attention():
             return [min(want)] * len(want)
+        if not self.convert:  # where the cache turns depends on it: mlx-lm's chunks
+            return want
         for width in sorted(set(want), reverse=True):
             takes = [min(w, width) for w in want]
             if len(takes) * width - sum(takes) <= sum(takes):

@@ -67,7 +67,7 @@ class QuantizingKVCache(KVCache):
             n = self.offset
             try:
                 self.keys, self.values = (
-                    mx.quantize(x[..., :n, :], self.group_size, self.kv_bits)
+                    tuple(mx.quantize(x[..., :n, :], self.group_size, self.kv_bits))
                     for x in (self.keys, self.values)
                 )
             except ValueError as e:
@@ -133,13 +133,18 @@ class QuantizingKVCache(KVCache):
             return 0
         return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
 
-    def copy(self) -> "QuantizingKVCache":
+    def blank(self) -> "QuantizingKVCache":
+        """An empty cache of the same settings, in the same form."""
         new = QuantizingKVCache(self.kv_bits, self.group_size, self.start)
+        if self.quantized:
+            new.bits = self.kv_bits
+        return new
+
+    def copy(self) -> "QuantizingKVCache":
+        new = self.blank()
         if self.keys is not None:
             new.keys, new.values = tree_map(mx.array, (self.keys, self.values))
         new.offset = self.offset
-        if self.quantized:
-            new.bits = self.kv_bits
         return new
 
 

@@ -11,7 +11,10 @@ show these defaults cheaply.
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:  # (``kv`` loads MLX)
+    from ..kv import KVSettings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -48,6 +51,8 @@ class ServeConfig:
     Bearer`` or ``x-api-key``). ``cors_origins``: browser origins answered
     (``"*"``: any). ``strict_model_names``: a ``model`` that does not name the
     served model is a 404 on the OpenAI endpoints (else any name is served).
+    ``kv``: how every stream's caches hold its context (quantized, bounded;
+    None: full precision).
     """
 
     draft_max: Optional[int] = None
@@ -64,6 +69,7 @@ class ServeConfig:
     api_key: Optional[str] = None
     cors_origins: Tuple[str, ...] = ()
     strict_model_names: bool = False
+    kv: Optional["KVSettings"] = None
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):

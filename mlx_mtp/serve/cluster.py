@@ -381,12 +381,7 @@ class ClusterEngine(Engine):
         policy = self.decoder.policy
         if policy is None or policy.inner is None:
             return 0
-        streams = list(self.decoder.streams)
-        if self.reading:
-            jobs = [self.reading[id(s)] for s in self.reader.streams]
-            left = [len(j.request.prompt) - 1 - j.read for j in jobs]
-            takes = self.reader.chunks(left, self.config.prefill_step)
-            streams += [j.stream for j, m, n in zip(jobs, left, takes) if m == n]
+        streams = list(self.decoder.streams) + self.finishing()
         if not streams:
             return 0
         caps = [self.decoder.cap(s) for s in streams]

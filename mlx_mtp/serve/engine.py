@@ -175,11 +175,14 @@ class Engine(Scheduler):
 
     def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
         self.config = config = config or ServeConfig()
+        if config.kv is not None:
+            config.kv.check_model(model)
         super().__init__(
             model,
             self._policy(),
             max_batch=config.max_batch,
             prefill_step=config.prefill_step,
+            kv=config.kv,
         )
         self.tokenizer = tokenizer
         self.prompt_cache = PromptCache(
@@ -192,6 +195,25 @@ class Engine(Scheduler):
 
     def _policy(self) -> Optional[BatchDraftLength]:
         return BatchDraftLength() if self.config.adaptive_draft else None
+
+    def notices(self) -> List[str]:
+        """What the server says at start of how it holds caches."""
+        kv = self.config.kv
+        if kv is None or not kv.active:
+            return []
+        out = [f"KV cache: {kv.describe()}"]
+        if not self.batched:
+            out.append(
+                "notice: bounded caches (--max-kv-size) have no batch form: "
+                "requests are decoded one at a time"
+            )
+        elif kv.bits is not None and kv.quantized_start > 0:
+            out.append(
+                "notice: a batch holds its caches in one form: a stream's cache "
+                f"turns quantized at token {kv.quantized_start}, or once its "
+                "prompt is read if that is shorter"
+            )
+        return out
 
     # -- the HTTP side ---------------------------------------------------------
 
@@ -331,6 +353,7 @@ class Engine(Scheduler):
             cache=cache,
             stop_tokens=self.text_eos(),
             batched=True,
+            kv=self.config.kv,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read
 
