@@ -39,6 +39,7 @@ def regime_line(regime: dict) -> str:
             if regime["mtp_head"]
             else "no MTP head"
         )
+        + (f"; KV cache: {regime['kv_cache']}" if "kv_cache" in regime else "")
     )
 
 
@@ -156,6 +157,7 @@ def distributed_summary(result, sharding) -> dict:
 
 
 @app.command()
+@o.kv_options
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -200,6 +202,7 @@ def bench(
         help="Print one JSON object instead of the table.",
         rich_help_panel=OUTPUT,
     ),
+    kv=None,  # the KV cache options (o.kv_options)
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
@@ -211,6 +214,7 @@ def bench(
     o.processes()
     bench_prompts = load_prompts(prompts)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap, sharding=sharding)
+    kv.check_model(loaded)
     err = Console(stderr=True, highlight=False)
     if draft_max is None:
         draft_max = default_draft_max(loaded)
@@ -248,6 +252,7 @@ def bench(
             progress=step,
             estimate=planned,
             prefill_progress=prefill,
+            kv=kv,
         )
 
     if as_json:

@@ -21,15 +21,18 @@ from typing import Any, Dict, Iterator, List, Optional
 from .cache import MTPCache, Snapshot
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
+from .kv import cuttable
 from .loader import MTPModel
 from .prompts import chat_text, encode
 from .stats import MTPStats
 
 
 def truncatable(cache: MTPCache) -> bool:
-    """Plain attention caches can be cut anywhere; recurrent states cannot."""
+    """Plain attention caches can be cut anywhere; recurrent states, and
+    bounded caches past their bound, cannot."""
     return all(
-        not hasattr(c, "rollback") and c.is_trimmable() for c in cache.state_list()
+        not hasattr(c, "rollback") and c.is_trimmable() and cuttable(c)
+        for c in cache.state_list()
     )
 
 

@@ -25,6 +25,7 @@ say how many tokens one forward may write (``room``), which caps a round.
   drafts can be taken back (mlx-lm's rotating cache cannot trim once full).
 """
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -70,11 +71,12 @@ class QuantizingKVCache(KVCache):
                     tuple(mx.quantize(x[..., :n, :], self.group_size, self.kv_bits))
                     for x in (self.keys, self.values)
                 )
-            except ValueError as e:
+            except ValueError:
+                width = self.keys.shape[-1]
                 raise MTPError(
-                    f"cannot quantize this model's keys and values with group "
-                    f"size {self.group_size} (head dimension {self.keys.shape[-1]}):"
-                    f" {e}"
+                    f"cannot quantize this model's keys and values: its heads are "
+                    f"{width} wide, not a multiple of the group size "
+                    f"{self.group_size} (kv_group_size 32, 64 or 128)"
                 ) from None
         self.bits = self.kv_bits
 
@@ -296,7 +298,17 @@ class KVSettings:
         return self
 
     def check_model(self, model) -> None:
-        """A one-line ``MTPError`` where ``model`` cannot bound its caches."""
+        """A one-line ``MTPError`` where ``model``'s heads do not take the
+        quantization groups, or where it cannot bound its caches; before any
+        work."""
+        if self.bits is not None:
+            for width in head_widths(model):
+                if width % self.group_size:
+                    raise MTPError(
+                        f"cannot quantize this model's keys and values: its heads "
+                        f"are {width} wide, not a multiple of the group size "
+                        f"{self.group_size} (kv_group_size 32, 64 or 128)"
+                    )
         if self.max_size is None:
             return
         if any(d.reads.kv for d in model.drafters):
@@ -362,6 +374,15 @@ class KVSettings:
             return f"at most {self.max_size} tokens of keys and values"
         return "full-precision keys and values"
 
+    def as_mlx_lm(self) -> Dict[str, Any]:
+        """mlx-lm's ``generate_step`` keywords for the same policy."""
+        return {
+            "kv_bits": self.bits,
+            "kv_group_size": self.group_size,
+            "quantized_kv_start": self.quantized_start,
+            "max_kv_size": self.max_size,
+        }
+
     def metadata(self) -> Dict[str, str]:
         """What a saved cache records of the policy (strings, as safetensors'
         metadata holds them)."""
@@ -371,6 +392,22 @@ class KVSettings:
             "quantized_kv_start": str(self.quantized_start),
             "max_kv_size": str(self.max_size or 0),
         }
+
+
+_WIDTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def head_widths(model) -> List[int]:
+    """The widths of the keys and values ``model``'s plain attention caches
+    hold (one forward of one token finds them, once per model)."""
+    widths = _WIDTHS.get(model.trunk)
+    if widths is None:
+        cache = model.trunk.make_cache()
+        model.trunk(mx.array([[0]]), cache)
+        plain = [c for c in cache if type(c) is KVCache and c.keys is not None]
+        widths = sorted({x.shape[-1] for c in plain for x in (c.keys, c.values)})
+        _WIDTHS[model.trunk] = widths
+    return widths
 
 
 def describe_layer(c: Any) -> str:
@@ -386,6 +423,12 @@ def room(caches: List[Any]) -> Optional[int]:
     able to roll back (None: any)."""
     rooms = [r for c in caches if (r := getattr(c, "room", lambda: None)())]
     return min(rooms, default=None)
+
+
+def cuttable(c: Any) -> bool:
+    """Whether ``c`` can still be cut back to any earlier length (a bounded
+    cache that has dropped tokens cannot)."""
+    return not getattr(c, "dropped", 0)
 
 
 def quantizes_later(caches: List[Any]) -> bool:
