@@ -138,3 +138,27 @@ def test_a_ragged_quantized_cache_rolls_back_per_stream():
     want.trim(1)
     for a, b in zip(back.keys, want.keys_and_values()[0]):
         assert mx.array_equal(a, b[..., :10, :])
+
+
+def test_the_prompt_cache_keeps_quantized_entries(models):
+    """A request that extends an earlier one reuses its quantized cache; the
+    answer is mlx-lm's over the whole prompt (8 bits: no near-tie flips)."""
+    model, tokenizer, ref = models("glm4_moe")
+    config = ServeConfig(adaptive_draft=False, kv=KVSettings(8, GROUP, 0))
+    server = LiveServer(model, tokenizer, "m", config)
+    try:
+        client = server.client()
+        first = tiny.random_prompt(40, 3)
+        r = client.completions.create(model="m", prompt=first, max_tokens=12,
+                                      logprobs=0)  # fmt: skip
+        again = first + tokenizer.encode(r.choices[0].text) + tiny.random_prompt(9, 4)
+        server.wait_idle()
+        entry = server.engine.prompt_cache.entries[-1].cache
+        assert all(c.quantized for c in entry.trunk)
+        r2 = client.completions.create(model="m", prompt=again, max_tokens=12)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= 30
+        want = mlx_lm.generate(ref, tokenizer, again, max_tokens=12, kv_bits=8,
+                               kv_group_size=GROUP, quantized_kv_start=0)  # fmt: skip
+        assert r2.choices[0].text == want
+    finally:
+        server.close()
