@@ -1,6 +1,7 @@
 """``mlx-mtp chat``: a terminal chat; the conversation logic is ``mlx_mtp.chat``."""
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -175,6 +176,12 @@ def chat(
         min=1,
         help="Tokens per answer at most.",
     ),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None,
+        "--prompt-cache-file",
+        help="Start from a prompt read by mlx-mtp cache-prompt: the first "
+        "message follows it in the same user message.",
+    ),
     show_drafts: bool = typer.Option(
         False,
         "--show-drafts",
@@ -189,8 +196,12 @@ def chat(
     from mlx_mtp.chat import ChatSession
     from mlx_mtp.prompts import has_chat_template
 
+    from mlx_mtp import prompt_file
+
     o.processes()
     request.max_tokens = max_tokens
+    if prompt_cache_file is not None:  # a damaged or foreign file: before loading
+        prompt_file.check(prompt_cache_file)
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(
@@ -204,6 +215,12 @@ def chat(
     if notice is not None:
         print(notice, file=sys.stderr)
     progress = PromptProgress()
+    cached = None
+    if prompt_cache_file is not None:
+        cached = prompt_file.load(prompt_cache_file, loaded)
+        if not cached.chat_template:
+            raise fail(f"{prompt_cache_file}: written without the chat template")
+        system = system if system is not None else cached.system
     session = ChatSession(
         loaded,
         tokenizer,
@@ -212,6 +229,8 @@ def chat(
         request=request,
         prefill_progress=progress,
     )
+    if cached is not None:
+        session.resume(cached.cache, cached.tokens, cached.prompt)
     console = Console(highlight=False)
     err = Console(stderr=True, highlight=False)
     line_editing()

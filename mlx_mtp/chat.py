@@ -105,6 +105,13 @@ class ChatSession:
         self.cache: MTPCache = self.model.make_cache()
         self.cached_tokens: List[int] = []  # exactly what the trunk has read
         self._open: Optional[_Saved] = None
+        self.opening = ""  # text the next user message starts with (``resume``)
+
+    def resume(self, cache: MTPCache, tokens: List[int], opening: str) -> None:
+        """Start from ``cache``, which has read ``tokens``: the templated
+        start of a first user message that begins with ``opening`` (a prompt
+        cache file). The first message sent continues ``opening``."""
+        self.cache, self.cached_tokens, self.opening = cache, list(tokens), opening
 
     def prompt_tokens(self, messages: List[Dict[str, str]]) -> List[int]:
         """The templated conversation, encoded as ``generate`` encodes a prompt."""
@@ -119,7 +126,7 @@ class ChatSession:
         if self._open is not None:  # an earlier stream was abandoned unclosed
             self._undo()
         n_messages = len(self.messages)
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": self.opening + text})
         prompt = self.prompt_tokens(self.messages)
         suffix = self._prepare(prompt)
         # saved after the cut: the turn only writes past this point
@@ -163,6 +170,7 @@ class ChatSession:
         # the trunk has read the prompt and every answer token but the last
         self.cached_tokens = prompt + tokens[:-1]
         self.messages.append({"role": "assistant", "content": text})
+        self.opening = ""
         self.total.add(stats)
         self.answered = self.last
         self._open = None
