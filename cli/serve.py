@@ -12,6 +12,7 @@ from mlx_mtp.serve import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_DISK_GB,
     DEFAULT_PROMPT_CACHE_ENTRIES,
     DEFAULT_PROMPT_CACHE_MB,
     DEFAULT_SERVE_MAX_TOKENS,
@@ -71,6 +72,22 @@ def serve(
         "--prompt-cache-mb",
         min=0,
         help="Memory those caches may take together, in MiB.",
+        rich_help_panel=SERVER,
+    ),
+    prompt_cache_dir: Optional[str] = typer.Option(
+        None,
+        "--prompt-cache-dir",
+        metavar="DIR",
+        help="Keep the prompt cache's entries on disk too: finished and evicted "
+        "prefixes outlive the memory bound and a restart (entries of other "
+        "models or settings there are skipped, never served).",
+        rich_help_panel=SERVER,
+    ),
+    prompt_cache_disk_gb: float = typer.Option(
+        DEFAULT_PROMPT_CACHE_DISK_GB,
+        "--prompt-cache-disk-gb",
+        min=0.0,
+        help="Disk those entries may take, in GiB (least recently used go first).",
         rich_help_panel=SERVER,
     ),
     shutdown_timeout: float = typer.Option(
@@ -150,9 +167,13 @@ def serve(
         cors_origins=tuple(cors_origin or ()),
         strict_model_names=strict_model_names,
         kv=kv,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_disk_bytes=int(prompt_cache_disk_gb * 2**30),
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if group.size() > 1:
+        if prompt_cache_dir is not None:
+            raise fail("--prompt-cache-dir serves one process, not under mlx.launch")
         # what must match on every rank besides the model folder: the options
         # that change what the engine does (the HTTP ones matter on rank 0 only)
         settings = {

@@ -171,8 +171,7 @@ def _is_prompt_cache(path: Path) -> bool:
     return any(k.startswith("1.") for k in meta)  # mlx-lm's cache classes
 
 
-def save(
-    path: Union[str, Path],
+def prepare(
     model,
     cache: MTPCache,
     tokens: List[int],
@@ -181,13 +180,12 @@ def save(
     system: Optional[str] = None,
     chat_template: bool = False,
     kv: Optional[KVSettings] = None,
-) -> None:
-    """Write ``cache`` (which has read ``tokens``) to ``path``, atomically. A
-    file there that is not a prompt cache is an error (it is not replaced)."""
-    path = Path(path)
-    if path.exists() and (not path.is_file() or not _is_prompt_cache(path)):
-        raise MTPError(f"{path} exists and is not a prompt cache: not overwritten")
+) -> Tuple[List[Any], Dict[str, str]]:
+    """What ``save`` writes of ``cache`` (which has read ``tokens``): the
+    file's caches, their arrays evaluated (another thread may write them:
+    ``write``), and its metadata."""
     entries, layout = _entries(model, cache)
+    mx.eval([c.state for c in entries])
     metadata = {
         # mlx-lm's own entries (its generate reads them with such a file)
         "model": str(model.path or ""),
@@ -201,7 +199,22 @@ def save(
         _KEY + "kv": json.dumps((kv or KVSettings()).metadata()),
         _KEY + "layout": json.dumps(layout),
     }
+    return entries, metadata
+
+
+def write(path: Union[str, Path], entries: List[Any], metadata: Dict[str, str]):
+    """Write ``prepare``'s caches and metadata to ``path``, atomically. A file
+    there that is not a prompt cache is an error (it is not replaced)."""
+    path = Path(path)
+    if path.exists() and (not path.is_file() or not _is_prompt_cache(path)):
+        raise MTPError(f"{path} exists and is not a prompt cache: not overwritten")
     write_atomic(path, lambda tmp: save_prompt_cache(tmp, entries, metadata))
+
+
+def save(path: Union[str, Path], model, cache: MTPCache, tokens: List[int], **info):
+    """Write ``cache`` (which has read ``tokens``) to ``path``, atomically;
+    ``info``: ``prepare``'s ``prompt``, ``system``, ``chat_template``, ``kv``."""
+    write(path, *prepare(model, cache, tokens, **info))
 
 
 def write_atomic(path: Path, write) -> None:
@@ -263,6 +276,25 @@ def check(path: Union[str, Path]) -> Dict[str, str]:
         except (KeyError, ValueError):
             raise MTPError(f"{path}: damaged prompt cache (its {key})") from None
     return mine
+
+
+@dataclass
+class Header:
+    """What a prompt-cache file says of itself, read without its arrays."""
+
+    model: Dict[str, Any]  # ``identity``'s fields
+    kv: Dict[str, str]  # ``KVSettings.metadata``
+    tokens: List[int]
+
+
+def peek(path: Union[str, Path]) -> Header:
+    """The header of the prompt cache at ``path`` (``check``'s errors)."""
+    meta = check(path)
+    return Header(
+        json.loads(meta[_KEY + "model"]),
+        json.loads(meta[_KEY + "kv"]),
+        json.loads(meta[_KEY + "tokens"]),
+    )
 
 
 def _read(path: Path) -> List[Any]:

@@ -21,6 +21,8 @@ DEFAULT_PORT = 8080
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PROMPT_CACHE_ENTRIES = 8
 DEFAULT_PROMPT_CACHE_MB = 2048
+# the prompt cache's entries on disk (``--prompt-cache-dir``), at most this
+DEFAULT_PROMPT_CACHE_DISK_GB = 16.0
 # Prompt tokens read per turn of the engine's loop while other streams decode.
 DEFAULT_SERVE_PREFILL_STEP = 512
 # A request that names no max_tokens stops here (or at the end of the context).
@@ -52,7 +54,9 @@ class ServeConfig:
     (``"*"``: any). ``strict_model_names``: a ``model`` that does not name the
     served model is a 404 on the OpenAI endpoints (else any name is served).
     ``kv``: how every stream's caches hold its context (quantized, bounded;
-    None: full precision).
+    None: full precision). ``prompt_cache_dir``: where the prompt cache keeps
+    its entries on disk as well (at most ``prompt_cache_disk_bytes``), across
+    restarts (None: in memory only).
     """
 
     draft_max: Optional[int] = None
@@ -70,12 +74,15 @@ class ServeConfig:
     cors_origins: Tuple[str, ...] = ()
     strict_model_names: bool = False
     kv: Optional["KVSettings"] = None
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_bytes: int = int(DEFAULT_PROMPT_CACHE_DISK_GB * 2**30)
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes")
+        names += ("prompt_cache_disk_bytes",)
         for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")

@@ -253,6 +253,8 @@ class ClusterEngine(Engine):
     serves HTTP (``start``/``stop`` as ``Engine``); the others ``follow``."""
 
     def __init__(self, model, tokenizer, config, group, liveness: "Liveness"):
+        if config is not None and config.prompt_cache_dir is not None:
+            raise MTPError("a prompt cache on disk serves one process, not several")
         super().__init__(model, tokenizer, config)
         self.group, self.liveness = group, liveness
         self.leader = group.rank() == 0

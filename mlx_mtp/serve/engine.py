@@ -20,6 +20,7 @@ Events reach the HTTP side through each request's ``emit`` callback, called
 on the engine thread.
 """
 
+import logging
 import queue
 import sys
 import threading
@@ -32,12 +33,15 @@ import mlx.core as mx
 
 from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
+from ..disk_cache import DiskCache
 from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
 from ..stats import MTPStats
 from ..stream import open_stream
 from . import ServeConfig
+
+log = logging.getLogger("mlx_mtp.serve")
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
@@ -186,22 +190,33 @@ class Engine(Scheduler):
         )
         self.tokenizer = tokenizer
         self.prompt_cache = PromptCache(
-            config.prompt_cache_entries, config.prompt_cache_bytes
+            config.prompt_cache_entries, config.prompt_cache_bytes, self._disk()
         )
         self.inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
 
+    def _disk(self) -> Optional[DiskCache]:
+        """The prompt cache's entries on disk, where the config asks for them."""
+        c = self.config
+        if c.prompt_cache_dir is None:
+            return None
+        return DiskCache(
+            c.prompt_cache_dir, c.prompt_cache_disk_bytes, self.model, c.kv, log.warning
+        )
+
     def _policy(self) -> Optional[BatchDraftLength]:
         return BatchDraftLength() if self.config.adaptive_draft else None
 
     def notices(self) -> List[str]:
         """What the server says at start of how it holds caches."""
+        disk = self.prompt_cache.disk
+        out = disk.describe() if disk is not None else []
         kv = self.config.kv
         if kv is None or not kv.active:
-            return []
-        out = [f"KV cache: {kv.describe()}"]
+            return out
+        out.append(f"KV cache: {kv.describe()}")
         if not self.batched:
             out.append(
                 "notice: bounded caches (--max-kv-size) have no batch form: "
@@ -257,7 +272,24 @@ class Engine(Scheduler):
                 "max_entries": c.prompt_cache_entries,
                 "bytes": self.prompt_cache.nbytes,
                 "max_bytes": c.prompt_cache_bytes,
+                **self._disk_health(),
             },
+        }
+
+    def _disk_health(self) -> Dict[str, object]:
+        disk = self.prompt_cache.disk
+        if disk is None:
+            return {}
+        return {
+            "disk": {
+                "folder": str(disk.folder),
+                "entries": len(disk.entries),
+                "bytes": disk.nbytes,
+                "max_bytes": disk.max_bytes,
+                "written": disk.written,
+                "failed": disk.failed,
+                "skipped": dict(disk.skipped),
+            }
         }
 
     def start(self) -> None:
@@ -284,6 +316,8 @@ class Engine(Scheduler):
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.prompt_cache.disk is not None:  # what is queued is written
+            self.prompt_cache.disk.close(timeout)
 
     # -- the loop ----------------------------------------------------------------
 
