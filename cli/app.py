@@ -22,6 +22,10 @@ COMMANDS = {
         "chat",
         "Chat with a model in the terminal, with MTP speculative decoding.",
     ),
+    "cache-prompt": (
+        "cache_prompt",
+        "Read a prompt once (trunk, MTP head, drafters) and write its cache to a file.",
+    ),
     "bench": (
         "bench",
         "Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side.",

@@ -42,6 +42,7 @@ def regime_line(regime: dict) -> str:
             else "no MTP head"
         )
         + "".join(f", drafter {name}" for name in regime.get("drafters", ()))
+        + (f"; KV cache: {regime['kv_cache']}" if "kv_cache" in regime else "")
     )
 
 
@@ -155,6 +156,7 @@ def distributed_summary(result, sharding) -> dict:
 
 
 @app.command()
+@o.kv_options
 def bench(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -205,6 +207,7 @@ def bench(
         help="Print one JSON object instead of the table.",
         rich_help_panel=OUTPUT,
     ),
+    kv=None,  # the KV cache options (o.kv_options)
 ):
     """Benchmark mlx-lm's generation, mlx-mtp without and with MTP, side by side."""
     from rich.console import Console
@@ -224,6 +227,7 @@ def bench(
     _, loaded, tokenizer = o.load_model(
         model, mtp, hidden_tap, sharding=sharding, draft=draft
     )
+    kv.check_model(loaded)
     err = Console(stderr=True, highlight=False)
     bounds = drafter_bounds(loaded, draft_max)
     fixed = draft_max
@@ -264,6 +268,7 @@ def bench(
             progress=step,
             estimate=planned,
             prefill_progress=prefill,
+            kv=kv,
         )
 
     if as_json:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -188,6 +189,12 @@ def chat(
         min=1,
         help="Tokens per answer at most.",
     ),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None,
+        "--prompt-cache-file",
+        help="Start from a prompt read by mlx-mtp cache-prompt: the first "
+        "message follows it in the same user message.",
+    ),
     show_drafts: bool = typer.Option(
         False,
         "--show-drafts",
@@ -203,8 +210,12 @@ def chat(
     from mlx_mtp.config import no_drafts_reason
     from mlx_mtp.prompts import has_chat_template
 
+    from mlx_mtp import prompt_file
+
     o.processes()
     request = dataclasses.replace(request, max_tokens=max_tokens)
+    if prompt_cache_file is not None:  # a damaged or foreign file: before loading
+        prompt_file.check(prompt_cache_file)
     loading = _Waiting(Console(stderr=True), "loading the model")
     try:
         model, loaded, tokenizer = o.load_model(
@@ -219,6 +230,12 @@ def chat(
     if notice is not None:
         print(notice, file=sys.stderr, flush=True)
     progress = PromptProgress()
+    cached = None
+    if prompt_cache_file is not None:
+        cached = prompt_file.load(prompt_cache_file, loaded)
+        if not cached.chat_template:
+            raise fail(f"{prompt_cache_file}: written without the chat template")
+        system = system if system is not None else cached.system
     session = ChatSession(
         loaded,
         tokenizer,
@@ -227,6 +244,8 @@ def chat(
         request=request,
         prefill_progress=progress,
     )
+    if cached is not None:
+        session.resume(cached.cache, cached.tokens, cached.prompt)
     console = Console(highlight=False)
     err = Console(stderr=True, highlight=False)
     line_editing()

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -114,6 +115,12 @@ def generate(
         help="Drop the oldest tokens of a prompt longer than the model's context "
         "(keeping a leading BOS) instead of refusing it.",
     ),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None,
+        "--prompt-cache-file",
+        help="Continue from a prompt read by mlx-mtp cache-prompt: --prompt "
+        "follows it in the same user message (only the rest is read).",
+    ),
     as_json: bool = typer.Option(
         False,
         "--json",
@@ -124,6 +131,7 @@ def generate(
 ):
     """Generate text with MTP speculative decoding."""
     from mlx_mtp.config import no_drafts_reason
+    from mlx_mtp import prompt_file
     from mlx_mtp.generate import stream_generate
     from mlx_mtp.prompts import user_prompt
 
@@ -133,6 +141,10 @@ def generate(
     )
     if (prompt is None) == (prompts is None):
         raise fail("pass one of --prompt and --prompts")
+    if prompts is not None and prompt_cache_file is not None:
+        raise fail("--prompt-cache-file continues one prompt, not --prompts")
+    if prompt_cache_file is not None:  # a damaged or foreign file: before loading
+        prompt_file.check(prompt_cache_file)
     if prompts is not None:
         if group.size() > 1:
             raise fail("--prompts runs in one process, not under mlx.launch")
@@ -150,7 +162,14 @@ def generate(
     _, loaded, tokenizer = o.load_model(
         model, mtp, hidden_tap, not request.drafts.mtp, sharding, draft
     )
-    if not no_chat_template:
+    resume = {}
+    if prompt_cache_file is not None:
+        cached = prompt_file.load(prompt_cache_file, loaded)
+        text, have, cache = prompt_file.continue_from(
+            cached, loaded, tokenizer, text, system
+        )
+        resume = {"prompt_cache": cache, "cached_tokens": have}
+    elif not no_chat_template:
         text = user_prompt(tokenizer, text, system)
     tokens, pieces, response, finish = [], [], None, None
     bar = PromptProgress(o.speed_notice(loaded, request))
@@ -161,6 +180,7 @@ def generate(
             text,
             request=request,
             prefill_progress=bar,
+            **resume,
         ):
             if truncate_prompt and not tokens:
                 dropped_notice(tokenizer, text, response.prompt_tokens)

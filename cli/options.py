@@ -21,6 +21,8 @@ import typer
 from mlx_mtp.defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SOURCE,
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
     DRAFT_SOURCES,
     MAX_DRAFT_MAX,
 )
@@ -28,6 +30,8 @@ from mlx_mtp.drafters import kinds
 from mlx_mtp.trunk import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
+
+CACHE = "KV cache"
 
 
 class DraftSampling(str, Enum):
@@ -221,6 +225,95 @@ AdaptiveDraft = Annotated[
 ]
 
 
+KVBits = Annotated[
+    Optional[int],
+    _option(
+        "--kv-bits",
+        panel=CACHE,
+        metavar="4|8",
+        help="Quantize the KV caches (trunk, head, drafters) to this many bits "
+        "(4 or 8; 2, 3, 5 and 6 work too); drafts still roll back. Default: full "
+        "precision.",
+    ),
+]
+KVGroupSize = Annotated[
+    int,
+    _option(
+        "--kv-group-size",
+        panel=CACHE,
+        help="Group size of the KV quantization (32, 64 or 128).",
+    ),
+]
+QuantizedKVStart = Annotated[
+    int,
+    _option(
+        "--quantized-kv-start",
+        min=0,
+        panel=CACHE,
+        help="With --kv-bits: tokens held in full precision before the cache "
+        "turns quantized (as mlx-lm).",
+    ),
+]
+MaxKVSize = Annotated[
+    Optional[int],
+    _option(
+        "--max-kv-size",
+        min=1,
+        panel=CACHE,
+        help="Bound the KV caches: each token sees the first 4 tokens and the "
+        "latest ones, this many in all (drafts still roll back).",
+    ),
+]
+# (parameter, annotation, default) of the KV cache options: ``kv_settings``
+KV_OPTIONS = (
+    ("kv_bits", KVBits, None),
+    ("kv_group_size", KVGroupSize, DEFAULT_KV_GROUP_SIZE),
+    ("quantized_kv_start", QuantizedKVStart, DEFAULT_QUANTIZED_KV_START),
+    ("max_kv_size", MaxKVSize, None),
+)
+
+
+def kv_settings(
+    kv_bits: Optional[int],
+    kv_group_size: int,
+    quantized_kv_start: int,
+    max_kv_size: Optional[int],
+):
+    """The ``kv.KVSettings`` of the KV cache options (a bad one: one line)."""
+    from mlx_mtp.kv import KVSettings  # loads MLX: not for --help
+
+    settings = KVSettings(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+    return settings.validate()
+
+
+def _with(command, group, build, name: str):
+    """Give ``command`` the options of ``group`` ((parameter, annotation,
+    default), ...); it takes ``name`` (``build(**those options)``) instead of
+    one parameter per option."""
+    names = [n for n, _, _ in group]
+    signature = inspect.signature(command)
+    params = [p for p in signature.parameters.values() if p.name != name]
+    params += [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=default,
+                          annotation=annotation)
+        for n, annotation, default in group
+    ]  # fmt: skip
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        options = {n: kwargs.pop(n) for n in names}
+        return command(**{name: build(**options)}, **kwargs)
+
+    run.__signature__ = signature.replace(parameters=params)
+    return run
+
+
+def kv_options(command):
+    """Give ``command`` the KV cache options; it takes ``kv`` (a
+    ``kv.KVSettings`` of them)."""
+    return _with(command, KV_OPTIONS, kv_settings, "kv")
+
+
 def processes():
     """The processes ``mlx.launch`` started (one without it); all but rank 0 go quiet.
 
@@ -356,29 +449,15 @@ GENERATION_OPTIONS = (
     ("adaptive_draft", AdaptiveDraft, True),
     ("draft_source", DraftSourceOption, DraftSource(DEFAULT_DRAFT_SOURCE)),
     ("no_mtp", NoMTP, False),
-)
+) + KV_OPTIONS
 
 
 def generation_options(command):
-    """Give ``command`` the generation options; it takes ``request`` (a
-    ``GenerationRequest`` of them, ``max_tokens`` filled in by the command)
-    instead of one parameter per option."""
-    names = [name for name, _, _ in GENERATION_OPTIONS]
-    signature = inspect.signature(command)
-    params = [p for p in signature.parameters.values() if p.name != "request"]
-    params += [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                          annotation=annotation)
-        for name, annotation, default in GENERATION_OPTIONS
-    ]  # fmt: skip
-
-    @functools.wraps(command)
-    def run(**kwargs):
-        options = {name: kwargs.pop(name) for name in names}
-        return command(request=generation_request(**options), **kwargs)
-
-    run.__signature__ = signature.replace(parameters=params)
-    return run
+    """Give ``command`` the generation options (the KV cache options among
+    them); it takes ``request`` (a ``GenerationRequest`` of them,
+    ``max_tokens`` filled in by the command) instead of one parameter per
+    option."""
+    return _with(command, GENERATION_OPTIONS, generation_request, "request")
 
 
 def generation_request(
@@ -388,6 +467,10 @@ def generation_request(
     adaptive_draft: bool,
     draft_source: DraftSource,
     no_mtp: bool,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    max_kv_size: Optional[int] = None,
     **sampling,
 ):
     """The ``GenerationRequest`` of the generation options."""
@@ -400,4 +483,5 @@ def generation_request(
         adaptive=adaptive_draft,
         mtp=not no_mtp,
     )
-    return GenerationRequest(sampling=sampling_config(**sampling), drafts=drafts)
+    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+    return GenerationRequest(sampling=sampling_config(**sampling), drafts=drafts, kv=kv)

@@ -13,6 +13,7 @@ from mlx_mtp.serve import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_DISK_GB,
     DEFAULT_PROMPT_CACHE_ENTRIES,
     DEFAULT_PROMPT_CACHE_MB,
     DEFAULT_SERVE_MAX_TOKENS,
@@ -26,6 +27,7 @@ SERVER = "Server"
 
 
 @app.command()
+@o.kv_options
 def serve(
     model: o.ModelPath = None,
     mtp: o.HeadPath = None,
@@ -92,6 +94,22 @@ def serve(
         "gpt_oss; or vLLM's qwen3, deepseek_r1, glm45.",
         rich_help_panel=SERVER,
     ),
+    prompt_cache_dir: Optional[str] = typer.Option(
+        None,
+        "--prompt-cache-dir",
+        metavar="DIR",
+        help="Keep the prompt cache's entries on disk too: finished and evicted "
+        "prefixes outlive the memory bound and a restart (entries of other "
+        "models or settings there are skipped, never served).",
+        rich_help_panel=SERVER,
+    ),
+    prompt_cache_disk_gb: float = typer.Option(
+        DEFAULT_PROMPT_CACHE_DISK_GB,
+        "--prompt-cache-disk-gb",
+        min=0.0,
+        help="Disk those entries may take, in GiB (least recently used go first).",
+        rich_help_panel=SERVER,
+    ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
         "--shutdown-timeout",
@@ -143,6 +161,7 @@ def serve(
     ),
     no_mtp: o.NoMTP = False,
     sharding: o.ShardingOption = o.Sharding.auto,
+    kv=None,  # the KV cache options (o.kv_options)
 ):
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once.
 
@@ -174,9 +193,14 @@ def serve(
         strict_model_names=strict_model_names,
         lookup_memory_bytes=lookup_memory_mb << 20,
         reasoning_parser=reasoning_parser,
+        kv=kv,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_disk_bytes=int(prompt_cache_disk_gb * 2**30),
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if group.size() > 1:
+        if prompt_cache_dir is not None:
+            raise fail("--prompt-cache-dir serves one process, not under mlx.launch")
         # what must match on every rank besides the model folder: the options
         # that change what the engine does (the HTTP ones matter on rank 0 only)
         settings = {
@@ -187,6 +211,7 @@ def serve(
             "--draft-source": config.draft_source, "--fixed-draft": fixed_draft,
             "--lookup-memory-mb": lookup_memory_mb,
             "--reasoning-parser": reasoning_parser,
+            **{f"--{k.replace('_', '-')}": v for k, v in kv.metadata().items()},
         }  # fmt: skip
         loading = (model, mtp, hidden_tap, no_mtp, sharding, draft)
         _serve_cluster(group, config, settings, loading, (host, port), log)

@@ -35,6 +35,7 @@ _EXPORTS = {
     "MTPStats": "stats",
     "SamplingConfig": "sampling",
     "batch_generate": "batch",
+    "cache_prompt": "prompt_file",
     "default_model_path": "convert.default_model",
     "draft_logits": "generate",
     "generate": "generate",
@@ -49,6 +50,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # what __getattr__ returns
     from .batch import BatchResponse, batch_generate  # noqa: F401
     from .cache import MTPCache  # noqa: F401
+    from .prompt_file import cache_prompt  # noqa: F401
     from .chat import ChatSession  # noqa: F401
     from .convert.default_model import default_model_path, load  # noqa: F401
     from .defaults import DEFAULT_DRAFT_MAX  # noqa: F401

@@ -55,7 +55,9 @@ class _Batch(Scheduler):
         policy = None
         if request.drafts.adaptive:
             policy = _POLICIES.setdefault(model.trunk, BatchDraftLength())
-        super().__init__(model, policy, request.drafts.p_min, limit, reading, step)
+        super().__init__(
+            model, policy, request.drafts.p_min, limit, reading, step, request.kv
+        )
         self.counters = BatchStats()
 
     def read(self):
@@ -103,7 +105,11 @@ def batch_generate(
     generate is a ``GenerationRequest`` (``request=``) or, as
     ``stream_generate`` takes them, its fields: sampling (``temp=``,
     ``top_p=``, .., or ``sampler=``), ``logits_processors=``,
-    ``draft_max=``, ``draft_source=``, ``mtp=``, ... At most
+    ``draft_max=``, ``draft_source=``, ``mtp=``, ..., and mlx-lm's cache
+    keywords (``kv_bits=``, ``kv_group_size=``, ``quantized_kv_start=``:
+    the batch holds every stream's caches quantized from where its prompt is
+    read, or from ``quantized_kv_start`` if its prompt is longer;
+    ``max_kv_size=`` decodes one prompt at a time). At most
     ``completion_batch_size`` prompts are decoded at once, and at most
     ``prefill_batch_size`` of them read their prompts together, in chunks of
     ``prefill_step_size`` tokens. Each round drafts as deep as pays at this
@@ -117,6 +123,7 @@ def batch_generate(
     if request is None:
         request = request_from(caller="batch_generate", **kwargs)
     request.validate()
+    request.kv.check_model(model)
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     caches = list(prompt_caches) if prompt_caches is not None else [None] * n

@@ -16,7 +16,11 @@ each stream writes at its own length instead (``RaggedKVCache``):
 delta net, Mamba2, ...) for every stream, with a per-stream rollback: each
 stream picks the window and state after its own last kept token.
 
-Both build from, and give back, the single-stream caches (``merge``,
+``RaggedQuantizedKVCache`` is the ragged cache of quantized keys and values
+(``kv.QuantizingKVCache`` once it has turned): the same writes, rollback and
+masks, each new position quantized on its own.
+
+All build from, and give back, the single-stream caches (``merge``,
 ``extract``), and drop or add streams between rounds (``filter``, ``extend``).
 """
 
@@ -26,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
+from .kv import QuantizingKVCache
 from .recurrent.keep_states import KeepStatesCache
 
 Counts = Union[int, Sequence[int]]
@@ -58,14 +63,37 @@ def _positions(lengths: tuple, T: int) -> mx.array:
 
 
 class RaggedKVCache:
-    """Keys and values of ``B`` streams, stream ``b`` holding ``lengths[b]`` tokens."""
+    """Keys and values of ``B`` streams, stream ``b`` holding ``lengths[b]`` tokens.
+
+    Keys and values are each held as a list of arrays ``[B, H, capacity, *]``
+    (one array; a quantized cache's three, ``RaggedQuantizedKVCache``);
+    ``like`` is the single-stream cache the streams came from (a policy's
+    cache of ``kv``, which ``extract`` gives back; None: a ``KVCache``).
+    """
 
     step = 256
 
-    def __init__(self, lengths: Sequence[int] = ()):
-        self.keys: Optional[mx.array] = None  # [B, H, capacity, D]
-        self.values: Optional[mx.array] = None
+    def __init__(self, lengths: Sequence[int] = (), like: Any = None):
+        self._k: Optional[List[mx.array]] = None
+        self._v: Optional[List[mx.array]] = None
         self.lengths: List[int] = list(lengths)
+        self.like = like
+
+    def _encode(self, x: mx.array) -> List[mx.array]:
+        """New keys or values ``[B, H, T, D]`` as this cache holds them."""
+        return [x]
+
+    @staticmethod
+    def _form(parts: List[mx.array]):
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    @property
+    def keys(self):
+        return None if self._k is None else self._form(self._k)
+
+    @property
+    def values(self):
+        return None if self._v is None else self._form(self._v)
 
     @property
     def offset(self) -> Union[int, mx.array]:
@@ -74,34 +102,39 @@ class RaggedKVCache:
             return self.lengths[0] if self.lengths else 0
         return _positions(tuple(self.lengths), 0)
 
-    def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
-        if self.keys is not None and end <= self.keys.shape[2]:
+    def _grow(self, keys: List[mx.array], values: List[mx.array], end: int) -> None:
+        if self._k is not None and end <= self._k[0].shape[2]:
             return
-        B, H, _, Dk = keys.shape
         size = -(-end // self.step) * self.step
-        new_k = mx.zeros((B, H, size, Dk), keys.dtype)
-        new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
-        if self.keys is not None:
+
+        def fresh(x):
+            return mx.zeros((x.shape[0], x.shape[1], size, x.shape[3]), x.dtype)
+
+        new_k, new_v = [fresh(x) for x in keys], [fresh(x) for x in values]
+        if self._k is not None:
             used = max(self.lengths)
-            new_k[..., :used, :] = self.keys[..., :used, :]
-            new_v[..., :used, :] = self.values[..., :used, :]
-        self.keys, self.values = new_k, new_v
+            for new, old in zip(new_k + new_v, self._k + self._v):
+                new[..., :used, :] = old[..., :used, :]
+        self._k, self._v = new_k, new_v
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         T = keys.shape[2]
         start = self.lengths
         end = max(start) + T
+        keys, values = self._encode(keys), self._encode(values)
         self._grow(keys, values, end)
         if len(set(start)) == 1:
             s = start[0]
-            self.keys[..., s : s + T, :] = keys
-            self.values[..., s : s + T, :] = values
+            for mine, new in zip(self._k + self._v, keys + values):
+                mine[..., s : s + T, :] = new
         else:  # one scatter for all streams (a slice per stream is B ops a layer)
             at = _positions(tuple(start), T)
-            self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, at, values, axis=2)
+            put = lambda a, b: mx.put_along_axis(a, at, b, axis=2)  # noqa: E731
+            self._k = [put(a, b) for a, b in zip(self._k, keys)]
+            self._v = [put(a, b) for a, b in zip(self._v, values)]
         self.lengths = [s + T for s in start]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        k = self._form([x[..., :end, :] for x in self._k])
+        return k, self._form([x[..., :end, :] for x in self._v])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Query ``t`` of stream ``b`` (at ``lengths[b] + t``) sees the keys to it."""
@@ -130,75 +163,101 @@ class RaggedKVCache:
 
     @property
     def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self._k is None else self._k + self._v
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(x.nbytes for x in self.state)
 
     # -- streams joining and leaving ---------------------------------------------
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> "RaggedKVCache":
         """One batch cache holding the tokens of single-stream ``caches``."""
-        out = cls([c.offset for c in caches])
-        first = next((c for c in caches if c.keys is not None), None)
-        if first is None:
+        first = caches[0]
+        like = None if type(first) is KVCache else first.blank()
+        out = cls([c.offset for c in caches], like)
+        held = [c for c in caches if c.keys is not None]
+        if not held:
             return out
         B, used = len(caches), max(out.lengths)
         size = -(-used // cls.step) * cls.step
-        _, H, _, Dk = first.keys.shape
-        out.keys = mx.zeros((B, H, size, Dk), first.keys.dtype)
-        out.values = mx.zeros((B, H, size, first.values.shape[3]), first.values.dtype)
+        like_k, like_v = _parts(held[0].keys), _parts(held[0].values)
+
+        def fresh(x):
+            return mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype)
+
+        out._k, out._v = [fresh(x) for x in like_k], [fresh(x) for x in like_v]
         for b, c in enumerate(caches):
             if c.offset:
-                out.keys[b : b + 1, :, : c.offset] = c.keys[..., : c.offset, :]
-                out.values[b : b + 1, :, : c.offset] = c.values[..., : c.offset, :]
+                n = c.offset
+                pairs = zip(out._k + out._v, _parts(c.keys) + _parts(c.values))
+                for mine, theirs in pairs:
+                    mine[b : b + 1, :, :n] = theirs[..., :n, :]
         return out
 
     def extend(self, other: "RaggedKVCache") -> None:
         """Append ``other``'s streams."""
-        like = self if self.keys is not None else other
-        if like.keys is not None:
-            size = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+        like = self if self._k is not None else other
+        if like._k is not None:
+            size = max(c._k[0].shape[2] for c in (self, other) if c._k is not None)
             keys, values = [], []
             for c in (self, other):
-                if c.keys is None:
-                    B, (_, H, _, Dk), Dv = (
-                        len(c.lengths),
-                        like.keys.shape,
-                        like.values.shape[3],
-                    )
-                    keys.append(mx.zeros((B, H, size, Dk), like.keys.dtype))
-                    values.append(mx.zeros((B, H, size, Dv), like.values.dtype))
+                if c._k is None:
+                    B = len(c.lengths)
+
+                    def fresh(x, B=B):
+                        return mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype)
+
+                    keys.append([fresh(x) for x in like._k])
+                    values.append([fresh(x) for x in like._v])
                 else:
-                    keys.append(_pad_to(c.keys, size))
-                    values.append(_pad_to(c.values, size))
-            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+                    keys.append([_pad_to(x, size) for x in c._k])
+                    values.append([_pad_to(x, size) for x in c._v])
+            self._k = [mx.concatenate(xs) for xs in zip(*keys)]
+            self._v = [mx.concatenate(xs) for xs in zip(*values)]
         self.lengths = self.lengths + other.lengths
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep the streams at indices ``keep``, in that order."""
         self.lengths = [self.lengths[i] for i in keep]
-        if self.keys is not None:
+        if self._k is not None:
             if not keep:
-                self.keys = self.values = None
+                self._k = self._v = None
                 return
             idx = mx.array(list(keep))
             used = max(max(self.lengths), 1)
             size = -(-used // self.step) * self.step
-            self.keys = self.keys[idx, :, :size]
-            self.values = self.values[idx, :, :size]
+            self._k = [x[idx, :, :size] for x in self._k]
+            self._v = [x[idx, :, :size] for x in self._v]
 
     def extract(self, b: int) -> KVCache:
-        """Stream ``b`` as a single-stream ``KVCache`` (its own copy)."""
-        c = KVCache()
+        """Stream ``b`` as a single-stream cache (its own copy), of the kind
+        the streams came from."""
+        c = KVCache() if self.like is None else self.like.blank()
         n = self.lengths[b]
-        if self.keys is not None and n:
-            c.keys = mx.contiguous(self.keys[b : b + 1, :, :n])
-            c.values = mx.contiguous(self.values[b : b + 1, :, :n])
+        if self._k is not None and n:
+            c.keys = self._form([mx.contiguous(x[b : b + 1, :, :n]) for x in self._k])
+            c.values = self._form([mx.contiguous(x[b : b + 1, :, :n]) for x in self._v])
             c.offset = n
         return c
+
+
+class RaggedQuantizedKVCache(RaggedKVCache):
+    """``RaggedKVCache`` of quantized keys and values: each position quantized
+    on its own, as mlx-lm's ``QuantizedKVCache`` does (and its ``bits`` make
+    mlx-lm's attention take the quantized path)."""
+
+    def __init__(self, lengths: Sequence[int] = (), like: Any = None):
+        super().__init__(lengths, like)
+        self.bits, self.group_size = like.kv_bits, like.group_size
+
+    def _encode(self, x: mx.array) -> List[mx.array]:
+        return list(mx.quantize(x, self.group_size, self.bits))
+
+
+def _parts(x) -> List[mx.array]:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
 
 
 def _pad_to(x: mx.array, size: int) -> mx.array:
@@ -281,12 +340,30 @@ def _stack(parts: Sequence[Optional[mx.array]], counts: Sequence[int]):
 
 def batchable(caches: Sequence[Any]) -> bool:
     """Whether ``caches`` (one stream's) have batch counterparts here."""
-    return all(type(c) is KVCache or isinstance(c, KeepStatesCache) for c in caches)
+    return all(
+        type(c) is KVCache or isinstance(c, (QuantizingKVCache, KeepStatesCache))
+        for c in caches
+    )
 
 
-def merge(caches: Sequence[Any]) -> Any:
-    """The batch cache of one layer from each stream's cache of that layer."""
-    if type(caches[0]) is KVCache:
+def merge(caches: Sequence[Any], convert: bool = True) -> Any:
+    """The batch cache of one layer from each stream's cache of that layer.
+
+    Caches of a quantizing policy (``kv``) turn quantized here with
+    ``convert``: a batch holds one form, and streams join it quantized.
+    Without ``convert`` they must all be in one form (the scheduler reads
+    prompts whose caches are still in full precision apart)."""
+    first = caches[0]
+    if isinstance(first, QuantizingKVCache):
+        if convert:
+            for c in caches:
+                c.quantize()
+        if len({c.quantized for c in caches}) > 1:
+            raise ValueError("a batch holds its streams' caches in one form")
+        if first.quantized:
+            return RaggedQuantizedKVCache.merge(caches)
+        return RaggedKVCache.merge(caches)
+    if type(first) is KVCache:
         return RaggedKVCache.merge(caches)
     return BatchStatesCache.merge(caches)
 

@@ -38,6 +38,7 @@ from .defaults import (
 )
 from .errors import MTPError
 from .generate import stream_generate
+from .kv import KVSettings
 from .loader import MTPModel
 from .prompts import BenchPrompt, encoded_prompts
 from .stats import MTPStats
@@ -143,10 +144,12 @@ class BenchResult:
         return out
 
 
-def regime(model: MTPModel) -> Dict[str, Any]:
-    """Backend, weights dtype and BLAS: the context the numbers need."""
+def regime(model: MTPModel, kv: KVSettings = KVSettings()) -> Dict[str, Any]:
+    """Backend, weights dtype, BLAS and the KV cache: the context the numbers
+    need."""
     backend_name = backend()
     return {
+        "kv_cache": kv.describe(),
         "backend": backend_name,
         "device": str(mx.default_device()),
         "weights": weights_dtype(model),
@@ -188,11 +191,13 @@ def run_once(
     adaptive: bool = False,
     source: str = "mtp",
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    kv: KVSettings = KVSettings(),
 ):
     """One greedy generation (mlx-lm's when ``draft_max`` is None), timed;
     ``adaptive``: the draft count chosen each round, at most ``draft_max``;
     ``source``: where drafts come from (``stream_generate``'s ``draft_source``);
-    ``prefill_progress(done, total)`` hears the prompt being read."""
+    ``prefill_progress(done, total)`` hears the prompt being read; ``kv``:
+    the caches' policy, the same for mlx-lm (its keywords)."""
     mx.clear_cache()
     mx.reset_peak_memory()
     if draft_max is None:
@@ -202,6 +207,7 @@ def run_once(
             prompt,
             max_tokens,
             prompt_progress_callback=prefill_progress,
+            **kv.as_mlx_lm(),
         )
         *timing, _ = _timed(responses, lambda r: r.generation_tokens == 1)
         stats = None
@@ -217,6 +223,7 @@ def run_once(
             adaptive_draft=adaptive,
             draft_source=source,
             prefill_progress=prefill_progress,
+            **kv.as_mlx_lm(),
         )
         *timing, last = _timed(responses, lambda r: r.stats.rounds == 1)
         stats = last.stats
@@ -264,6 +271,7 @@ def run_bench(
     progress: Optional[Callable[[str], None]] = None,
     estimate: Optional[Callable[[float], None]] = None,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    kv: KVSettings = KVSettings(),
 ) -> BenchResult:
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
 
@@ -271,7 +279,8 @@ def run_bench(
     most that many (default: the head's recommended count, else 3).
     ``estimate`` hears, once after the warm-up, how many seconds the timed
     runs will take at the warm-up's speed; ``prefill_progress(done, total)``
-    each prompt being read.
+    each prompt being read. ``kv``: the caches' policy (quantized, bounded),
+    mlx-lm's runs at the same settings.
     """
     started = time.perf_counter()
     given = draft_max
@@ -280,7 +289,7 @@ def run_bench(
     check_max_tokens(max_tokens, draft_max)
     bounds = drafter_bounds(model, given)
     check_max_tokens(max_tokens, max([draft_max] + [b for _, b in bounds]))
-    run = _Runner(model, tokenizer, draft_p_min, prefill_progress)
+    run = _Runner(model, tokenizer, draft_p_min, prefill_progress, kv)
     configs = configurations(draft_max, bounds)
     encoded = encoded_prompts(tokenizer, prompts)
     # 1) warm up every configuration (compile, allocate) and time the plan
@@ -307,7 +316,7 @@ def run_bench(
                     progress(f"repeat {rep + 1}/{repeats}, {where}, {config[0]}")
                 runs.append(run.measure(config, i, rep, prompt, max_tokens))
     # 3) the summary, with each fixed count's bound from the measured costs
-    result = BenchResult(regime(model), prompts, repeats, max_tokens, runs=runs)
+    result = BenchResult(regime(model, kv), prompts, repeats, max_tokens, runs=runs)
     kinds = [p.kind for p in prompts]
     result.configs = [
         _summarise(name, k, runs, kinds, adaptive, source)
@@ -323,14 +332,14 @@ def run_bench(
 class _Runner:
     """Runs ``run_once`` with one benchmark's model and settings."""
 
-    def __init__(self, model, tokenizer, draft_p_min, prefill_progress):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, draft_p_min, prefill_progress, kv):
+        self.model, self.tokenizer, self.kv = model, tokenizer, kv
         self.draft_p_min, self.prefill_progress = draft_p_min, prefill_progress
 
     def once(self, k, prompt, max_tokens, adaptive=False, source="mtp"):
         return run_once(
             self.model, self.tokenizer, k, prompt, max_tokens, self.draft_p_min,
-            adaptive, source, self.prefill_progress,
+            adaptive, source, self.prefill_progress, self.kv,
         )  # fmt: skip
 
     def warm_up(self, config, encoded, repeats: int, max_tokens: int) -> float:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .kv import QuantizingKVCache, RollingKVCache
+
 
 def can_rollback(caches: List[Any]) -> bool:
     """Whether every cache in ``caches`` can drop its last tokens."""
@@ -228,6 +230,8 @@ class Snapshot:
 
 def copy_layer(c: Any) -> Any:
     """A copy of one layer's cache that can be written to without touching ``c``."""
+    if isinstance(c, (QuantizingKVCache, RollingKVCache)):
+        return c.copy()
     if type(c) is KVCache:
         new = KVCache()
         if c.keys is not None:

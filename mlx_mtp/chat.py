@@ -21,15 +21,18 @@ from typing import Any, Dict, Iterator, List, Optional
 from .cache import MTPCache, Snapshot
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
+from .kv import cuttable
 from .loader import MTPModel
 from .prompts import chat_text, encode
 from .stats import MTPStats
 
 
 def truncatable(cache: MTPCache) -> bool:
-    """Plain attention caches can be cut anywhere; recurrent states cannot."""
+    """Plain attention caches can be cut anywhere; recurrent states, and
+    bounded caches past their bound, cannot."""
     return all(
-        not hasattr(c, "rollback") and c.is_trimmable() for c in cache.state_list()
+        not hasattr(c, "rollback") and c.is_trimmable() and cuttable(c)
+        for c in cache.state_list()
     )
 
 
@@ -102,6 +105,13 @@ class ChatSession:
         self.cache: MTPCache = self.model.make_cache()
         self.cached_tokens: List[int] = []  # exactly what the trunk has read
         self._open: Optional[_Saved] = None
+        self.opening = ""  # text the next user message starts with (``resume``)
+
+    def resume(self, cache: MTPCache, tokens: List[int], opening: str) -> None:
+        """Start from ``cache``, which has read ``tokens``: the templated
+        start of a first user message that begins with ``opening`` (a prompt
+        cache file). The first message sent continues ``opening``."""
+        self.cache, self.cached_tokens, self.opening = cache, list(tokens), opening
 
     def prompt_tokens(self, messages: List[Dict[str, str]]) -> List[int]:
         """The templated conversation, encoded as ``generate`` encodes a prompt."""
@@ -116,7 +126,7 @@ class ChatSession:
         if self._open is not None:  # an earlier stream was abandoned unclosed
             self._undo()
         n_messages = len(self.messages)
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": self.opening + text})
         prompt = self.prompt_tokens(self.messages)
         suffix = self._prepare(prompt)
         # saved after the cut: the turn only writes past this point
@@ -160,6 +170,7 @@ class ChatSession:
         # the trunk has read the prompt and every answer token but the last
         self.cached_tokens = prompt + tokens[:-1]
         self.messages.append({"role": "assistant", "content": text})
+        self.opening = ""
         self.total.add(stats)
         self.answered = self.last
         self._open = None

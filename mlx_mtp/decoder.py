@@ -41,6 +41,7 @@ from .batch_policy import BatchDraftLength
 from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
+from .kv import KVSettings, QuantizingKVCache, room
 from .stream import Stream
 
 
@@ -105,11 +106,17 @@ class Decoder(DraftView):
         draft_p_min: float = 0.0,
         policy: Optional[BatchDraftLength] = None,
         merge: bool = True,
+        convert: bool = True,
+        kv: Optional[KVSettings] = None,
     ):
         """``policy``: each round drafts as deep as pays at this batch size
         (a ``BatchDraftLength``; one shared by several decoders keeps what it
         measured); None: as deep as each stream's own count asks.
-        ``merge=False``: one stream, on its own caches."""
+        ``merge=False``: one stream, on its own caches. ``convert=False``:
+        caches of a quantizing policy stay in full precision in the batch (a
+        reader of prompts whose caches have not turned yet: ``turning``).
+        ``kv``: the policy the streams' caches follow (a bounded cache has
+        no batch form: one stream at a time)."""
         self.model = model
         self.draft_p_min = draft_p_min
         self.streams: List[Stream] = []
@@ -122,7 +129,10 @@ class Decoder(DraftView):
         self.ahead: Optional[_Ahead] = None  # the round under way, not read yet
         self.next_k: Optional[int] = None  # the next round's K, once chosen
         self.landed: Optional[dict] = None  # tokens read by ``add``, by stream
+        self.convert = convert
         cache = model.make_cache()
+        if kv is not None:
+            kv.apply(cache)
         self.batched = merge and batchable(cache.state_list())
 
     def __len__(self) -> int:
@@ -151,10 +161,13 @@ class Decoder(DraftView):
                 raise ValueError("this decoder runs one stream at a time")
             self.streams += streams
             return
-        trunk = [merge(layer) for layer in zip(*(s.cache.trunk for s in streams))]
+        convert = self.convert
+        trunk = [
+            merge(layer, convert) for layer in zip(*(s.cache.trunk for s in streams))
+        ]
         drafts = {
             d.name: [
-                merge(layer)
+                merge(layer, convert)
                 for layer in zip(*(s.cache.drafts[d.name].caches for s in streams))
             ]
             for d in self.model.drafters
@@ -206,6 +219,15 @@ class Decoder(DraftView):
         for c in self._trunk + [c for cs in self._drafts.values() for c in cs]:
             c.filter(keep)
         self.streams = [self.streams[b] for b in keep]
+
+    def turning(self) -> List[Stream]:
+        """Streams whose caches (held in full precision, ``convert=False``)
+        turn quantized at their next write: a reader hands them on."""
+        for c in self._trunk:
+            like = getattr(c, "like", None)
+            if isinstance(like, QuantizingKVCache) and not like.quantized:
+                return [s for s, n in zip(self.streams, c.lengths) if n >= like.turn]
+        return []
 
     # -- what a round reads and rolls back (``drafter.DraftView``) -------------
 
@@ -300,6 +322,8 @@ class Decoder(DraftView):
         want = [min(m, step) for m in left]
         if not self._attention():
             return [min(want)] * len(want)
+        if not self.convert:  # where the cache turns depends on it: mlx-lm's chunks
+            return want
         for width in sorted(set(want), reverse=True):
             takes = [min(w, width) for w in want]
             if len(takes) * width - sum(takes) <= sum(takes):
@@ -322,7 +346,14 @@ class Decoder(DraftView):
         """The most drafter drafts stream ``s`` may take this round."""
         if not self.model.drafters:
             return 0
-        return max(0, min(s.source.draft_max, s.remaining - 1))
+        return max(0, min(s.source.draft_max, self.width(s) - 1))
+
+    def width(self, s: Stream) -> int:
+        """The most tokens stream ``s``'s next forward may read: its remaining
+        tokens, and no more than its own caches take in one form and can take
+        back (``kv.room``: a cache about to turn quantized, a bounded one)."""
+        limit = room(s.cache.trunk)
+        return s.remaining if limit is None else min(s.remaining, limit)
 
     def _plan(self, s: Stream, cap: int, k: int):
         """Stream ``s``'s plan this round: a ready proposal, or up to
@@ -331,8 +362,10 @@ class Decoder(DraftView):
         draft length found worth its cost: a wider one would widen every
         stream's verify (and ``k`` 0, a batch where drafts do not pay, takes
         none)."""
-        room = s.remaining - 1 if len(self.streams) == 1 else min(s.remaining - 1, k)
-        return s.source.plan(s.history, room, min(cap, k))
+        width = self.width(s) - 1
+        return s.source.plan(
+            s.history, width if len(self.streams) == 1 else min(width, k), min(cap, k)
+        )
 
     def step(self) -> List[List[int]]:
         """One round of every stream; returns the tokens each emits."""

@@ -35,3 +35,6 @@ DEFAULT_REPEATS = 3
 # repetitions of every timing (medians are kept)
 DEFAULT_TUNE_TOKENS = 48
 DEFAULT_TUNE_REPEATS = 7
+# a quantized KV cache (``--kv-bits``): mlx-lm's group size and start
+DEFAULT_KV_GROUP_SIZE = 64
+DEFAULT_QUANTIZED_KV_START = 5000

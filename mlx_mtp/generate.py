@@ -15,11 +15,14 @@ from .config import no_drafts_reason
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_DRAFT_SOURCE,
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
+    DEFAULT_QUANTIZED_KV_START,
 )
 from .distributed import sync_verifier
 from .errors import MTPError
+from .kv import KVSettings
 from .loader import MTPModel
 from .prompts import context_length, encode, fit_context
 from .request import DraftSettings, GenerationRequest
@@ -87,7 +90,10 @@ def stream_generate(
     (``temp=``, ``top_p=``, .., ``logit_bias=``, ``seed=``, or a whole
     ``sampling=SamplingConfig``), ``draft_max=``, ``draft_p_min=``,
     ``draft_source=``, ``adaptive_draft=``, ``mtp=``, ``logits_processors=``,
-    ``truncate_prompt=``. An unknown keyword is a ``TypeError``.
+    ``truncate_prompt=``, and mlx-lm's cache keywords ``kv_bits=``,
+    ``kv_group_size=``, ``quantized_kv_start=``, ``max_kv_size=`` (a
+    quantized or bounded cache that still rolls drafts back; see ``kv.py``).
+    An unknown keyword is a ``TypeError``.
 
     ``mtp=False`` (or ``draft_max=0``) generates plainly through the same loop.
     ``trace=True`` records every round's drafts in ``response.stats.trace``.
@@ -123,6 +129,7 @@ def stream_generate(
     if request is None:
         request = request_from(max_tokens, caller="stream_generate", **kwargs)
     request.validate()
+    request.kv.check_model(model)
     tic = time.perf_counter()
     tokens = encode(tokenizer, prompt)
     if not tokens or (isinstance(prompt, str) and not prompt.strip()):
@@ -156,6 +163,7 @@ def stream_generate(
         stats=stats,
         cached_tokens=cached_tokens,
         logprobs=rows,
+        kv=request.kv,
     )
     n, prompt_tps = 0, 0.0
     for token, from_draft in steps:
@@ -196,8 +204,6 @@ _INSTEAD = {
     "prompt_progress_callback": "pass prefill_progress=, called as (done, total)",
     "input_embeddings": "mlx-mtp generates from tokens only",
 }
-for _name in ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start"):
-    _INSTEAD[_name] = "mlx-mtp keeps full-precision caches, which roll back drafts"
 
 
 def request_from(
@@ -211,12 +217,17 @@ def request_from(
     sampling: Optional[SamplingConfig] = None,
     logits_processors: Optional[Sequence[LogitsProcessor]] = None,
     truncate_prompt: bool = False,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    max_kv_size: Optional[int] = None,
     caller: str = "request_from",
     **sampling_kwargs,
 ) -> GenerationRequest:
     """The ``GenerationRequest`` of ``stream_generate``'s keyword arguments;
-    sampling as a ``SamplingConfig`` (``sampling=``) or its fields. A keyword
-    that is none of these is a ``TypeError`` naming ``caller``."""
+    sampling as a ``SamplingConfig`` (``sampling=``) or its fields; the
+    caches' policy by mlx-lm's keywords (``kv.KVSettings``). A keyword that
+    is none of these is a ``TypeError`` naming ``caller``."""
     check_keywords(sampling_kwargs, caller)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"{caller}(): max_tokens must be an int, not {max_tokens!r}")
@@ -230,6 +241,9 @@ def request_from(
         drafts=drafts,
         logits_processors=list(logits_processors or []),
         truncate_prompt=truncate_prompt,
+        kv=KVSettings.from_mlx_lm(
+            kv_bits, kv_group_size, quantized_kv_start, max_kv_size
+        ),
     )
 
 

@@ -14,6 +14,11 @@ takes the entry that saves it the most tokens:
 
 Entries are never written to: a hit is a copy whose arrays are new array
 objects (a write into an array shared by another copies it first).
+
+With a ``disk_cache.DiskCache`` (``disk``) every entry kept is also written
+to disk, off the caller's thread, and a lookup takes the disk's entry where
+it holds more of the prompt than memory does: prefixes outlive the memory
+bound and the process.
 """
 
 from dataclasses import dataclass
@@ -33,16 +38,21 @@ class Entry:
 class PromptCache:
     """Up to ``max_entries`` caches holding at most ``max_bytes`` together."""
 
-    def __init__(self, max_entries: int, max_bytes: int):
+    def __init__(self, max_entries: int, max_bytes: int, disk=None):
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.entries: List[Entry] = []  # least recently used first
+        self.disk = disk
 
     def __len__(self) -> int:
         return len(self.entries)
 
     @property
-    def enabled(self) -> bool:
+    def in_memory(self) -> bool:
         return self.max_entries > 0 and self.max_bytes > 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.in_memory or self.disk is not None
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +70,12 @@ class PromptCache:
                 continue
             if n > keep:
                 best, keep = e, n
+        if self.disk is not None:
+            name, n = self.disk.best(tokens)
+            if n > keep:
+                found = self._from_disk(model, name, n)
+                if found is not None:
+                    return found
         if best is None:
             return model.make_cache(), 0
         self.entries.remove(best)
@@ -69,9 +85,24 @@ class PromptCache:
             keep = truncate(model, cache, keep)
         return cache, keep
 
+    def _from_disk(self, model, name: str, keep: int):
+        """Disk entry ``name``'s cache cut to ``keep`` tokens, or None where it
+        cannot be read or cut."""
+        cached = self.disk.load(name)
+        if cached is None:
+            return None
+        cache = cached.cache
+        if keep < len(cached.tokens):
+            if not truncatable(cache):
+                return None
+            keep = truncate(model, cache, keep)
+        return cache, keep
+
     def insert(self, tokens: List[int], cache: MTPCache) -> None:
         """Keep ``cache``, which has read ``tokens``; older entries it covers go."""
-        if not self.enabled or not tokens:
+        if self.disk is not None and tokens:
+            self.disk.put(tokens, cache)
+        if not self.in_memory or not tokens:
             return
         cut = truncatable(cache)
         self.entries = [

@@ -2,10 +2,11 @@
 
 The command line, the Python API and each HTTP API turn what they were given
 into a ``GenerationRequest``: sampling (``SamplingConfig``), draft settings
-(``DraftSettings``), limits, stop strings, log-probabilities and the logits
-processors that constrain the output (JSON mode, tool calls). The loops and
-the server's engine read it; nothing copies its fields into another record.
-A new request field is a field here and the code that reads it.
+(``DraftSettings``), the caches' policy (``kv.KVSettings``), limits, stop
+strings, log-probabilities and the logits processors that constrain the
+output (JSON mode, tool calls). The loops and the server's engine read it;
+nothing copies its fields into another record. A new request field is a
+field here and the code that reads it.
 """
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .drafts import (
     make_source,
 )
 from .errors import MTPError
+from .kv import KVSettings
 from .sampling import SamplingConfig, make_verifier
 from .thinking import Thinking
 
@@ -86,11 +88,14 @@ class GenerationRequest:
     # a thinking model's markers and budget (its processor is among
     # ``logits_processors``); its draft source keeps one estimate per phase
     thinking: Optional[Thinking] = None
+    # how the stream's attention caches hold its context (quantized, bounded)
+    kv: KVSettings = field(default_factory=KVSettings)
 
     def validate(self) -> "GenerationRequest":
         if self.max_tokens < 1:
             raise MTPError(f"max_tokens must be at least 1, not {self.max_tokens}")
         self.drafts.validate()
+        self.kv.validate()
         return self
 
     def source(self, model, batched: bool = False, memory=None) -> DraftSource:

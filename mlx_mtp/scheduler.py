@@ -10,7 +10,9 @@ engine of several processes) run their requests here. Each turn
    (``Decoder.chunks``: ragged chunks right-padded where the caches are
    attention, one length where a recurrent state is read), so a long prompt
    does not stall the streams already decoding; a stream whose prompt is read
-   joins the decoding batch;
+   joins the decoding batch. Under a quantizing cache policy (``kv``) the
+   prompts whose caches are still in full precision are read apart, in a
+   second forward (a batch holds one form), until their caches turn;
 3) runs one speculative round of the whole batch (``decoder.Decoder``).
 
 What happens to a round's tokens (text, events, stop strings) and to a
@@ -24,6 +26,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 from .batch_policy import BatchDraftLength
 from .decoder import Decoder
+from .kv import KVSettings, quantizes_later
 from .stream import Stream
 
 
@@ -48,13 +51,18 @@ class Scheduler:
         max_batch: int = 32,
         max_reading: int = 0,
         prefill_step: int = 2048,
+        kv: Optional[KVSettings] = None,
     ):
         """``max_batch``: jobs started at once (read or decoding);
-        ``max_reading``: of those, prompts read at once (0: any)."""
+        ``max_reading``: of those, prompts read at once (0: any); ``kv``: the
+        policy the streams' caches follow."""
         self.model = model
         self.draft_p_min, self.prefill_step = draft_p_min, prefill_step
-        self.decoder = Decoder(model, draft_p_min, policy)
-        self.reader = Decoder(model)  # streams whose prompts are being read
+        self.kv = kv
+        self.decoder = Decoder(model, draft_p_min, policy, kv=kv)
+        self.reader = Decoder(model, kv=kv)  # streams whose prompts are being read
+        # of those, the ones whose caches turn quantized later (``kv``)
+        self.fresh = Decoder(model, convert=False, kv=kv)
         self.batched = self.decoder.batched
         self.max_batch = max_batch if self.batched else 1
         self.max_reading = min(max_reading or self.max_batch, self.max_batch)
@@ -71,8 +79,9 @@ class Scheduler:
     def reset(self, policy: Optional[BatchDraftLength] = None) -> None:
         """Forget every job: the batch starts afresh (after an internal error)."""
         self.waiting, self.reading, self.jobs = deque(), {}, {}
-        self.decoder = Decoder(self.model, self.draft_p_min, policy)
-        self.reader = Decoder(self.model)
+        self.decoder = Decoder(self.model, self.draft_p_min, policy, kv=self.kv)
+        self.reader = Decoder(self.model, kv=self.kv)
+        self.fresh = Decoder(self.model, convert=False, kv=self.kv)
 
     # -- hooks --------------------------------------------------------------
 
@@ -91,28 +100,54 @@ class Scheduler:
             job = self.waiting.popleft()
             self.prepare(job)
             if job.read < len(job.prompt) - 1:
-                self.reader.add([job.stream])
+                reader = self.reader
+                if self.batched and quantizes_later(job.stream.cache.trunk):
+                    reader = self.fresh
+                reader.add([job.stream])
                 self.reading[id(job.stream)] = job
             else:  # nothing to read but its last token
                 self.join([job])
 
+    def readers(self) -> List[Decoder]:
+        """The readers holding prompts: those of full-precision caches first."""
+        return [r for r in (self.fresh, self.reader) if r.streams]
+
     def read(self) -> Tuple[List[int], float]:
-        """Every prompt being read takes its next chunk, in one forward;
-        returns how many tokens each read, and the seconds it took."""
-        jobs = [self.reading[id(s)] for s in self.reader.streams]
-        takes, seconds, read = self.reader.read_chunk(
-            [j.prompt for j in jobs], [j.read for j in jobs], self.prefill_step
-        )
-        for j, n in zip(jobs, takes):
-            j.read += n
-            j.stream.stats.prompt_time += seconds
-        done = [j for j, r in zip(jobs, read) if r]
-        if done:
-            self.reader.remove([j.stream for j in done])
-            for j in done:
-                del self.reading[id(j.stream)]
-            self.join(done)
-        return takes, seconds
+        """Every prompt being read takes its next chunk, in one forward (two
+        where some caches have still to turn quantized); returns how many
+        tokens each read, and the seconds it took."""
+        all_takes, total = [], 0.0
+        for reader in self.readers():
+            jobs = [self.reading[id(s)] for s in reader.streams]
+            takes, seconds, read = reader.read_chunk(
+                [j.prompt for j in jobs], [j.read for j in jobs], self.prefill_step
+            )
+            for j, n in zip(jobs, takes):
+                j.read += n
+                j.stream.stats.prompt_time += seconds
+            done = [j for j, r in zip(jobs, read) if r]
+            if done:
+                reader.remove([j.stream for j in done])
+                for j in done:
+                    del self.reading[id(j.stream)]
+                self.join(done)
+            turning = reader.turning()
+            if turning:  # their caches turn quantized: the quantized reader's
+                reader.remove(turning)
+                self.reader.add(turning)
+            all_takes += takes
+            total += seconds
+        return all_takes, total
+
+    def finishing(self) -> List[Stream]:
+        """The streams whose prompts the next ``read`` reads to the end."""
+        out = []
+        for reader in self.readers():
+            jobs = [self.reading[id(s)] for s in reader.streams]
+            left = [len(j.prompt) - 1 - j.read for j in jobs]
+            takes = reader.chunks(left, self.prefill_step)
+            out += [j.stream for j, m, n in zip(jobs, left, takes) if m == n]
+        return out
 
     def join(self, jobs: List[Job]) -> None:
         """Jobs whose prompts are read join the decoding batch."""
@@ -136,10 +171,13 @@ class Scheduler:
     def drop(self, jobs: List[Job]) -> None:
         """Started ``jobs`` go, being read or decoding (their state is freed)."""
         reading = [j for j in jobs if id(j.stream) in self.reading]
-        if reading:
-            self.reader.remove([j.stream for j in reading], extract=False)
-            for j in reading:
-                del self.reading[id(j.stream)]
+        for reader in self.readers():
+            mine = {id(s) for s in reader.streams}
+            gone = [j.stream for j in reading if id(j.stream) in mine]
+            if gone:
+                reader.remove(gone, extract=False)
+        for j in reading:
+            del self.reading[id(j.stream)]
         decoding = [j for j in jobs if id(j.stream) in self.jobs]
         if decoding:
             self.leave(decoding, extract=False)

@@ -19,6 +19,7 @@ from .cache import MTPCache
 from .decoder import Decoder
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import NoDrafts, as_source
+from .kv import KVSettings
 from .sampling import ExactMatchVerifier
 from .stats import MTPStats
 from .stream import Stream, open_stream
@@ -74,6 +75,7 @@ def speculative_generate_step(
     cached_tokens: Sequence[int] = (),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     logprobs: Optional[Any] = None,
+    kv: Optional[KVSettings] = None,
 ) -> Iterator[Tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
@@ -87,7 +89,8 @@ def speculative_generate_step(
     history (penalty window, noise positions) as if the whole sequence had
     been the prompt. ``prefill_progress(done, total)`` hears how many prompt
     tokens the trunk has read. ``logprobs`` (a ``stream.Logprobs``) receives
-    each token's log-probability before the token is yielded.
+    each token's log-probability before the token is yielded. ``kv``: the
+    caches' policy (quantized, bounded; ``kv.KVSettings``).
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -103,6 +106,7 @@ def speculative_generate_step(
         source=as_source(drafts),
         stats=stats,
         logprobs=logprobs,
+        kv=kv,
     )
     stats = stream.stats
     decoder = Decoder(model, draft_p_min, merge=False)

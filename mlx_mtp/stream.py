@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 import mlx.core as mx
 
 from .cache import MTPCache
+from .kv import KVSettings
 from .stats import MTPStats
 
 
@@ -88,6 +89,7 @@ def open_stream(
     seed_offset: int = 0,
     batched: bool = False,
     memory=None,
+    kv: Optional[KVSettings] = None,
 ) -> Stream:
     """The stream that generates after ``prompt`` on ``model``.
 
@@ -100,7 +102,9 @@ def open_stream(
     seeded request's streams seeds of their own (prompt ``i`` of a batch).
     ``prompt`` is the tokens not yet in the cache. ``memory``: a server's
     lookup memory of earlier requests (``ngram.LookupMemory``), which the
-    request's draft source consults.
+    request's draft source consults. The caches follow ``kv`` (else the
+    request's): the one place a cache policy (quantized, bounded) enters a
+    stream.
     """
     if request is not None:
         sampling = request.sampling
@@ -114,9 +118,13 @@ def open_stream(
             max_tokens = request.max_tokens
         if logprobs is None and request.logprobs is not None:
             logprobs = Logprobs(request.logprobs)
+        kv = kv or request.kv
+    cache = cache if cache is not None else model.make_cache()
+    if kv is not None:
+        kv.apply(cache)
     stream = Stream(
         history=[int(t) for t in cached_tokens] + [int(t) for t in prompt],
-        cache=cache if cache is not None else model.make_cache(),
+        cache=cache,
         verifier=verifier,
         max_tokens=max_tokens,
         stop_tokens=set(stop_tokens),

@@ -41,7 +41,12 @@ class Served:
             env=env,
             cwd=NOT_THE_CHECKOUT,
         )
-        self.log = self.process.stderr.readline()  # "serving ... on ...", once up
+        self.log = ""  # to "serving ... on ...", once up (notices before it)
+        while "serving" not in self.log and self.process.poll() is None:
+            line = self.process.stderr.readline()
+            if not line:
+                break
+            self.log += line
         if self.process.poll() is not None or "serving" not in self.log:
             self.log += self.process.stderr.read()
             raise RuntimeError(f"the server did not start: {self.log}")

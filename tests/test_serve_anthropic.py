@@ -38,6 +38,12 @@ OPENAI_WEATHER = {
 }
 
 
+def _read(usage) -> int:
+    """The prompt's tokens, as Anthropic counts them: those read, and apart
+    those the prompt cache held."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_folders, tmp_path_factory):
     folder = tiny_folders("deepseek_v3")[0]
@@ -75,7 +81,7 @@ def test_message_equals_plain_greedy_decoding(client, loaded):
         assert [b.type for b in r.content] == ["text"]
         assert r.content[0].text == text
         assert r.stop_reason == "max_tokens" and r.stop_sequence is None
-        assert r.usage.input_tokens == prompt_tokens
+        assert _read(r.usage) == prompt_tokens
         assert r.usage.output_tokens == 16
         assert r.id.startswith("msg_")
 
@@ -113,7 +119,7 @@ def test_system(client, loaded, system):
     chat = [{"role": "system", "content": "You are terse."}] + USER
     text, prompt_tokens = plain(loaded, chat, 12)
     r = client.messages.create(model=MODEL, max_tokens=12, messages=USER, system=system)
-    assert r.content[0].text == text and r.usage.input_tokens == prompt_tokens
+    assert r.content[0].text == text and _read(r.usage) == prompt_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -230,7 +236,7 @@ def test_tools_in_the_prompt_keep_greedy_output(client, loaded):
             tools=[WEATHER],
             extra_body={"draft_max": k},
         )
-        assert r.content[0].text == text and r.usage.input_tokens == prompt_tokens
+        assert r.content[0].text == text and _read(r.usage) == prompt_tokens
 
 
 def test_tool_results_reach_the_prompt(client, loaded):
@@ -273,7 +279,7 @@ def test_tool_results_reach_the_prompt(client, loaded):
     r = client.messages.create(
         model=MODEL, max_tokens=8, messages=history, tools=[WEATHER]
     )
-    assert r.content[0].text == text and r.usage.input_tokens == prompt_tokens
+    assert r.content[0].text == text and _read(r.usage) == prompt_tokens
     count = client.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER])
     assert count.input_tokens == prompt_tokens
 

@@ -206,10 +206,11 @@ class Gemma4Assistant(MTPHead):
             start = 0
             if kind == "sliding_attention":
                 start = max(0, position - self.args.sliding_window + 1)
-            out[kind] = (
-                c.keys[..., start:position, :],
-                c.values[..., start:position, :],
-            )
+            if hasattr(c, "dequantized"):  # a quantized cache: read in full
+                keys, values = c.dequantized()
+            else:
+                keys, values = c.keys, c.values
+            out[kind] = (keys[..., start:position, :], values[..., start:position, :])
         return out
 
     def __call__(

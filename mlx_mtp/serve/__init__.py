@@ -11,13 +11,18 @@ show these defaults cheaply.
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:  # (``kv`` loads MLX)
+    from ..kv import KVSettings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PROMPT_CACHE_ENTRIES = 8
 DEFAULT_PROMPT_CACHE_MB = 2048
+# the prompt cache's entries on disk (``--prompt-cache-dir``), at most this
+DEFAULT_PROMPT_CACHE_DISK_GB = 16.0
 # Prompt tokens read per turn of the engine's loop while other streams decode.
 DEFAULT_SERVE_PREFILL_STEP = 512
 # A request that names no max_tokens stops here (or at the end of the context).
@@ -57,6 +62,10 @@ class ServeConfig:
     Bearer`` or ``x-api-key``). ``cors_origins``: browser origins answered
     (``"*"``: any). ``strict_model_names``: a ``model`` that does not name the
     served model is a 404 on the OpenAI endpoints (else any name is served).
+    ``kv``: how every stream's caches hold its context (quantized, bounded;
+    None: full precision). ``prompt_cache_dir``: where the prompt cache keeps
+    its entries on disk as well (at most ``prompt_cache_disk_bytes``), across
+    restarts (None: in memory only).
     """
 
     draft_max: Optional[int] = None
@@ -75,13 +84,16 @@ class ServeConfig:
     strict_model_names: bool = False
     lookup_memory_bytes: int = DEFAULT_LOOKUP_MEMORY_MB << 20
     reasoning_parser: str = "auto"
+    kv: Optional["KVSettings"] = None
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_bytes: int = int(DEFAULT_PROMPT_CACHE_DISK_GB * 2**30)
 
     def validate(self) -> None:
         for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes",
-                 "lookup_memory_bytes")  # fmt: skip
+                 "lookup_memory_bytes", "prompt_cache_disk_bytes")  # fmt: skip
         for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")

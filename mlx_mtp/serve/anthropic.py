@@ -371,13 +371,12 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         return error_response(APIError(answer.error, status=500))
     if answer.finish is None:
         return JSONResponse({}, status_code=499)  # the client went away
-    usage = {"input_tokens": len(tokens), "output_tokens": answer.output_tokens}
     return JSONResponse(
         {
             **message,
             "content": answer.blocks.whole(),
             **_stop(answer.finish, stops),
-            "usage": usage,
+            "usage": answer.usage(len(tokens)),
             "timings": answer.timings,
         }
     )
@@ -395,6 +394,17 @@ class _Answer:
         self.error: Optional[str] = None
         self.output_tokens = 0
         self.timings: Optional[dict] = None
+        self.cached = 0  # prompt tokens read from the prompt cache
+
+    def usage(self, prompt_tokens: int) -> dict:
+        """Anthropic's usage: the input tokens read, and apart those the
+        prompt cache held."""
+        return {
+            "input_tokens": prompt_tokens - self.cached,
+            "output_tokens": self.output_tokens,
+            "cache_read_input_tokens": self.cached,
+            "cache_creation_input_tokens": 0,
+        }
 
     async def events(self):
         """Stream events as the blocks grow; ``finish`` is set at the end
@@ -426,6 +436,9 @@ class _Answer:
             if finish is not None and event.usage is not None:
                 note_usage(self.http, event.usage)
                 self.timings = event.timings
+            if event.usage is not None:
+                details = event.usage.get("prompt_tokens_details") or {}
+                self.cached = details.get("cached_tokens", 0)
             parts, finish = split(self.splitter, text, finish)
             if thinking:
                 parts.insert(0, Part("thinking", thinking))
@@ -451,6 +464,8 @@ class _Answer:
                 yield _sse({"type": "error", "error": error})
             else:
                 usage = {"output_tokens": self.output_tokens}
+                if self.cached:
+                    usage["cache_read_input_tokens"] = self.cached
                 delta = _stop(self.finish, self.stops)
                 yield _sse({"type": "message_delta", "delta": delta, "usage": usage,
                             "timings": self.timings})  # fmt: skip

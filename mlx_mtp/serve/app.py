@@ -262,6 +262,8 @@ def _loopback(host: str) -> bool:
 
 def _started(app, name: str, host: str, port: int, say) -> None:
     """What is said once the port is open."""
+    for line in app.state.service.engine.notices():
+        say(line)
     say(f"serving {name} on http://{host}:{port}/v1")
     if not app.state.service.config.api_key and not _loopback(host):
         say(

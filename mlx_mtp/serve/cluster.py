@@ -252,6 +252,8 @@ class ClusterEngine(Engine):
     serves HTTP (``start``/``stop`` as ``Engine``); the others ``follow``."""
 
     def __init__(self, model, tokenizer, config, group, liveness: "Liveness"):
+        if config is not None and config.prompt_cache_dir is not None:
+            raise MTPError("a prompt cache on disk serves one process, not several")
         super().__init__(model, tokenizer, config)
         self.group, self.liveness = group, liveness
         self.leader = group.rank() == 0
@@ -377,12 +379,7 @@ class ClusterEngine(Engine):
         policy = self.decoder.policy
         if policy is None or policy.inner is None:
             return 0
-        streams = list(self.decoder.streams)
-        if self.reading:
-            jobs = [self.reading[id(s)] for s in self.reader.streams]
-            left = [len(j.request.prompt) - 1 - j.read for j in jobs]
-            takes = self.reader.chunks(left, self.config.prefill_step)
-            streams += [j.stream for j, m, n in zip(jobs, left, takes) if m == n]
+        streams = list(self.decoder.streams) + self.finishing()
         if not streams:
             return 0
         caps = [self.decoder.cap(s) for s in streams]

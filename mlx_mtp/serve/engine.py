@@ -21,6 +21,7 @@ Events reach the HTTP side through each request's ``emit`` callback, called
 on the engine thread.
 """
 
+import logging
 import queue
 import sys
 import threading
@@ -34,6 +35,7 @@ import mlx.core as mx
 from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
 from ..ngram import LookupMemory
+from ..disk_cache import DiskCache
 from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
@@ -41,6 +43,8 @@ from ..stats import MTPStats
 from ..stream import open_stream
 from . import ServeConfig
 from .metrics import Metrics, timings
+
+log = logging.getLogger("mlx_mtp.serve")
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
@@ -197,15 +201,18 @@ class Engine(Scheduler):
 
     def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
         self.config = config = config or ServeConfig()
+        if config.kv is not None:
+            config.kv.check_model(model)
         super().__init__(
             model,
             self._policy(),
             max_batch=config.max_batch,
             prefill_step=config.prefill_step,
+            kv=config.kv,
         )
         self.tokenizer = tokenizer
         self.prompt_cache = PromptCache(
-            config.prompt_cache_entries, config.prompt_cache_bytes
+            config.prompt_cache_entries, config.prompt_cache_bytes, self._disk()
         )
         self.memory = None  # recent prompts and answers, that drafts come from
         if config.lookup_memory_bytes > 0:
@@ -217,8 +224,38 @@ class Engine(Scheduler):
         self._deadline: Optional[float] = None  # streams still running then end
         self.totals = MTPStats()  # of every request finished (``/health``)
 
+    def _disk(self) -> Optional[DiskCache]:
+        """The prompt cache's entries on disk, where the config asks for them."""
+        c = self.config
+        if c.prompt_cache_dir is None:
+            return None
+        return DiskCache(
+            c.prompt_cache_dir, c.prompt_cache_disk_bytes, self.model, c.kv, log.warning
+        )
+
     def _policy(self) -> Optional[BatchDraftLength]:
         return BatchDraftLength() if self.config.adaptive_draft else None
+
+    def notices(self) -> List[str]:
+        """What the server says at start of how it holds caches."""
+        disk = self.prompt_cache.disk
+        out = disk.describe() if disk is not None else []
+        kv = self.config.kv
+        if kv is None or not kv.active:
+            return out
+        out.append(f"KV cache: {kv.describe()}")
+        if not self.batched:
+            out.append(
+                "notice: bounded caches (--max-kv-size) have no batch form: "
+                "requests are decoded one at a time"
+            )
+        elif kv.bits is not None and kv.quantized_start > 0:
+            out.append(
+                "notice: a batch holds its caches in one form: a stream's cache "
+                f"turns quantized at token {kv.quantized_start}, or once its "
+                "prompt is read if that is shorter"
+            )
+        return out
 
     # -- the HTTP side ---------------------------------------------------------
 
@@ -264,6 +301,7 @@ class Engine(Scheduler):
                 "max_entries": c.prompt_cache_entries,
                 "bytes": self.prompt_cache.nbytes,
                 "max_bytes": c.prompt_cache_bytes,
+                **self._disk_health(),
             },
             "lookup_memory": {
                 "sequences": len(self.memory) if self.memory else 0,
@@ -271,6 +309,22 @@ class Engine(Scheduler):
                 "bytes": self.memory.nbytes if self.memory else 0,
                 "max_bytes": c.lookup_memory_bytes,
             },
+        }
+
+    def _disk_health(self) -> Dict[str, object]:
+        disk = self.prompt_cache.disk
+        if disk is None:
+            return {}
+        return {
+            "disk": {
+                "folder": str(disk.folder),
+                "entries": len(disk.entries),
+                "bytes": disk.nbytes,
+                "max_bytes": disk.max_bytes,
+                "written": disk.written,
+                "failed": disk.failed,
+                "skipped": dict(disk.skipped),
+            }
         }
 
     def start(self) -> None:
@@ -297,6 +351,8 @@ class Engine(Scheduler):
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.prompt_cache.disk is not None:  # what is queued is written
+            self.prompt_cache.disk.close(timeout)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -369,6 +425,7 @@ class Engine(Scheduler):
             stop_tokens=self.text_eos(),
             batched=True,
             memory=self.memory,
+            kv=self.config.kv,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read
         self.metrics.lookup(job.reused)

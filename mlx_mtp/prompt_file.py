@@ -1,0 +1,490 @@
+"""Prompt caches on disk: an ``MTPCache`` and the tokens it has read, in
+mlx-lm's prompt-cache file format.
+
+The file is what mlx-lm's ``save_prompt_cache`` writes (one safetensors file:
+each cache's state under ``"i.j"``, then mlx-lm's metadata: the user's
+entries, each cache's class, its scalars), so ``mlx_lm.models.cache.
+load_prompt_cache`` reads it: its first entries are the trunk's caches in
+mlx-lm's classes (``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache``,
+``ArraysCache``, ``CacheList``); the rest are mlx-mtp's drafters: each
+drafter's caches, then an ``ArraysCache`` of the features it has not read
+yet. mlx-mtp's own entries (``mlx_mtp.*``) say which model wrote it, the
+tokens, the prompt text, the cache policy (``kv.KVSettings``) and the
+layout; a file for another model, another layout or a damaged one is a
+one-line ``MTPError`` before anything is read into a cache.
+
+Writes are atomic: a temporary file beside the target, flushed, then renamed
+over it; a failed write leaves the target as it was. A file that is not a
+prompt cache is never overwritten.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    save_prompt_cache,
+)
+
+from .cache import MTPCache, Pending
+from .chat import common_prefix, truncatable
+from .config import cached_identity
+from .defaults import DEFAULT_PREFILL_STEP
+from .errors import MTPError, first_line
+from .kv import KVSettings, QuantizingKVCache, RollingKVCache
+from .loader import check_safetensors
+from .prompts import encode, has_chat_template, user_prompt
+from .speculative import prefill
+
+FORMAT = "mlx-mtp prompt cache 1"
+_KEY = "mlx_mtp."
+
+
+@dataclass
+class PromptFile:
+    """What a prompt-cache file holds: the cache, the tokens its trunk has
+    read, and how they were made (``prompt``: the text, ``system``, whether
+    the chat template opened a user message with it, the cache policy)."""
+
+    cache: MTPCache
+    tokens: List[int]
+    prompt: str = ""
+    system: Optional[str] = None
+    chat_template: bool = False
+    kv: KVSettings = field(default_factory=KVSettings)
+
+
+SAMPLE = 1 << 16  # bytes read at each of three places of a weight file
+
+
+def _weights_sample(model) -> str:
+    """A digest of three slices of each weight file (start, middle, end):
+    models of one architecture differ there, and reading them is cheap."""
+    digest = hashlib.sha256()
+    for folder in sorted({model.path, model.head_dir or model.path} - {None}):
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                for at in (0, size // 2, max(size - SAMPLE, 0)):
+                    fh.seek(at)
+                    digest.update(fh.read(SAMPLE))
+    return digest.hexdigest()[:16]
+
+
+def identity(model) -> str:
+    """Which model a cache belongs to: its config and weight files (names,
+    sizes, a sample of their bytes), its hidden-state tap and its drafters;
+    computed once per loaded model."""
+    known = getattr(model, "_prompt_cache_identity", None)
+    if known is None:
+        known = json.dumps(
+            {
+                **cached_identity(model),
+                "sample": _weights_sample(model),
+                "hidden_tap": model.trunk.hidden_tap,
+                "drafters": [d.name for d in model.drafters],
+            },
+            sort_keys=True,
+        )
+        object.__setattr__(model, "_prompt_cache_identity", known)
+    return known
+
+
+# -- writing -----------------------------------------------------------------------
+
+
+def _as_mlx_lm(c: Any) -> Any:
+    """``c`` as the mlx-lm cache of the same content (what the file holds).
+    A cache that turns quantized at its next write is written quantized (the
+    same values that write would make)."""
+    if isinstance(c, QuantizingKVCache) and not c.quantized and c.room() is None:
+        c = c.copy()
+        c.quantize()
+    if isinstance(c, QuantizingKVCache) and c.quantized:
+        out = QuantizedKVCache(c.group_size, c.kv_bits)
+        if c.keys is not None:
+            out.keys, out.values = c.keys_and_values()
+        out.offset = c.offset
+        return out
+    if isinstance(c, RollingKVCache):
+        out = RotatingKVCache(c.max_size, c.keep)
+        if c.keys is not None:
+            out.keys, out.values = c.keys_and_values()
+        out.offset, out._idx = c.offset, c.offset - c.dropped
+        return out
+    if isinstance(c, KVCache):
+        out = KVCache()
+        if c.keys is not None:
+            out.keys, out.values = c.keys_and_values()
+        out.offset = c.offset
+        return out
+    if isinstance(c, ArraysCache):
+        out = ArraysCache(len(c.cache))
+        out.cache = list(c.cache)
+        return out
+    if hasattr(c, "caches"):  # a CacheList
+        return CacheList(*(_as_mlx_lm(x) for x in c.caches))
+    if hasattr(c, "link"):  # a cache that reads the target's (its count alone)
+        return ArraysCache(0)
+    raise MTPError(f"cannot save a cache of kind {type(c).__name__}")
+
+
+def _entries(model, cache: MTPCache) -> Tuple[List[Any], Dict[str, Any]]:
+    """The file's caches (mlx-lm's classes) and the layout that reads them back."""
+    entries = [_as_mlx_lm(c) for c in cache.trunk]
+    drafters = []
+    for d in model.drafters:
+        state = cache.drafts[d.name]
+        entries += [_as_mlx_lm(c) for c in state.caches]
+        pending = ArraysCache(len(state.pending))
+        pending.cache = [q.hidden for q in state.pending]
+        entries.append(pending)
+        drafters.append(
+            {
+                "name": d.name,
+                "caches": len(state.caches),
+                "start": list(state.start),
+                "tokens": [list(q.tokens) for q in state.pending],
+                "offsets": [getattr(c, "offset", 0) for c in state.caches],
+            }
+        )
+    return entries, {"trunk": len(cache.trunk), "drafters": drafters}
+
+
+def _is_prompt_cache(path: Path) -> bool:
+    """Whether ``path`` holds a prompt cache (mlx-mtp's or mlx-lm's)."""
+    try:
+        _, meta = _header(path)
+    except MTPError:
+        return False
+    return any(k.startswith("1.") for k in meta)  # mlx-lm's cache classes
+
+
+def prepare(
+    model,
+    cache: MTPCache,
+    tokens: List[int],
+    *,
+    prompt: str = "",
+    system: Optional[str] = None,
+    chat_template: bool = False,
+    kv: Optional[KVSettings] = None,
+) -> Tuple[List[Any], Dict[str, str]]:
+    """What ``save`` writes of ``cache`` (which has read ``tokens``): the
+    file's caches, their arrays evaluated (another thread may write them:
+    ``write``), and its metadata."""
+    entries, layout = _entries(model, cache)
+    mx.eval([c.state for c in entries])
+    metadata = {
+        # mlx-lm's own entries (its generate reads them with such a file)
+        "model": str(model.path or ""),
+        "tokenizer_config": "{}",
+        _KEY + "format": FORMAT,
+        _KEY + "model": identity(model),
+        _KEY + "tokens": json.dumps(list(tokens)),
+        _KEY + "prompt": prompt,
+        _KEY + "system": json.dumps(system),
+        _KEY + "chat_template": json.dumps(chat_template),
+        _KEY + "kv": json.dumps((kv or KVSettings()).metadata()),
+        _KEY + "layout": json.dumps(layout),
+    }
+    return entries, metadata
+
+
+def write(path: Union[str, Path], entries: List[Any], metadata: Dict[str, str]):
+    """Write ``prepare``'s caches and metadata to ``path``, atomically. A file
+    there that is not a prompt cache is an error (it is not replaced)."""
+    path = Path(path)
+    if path.exists() and (not path.is_file() or not _is_prompt_cache(path)):
+        raise MTPError(f"{path} exists and is not a prompt cache: not overwritten")
+    write_atomic(path, lambda tmp: save_prompt_cache(tmp, entries, metadata))
+
+
+def save(path: Union[str, Path], model, cache: MTPCache, tokens: List[int], **info):
+    """Write ``cache`` (which has read ``tokens``) to ``path``, atomically;
+    ``info``: ``prepare``'s ``prompt``, ``system``, ``chat_template``, ``kv``."""
+    write(path, *prepare(model, cache, tokens, **info))
+
+
+def write_atomic(path: Path, write) -> None:
+    """``write(temporary file name)``, then the file renamed to ``path``: a
+    reader sees the old file or the whole new one, never a part. The
+    temporary file is removed if the write fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent
+    )
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise MTPError(f"cannot write {path}: {first_line(e)}") from None
+        raise
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def _header(path: Path) -> Tuple[int, Dict[str, str]]:
+    """The header's size and the metadata of the safetensors file ``path``,
+    read without its arrays; a damaged file is one line."""
+    check_safetensors(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise MTPError(f"{path}: not a prompt cache (no metadata)")
+    return n, meta
+
+
+def check(path: Union[str, Path]) -> Dict[str, str]:
+    """The metadata of the prompt cache at ``path``, checked as far as it can
+    be without the model: a missing, damaged or foreign file is one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise MTPError(f"{path}: no such prompt cache file")
+    _, meta = _header(path)
+    mine = {k[len("0.") :]: v for k, v in meta.items() if k.startswith("0.")}
+    if mine.get(_KEY + "format") != FORMAT:
+        if any(k.startswith("1.") for k in meta):
+            raise MTPError(
+                f"{path}: a prompt cache mlx-lm wrote (it holds no tokens or "
+                "drafters): write it with mlx-mtp cache-prompt"
+            )
+        raise MTPError(f"{path}: not a prompt cache")
+    for key in ("tokens", "layout", "kv", "model"):
+        try:
+            json.loads(mine[_KEY + key])
+        except (KeyError, ValueError):
+            raise MTPError(f"{path}: damaged prompt cache (its {key})") from None
+    return mine
+
+
+@dataclass
+class Header:
+    """What a prompt-cache file says of itself, read without its arrays."""
+
+    model: Dict[str, Any]  # ``identity``'s fields
+    kv: Dict[str, str]  # ``KVSettings.metadata``
+    tokens: List[int]
+
+
+def peek(path: Union[str, Path]) -> Header:
+    """The header of the prompt cache at ``path`` (``check``'s errors)."""
+    meta = check(path)
+    return Header(
+        json.loads(meta[_KEY + "model"]),
+        json.loads(meta[_KEY + "kv"]),
+        json.loads(meta[_KEY + "tokens"]),
+    )
+
+
+def _read(path: Path) -> List[Any]:
+    """Each cache's state, as mlx-lm's ``load_prompt_cache`` rebuilds them."""
+    try:
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    except Exception as e:  # mx.load raises bare RuntimeError/ValueError
+        raise MTPError(f"{path}: cannot read it ({first_line(e)})") from None
+    _, classes, scalars = tree_unflatten(list(meta.items()))
+    for pos, kind in scalars[1:]:
+        a = arrays[pos]
+        if kind == "scalar":
+            arrays[pos] = a.item()
+        elif kind == "string":
+            arrays[pos] = "".join(chr(i) for i in a.tolist())
+        else:
+            arrays[pos] = None
+    states = tree_unflatten(list(arrays.items())) if arrays else []
+    states = [s if s != {} else [] for s in states]  # (a cache with no arrays)
+    states += [[]] * (len(classes) - len(states))
+    return list(zip(classes, states))
+
+
+def _arrays(state: Any) -> List[Any]:
+    """An ``ArraysCache``'s arrays from its state (``cache, left_padding,
+    lengths``)."""
+    return list(state[0]) if state else []
+
+
+def _put(c: Any, kind: str, state: Any, where: str) -> None:
+    """Read one file entry into the fresh cache ``c`` (its kind must fit)."""
+    if isinstance(c, KVCache):
+        fits = {
+            QuantizingKVCache: ("KVCache", "QuantizedKVCache"),
+            RollingKVCache: ("KVCache", "RotatingKVCache"),
+        }.get(type(c), ("KVCache",))
+        if kind not in fits:
+            raise MTPError(f"{where}: holds a {kind} where this model has another")
+        keys, values, offset = state[0], state[1], state[2]
+        if kind == "QuantizedKVCache":
+            keys, values = tuple(keys), tuple(values)
+            c.bits = c.kv_bits
+        c.keys, c.values, c.offset = keys, values, int(offset)
+        if kind == "RotatingKVCache":
+            c.dropped = int(offset) - int(state[5])
+        return
+    if isinstance(c, ArraysCache):
+        state = _arrays(state)
+        if kind != "ArraysCache" or len(state) != len(c.cache):
+            raise MTPError(f"{where}: holds a {kind} where this model has another")
+        c.cache = list(state)
+        return
+    if hasattr(c, "caches"):
+        if kind != "CacheList":
+            raise MTPError(f"{where}: holds a {kind} where this model has another")
+        for sub, s in zip(c.caches, state):
+            _put(sub, type(_as_mlx_lm(sub)).__name__, s, where)
+        return
+    if hasattr(c, "link"):
+        return  # its count comes from the layout
+    raise MTPError(f"{where}: cannot read into a cache of kind {type(c).__name__}")
+
+
+def load(path: Union[str, Path], model) -> PromptFile:
+    """The prompt cache at ``path`` for ``model``; one line where it is for
+    another model, has another layout or is damaged."""
+    path = Path(path)
+    meta = check(path)
+    if json.loads(meta[_KEY + "model"]) != json.loads(identity(model)):
+        raise MTPError(
+            f"{path}: a prompt cache of another model (or of other weights, "
+            "drafters or hidden tap)"
+        )
+    kv_meta = json.loads(meta[_KEY + "kv"])
+    kv = KVSettings(
+        int(kv_meta["kv_bits"]) or None,
+        int(kv_meta["kv_group_size"]),
+        int(kv_meta["quantized_kv_start"]),
+        int(kv_meta["max_kv_size"]) or None,
+    )
+    layout = json.loads(meta[_KEY + "layout"])
+    cache = model.make_cache()
+    kv.apply(cache)
+    names = [d["name"] for d in layout["drafters"]]
+    if layout["trunk"] != len(cache.trunk) or names != [d.name for d in model.drafters]:
+        raise MTPError(f"{path}: its layout is not this model's")
+    entries = _read(path)
+    expected = len(cache.trunk) + sum(d["caches"] + 1 for d in layout["drafters"])
+    if len(entries) != expected:
+        raise MTPError(f"{path}: damaged prompt cache ({len(entries)} entries, "
+                       f"its layout says {expected})")  # fmt: skip
+    where = str(path)
+    for c, (kind, state) in zip(cache.trunk, entries):
+        _put(c, kind, state, where)
+    at = len(cache.trunk)
+    for d in layout["drafters"]:
+        state = cache.drafts[d["name"]]
+        if d["caches"] != len(state.caches):
+            raise MTPError(f"{path}: its layout is not this model's")
+        for c, (kind, s), offset in zip(state.caches, entries[at:], d["offsets"]):
+            _put(c, kind, s, where)
+            if hasattr(c, "link"):
+                c.offset = offset
+        at += d["caches"]
+        hidden = _arrays(entries[at][1])
+        state.pending = [
+            Pending(h, list(t)) if h is not None else Pending()
+            for h, t in zip(hidden, d["tokens"])
+        ]
+        state.start = list(d["start"])
+        at += 1
+    cache.link()
+    return PromptFile(
+        cache=cache,
+        tokens=json.loads(meta[_KEY + "tokens"]),
+        prompt=meta.get(_KEY + "prompt", ""),
+        system=json.loads(meta.get(_KEY + "system", "null")),
+        chat_template=json.loads(meta.get(_KEY + "chat_template", "false")),
+        kv=kv,
+    )
+
+
+# -- a prompt read once, continued later ---------------------------------------------
+
+
+def prompt_text(tokenizer, prompt: str, system: Optional[str], template: bool) -> str:
+    """The text a cached prompt stands for: with the chat template, a user
+    message (after ``system``) left open, so that a later message that
+    starts with ``prompt`` starts with these tokens (as mlx-lm's
+    ``cache_prompt``)."""
+    if not template:
+        return prompt
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+
+
+def cache_prompt(
+    model,
+    tokenizer,
+    prompt: str,
+    path: Union[str, Path],
+    *,
+    system: Optional[str] = None,
+    chat_template: bool = True,
+    kv: Optional[KVSettings] = None,
+    step: int = DEFAULT_PREFILL_STEP,
+    progress=None,
+) -> int:
+    """Read ``prompt`` (trunk, head and drafters) and write its cache to
+    ``path``; returns how many tokens it holds. ``progress(done, total)``
+    hears the reading."""
+    template = chat_template and has_chat_template(tokenizer)
+    tokens = encode(tokenizer, prompt_text(tokenizer, prompt, system, template))
+    kv = kv or KVSettings()
+    kv.validate()
+    kv.check_model(model)
+    cache = model.make_cache()
+    kv.apply(cache)
+    # the trunk reads every token (the placeholder after them is where a
+    # continuation starts: ``prefill`` leaves a prompt's last token unread)
+    prefill(model, cache, tokens + [0], step, progress=progress)
+    save(path, model, cache, tokens, prompt=prompt, system=system,
+         chat_template=template, kv=kv)  # fmt: skip
+    return len(tokens)
+
+
+def continue_from(
+    cached: PromptFile, model, tokenizer, text: str, system: Optional[str] = None
+) -> Tuple[List[int], List[int], MTPCache]:
+    """The prompt of ``cached.prompt`` followed by ``text`` (one user message
+    through the chat template when the file was made with it), as
+    ``(tokens still to read, tokens the cache holds, the cache)``: the cache
+    is cut back to what the prompt shares with it, so the output is that of
+    reading the whole prompt."""
+    whole = cached.prompt + text
+    if cached.chat_template:
+        full = user_prompt(tokenizer, whole, system if system else cached.system)
+    else:
+        full = whole
+    tokens = encode(tokenizer, full)
+    keep = min(common_prefix(cached.tokens, tokens), len(tokens) - 1)
+    cache = cached.cache
+    if keep < len(cached.tokens):
+        if truncatable(cache):
+            keep = cache.truncate(keep, model.drafters)
+        else:
+            cache, keep = model.make_cache(), 0
+            cached.kv.apply(cache)
+    return tokens[keep:], tokens[:keep], cache
