@@ -228,13 +228,14 @@ class RollingKVCache(KVCache):
         if end <= self.max_size and window_size is None:
             return create_causal_mask(N, self.offset) if N > 1 else None
         dropped = self.dropped + self._drop()
-        kept = min(self.offset, self.keep)
+        kept = min(end, self.keep)
         pos = mx.concatenate([mx.arange(kept), mx.arange(kept + dropped, end)])
         queries = mx.arange(self.offset, end)[:, None]
         window = min(self.window, window_size or self.window)
-        seen = (pos <= queries) & (pos > queries - window)
+        causal = pos <= queries
+        seen = causal & (pos > queries - window)
         if window_size is None:
-            seen = seen | (pos < kept)
+            seen = seen | (causal & (pos < kept))
         return seen
 
     @property
@@ -301,7 +302,9 @@ class KVSettings:
         """A one-line ``MTPError`` where ``model``'s heads do not take the
         quantization groups, or where it cannot bound its caches; before any
         work."""
-        if self.bits is not None:
+        # (a model split over processes is not probed: its forward is a
+        # collective; a group that does not fit is found at the first write)
+        if self.bits is not None and getattr(model, "sharding", None) is None:
             for width in head_widths(model):
                 if width % self.group_size:
                     raise MTPError(

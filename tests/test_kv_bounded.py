@@ -98,3 +98,21 @@ def test_a_bound_too_small_is_one_line(pair):
     model, tokenizer, _ = pair
     with pytest.raises(MTPError, match="max_kv_size must be more than 4"):
         mlx_mtp.generate(model, tokenizer, "hi", max_tokens=4, max_kv_size=3)
+
+
+def test_a_prompt_longer_than_the_bound(pair, small_steps):
+    """Read in one chunk, each prompt token sees the first 4 and the latest
+    (its mask is causal); drafts change nothing."""
+    import numpy as np
+
+    mask = np.array(RollingKVCache(8, keep=2, slack=2).make_mask(12))
+    assert mask[11].tolist() == [1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert mask[1].tolist() == [1, 1] + [0] * 10
+    model, tokenizer, _ = pair
+    prompt = tiny.random_prompt(100, 2)
+    plain = mlx_mtp.generate(model, tokenizer, prompt, max_tokens=60, mtp=False,
+                             max_kv_size=BOUND)  # fmt: skip
+    for k in (1, 3):
+        got = mlx_mtp.generate(model, tokenizer, prompt, max_tokens=60, draft_max=k,
+                               adaptive_draft=False, max_kv_size=BOUND)  # fmt: skip
+        assert got == plain
