@@ -91,9 +91,19 @@ class RaggedKVCache:
     def keys(self):
         return None if self._k is None else self._form(self._k)
 
+    @keys.setter
+    def keys(self, x) -> None:
+        # (mlx-lm's pipeline sharding ties the last layer's keys to the
+        # output: ``cache[-1].keys = mx.depends(cache[-1].keys, h)``)
+        self._k = None if x is None else _parts(x)
+
     @property
     def values(self):
         return None if self._v is None else self._form(self._v)
+
+    @values.setter
+    def values(self, x) -> None:
+        self._v = None if x is None else _parts(x)
 
     @property
     def offset(self) -> Union[int, mx.array]:

@@ -360,3 +360,34 @@ def test_a_rank_with_other_settings_is_refused_in_one_line(tiny_folders):
     assert err1 == ""  # the other ranks are quiet
     with pytest.raises(OSError):  # it never listened
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_quantized_caches_over_two_processes_answer_as_one(tmp_path):
+    """--kv-bits over mlx.launch: every rank's caches quantized, the answers
+    (four streams at once, with drafts) those of one process."""
+    full, _ = tiny.build_folder(
+        tmp_path / "q", "glm4_moe", num_attention_heads=2, head_dim=32
+    )
+    kv = ["--kv-bits", 8, "--kv-group-size", 32, "--quantized-kv-start", 0]
+    port = _free_port()
+    proc = launch(
+        2, serve_cmd(full, port, "--sharding", "pipeline", "--draft-max", 2, *kv)
+    )
+    wait_up(port, [proc])
+    try:
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        spread = together(oa, {})
+    finally:
+        os.killpg(proc.proc.pid, signal.SIGINT)
+    code, _, err = proc.finish(time.monotonic() + 60)
+    assert code in (0, -signal.SIGINT) and not launcher_problems(err), err
+    assert "KV cache: 8-bit keys and values" in err
+    from mlx_mtp.kv import KVSettings
+
+    model, tokenizer = mlx_mtp.load(full)
+    config = ServeConfig(max_tokens=MAX_TOKENS, kv=KVSettings(8, 32, 0))
+    server = LiveServer(model, tokenizer, "q", config)
+    try:
+        assert spread == together(server.client(), {})
+    finally:
+        server.close()
