@@ -109,6 +109,12 @@ class Drafter:
     # how the cost of ``k`` drafts grows, before ``tune`` measures it: a
     # chain pays per draft, a block drafter once per block (see ``prior_cost``)
     flat_cost = False
+    # the widths of the keys and values its own attention caches hold (empty:
+    # those of the target's layers), which a quantized cache's groups must fit
+    kv_widths: Tuple[int, ...] = ()
+    # whether its own caches may be bounded (``max_kv_size``): a drafter whose
+    # masks place every context position in its cache cannot
+    boundable = True
 
     @property
     def num_layers(self) -> int:

@@ -304,8 +304,11 @@ class KVSettings:
         work."""
         # (a model split over processes is not probed: its forward is a
         # collective; a group that does not fit is found at the first write)
-        if self.bits is not None and getattr(model, "sharding", None) is None:
-            for width in head_widths(model):
+        if self.bits is not None:
+            widths = [w for d in model.drafters for w in d.kv_widths]
+            if getattr(model, "sharding", None) is None:
+                widths += head_widths(model)
+            for width in sorted(set(widths)):
                 if width % self.group_size:
                     raise MTPError(
                         f"cannot quantize this model's keys and values: its heads "
@@ -319,6 +322,13 @@ class KVSettings:
                 "max_kv_size: this model's drafter reads the target's whole cache "
                 "(a Gemma 4 assistant); it cannot be bounded"
             )
+        for d in model.drafters:
+            if not d.boundable:
+                raise MTPError(
+                    f"max_kv_size: the {d.name} drafter keeps the whole context in "
+                    "its own caches; it cannot be bounded (draft with the MTP head "
+                    "or prompt lookup, or leave out max_kv_size)"
+                )
         if not any(isinstance(c, RollingKVCache) for c in self._trunk(model)):
             raise MTPError(
                 f"max_kv_size: {model.model_type} has no plain attention cache to bound"

@@ -33,12 +33,15 @@ DFLASH2 = dict(
 )
 
 
-def build_target(path: Path, family: str = "qwen3", layers: int = 6, seed: int = 0):
-    """A near-bigram target (block outputs shrunk) whose MASK embeds to 0."""
+def build_target(
+    path: Path, family: str = "qwen3", layers: int = 6, seed: int = 0, **overrides
+):
+    """A near-bigram target (block outputs shrunk) whose MASK embeds to 0
+    (``overrides``: of a qwen3 target's config)."""
     path = Path(path)
     if family == "qwen3":
         config, weights = tiny_plain.plain_weights(
-            "qwen3", seed, num_hidden_layers=layers
+            "qwen3", seed, num_hidden_layers=layers, **overrides
         )
         tiny._shrink_outputs(weights, 0.1)
         key = "model.embed_tokens.weight"

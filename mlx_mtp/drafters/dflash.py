@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
@@ -173,8 +174,9 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=offset)
         keys, values = cache.update_and_fetch(*self._kv(x, rope, offset))
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=self.scale, mask=mask
+        # (mlx-lm's: the quantized path where the cache is quantized, --kv-bits)
+        out = scaled_dot_product_attention(
+            q, keys, values, cache=cache, scale=self.scale, mask=mask
         )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -276,12 +278,14 @@ class DFlashDrafter(Drafter):
 
     name = "dflash"
     flat_cost = True
+    boundable = False  # its masks place the whole context (``_masks``)
 
     def __init__(self, model: DFlashModel, embed, lm_head, cost: float = 0.08):
         self.model = model
         args = model.args
         self.reads = Reads(hidden=False, layers=args.target_layer_ids)
         self.block_size = args.block_size
+        self.kv_widths = (args.head_dim,)
         self.max_drafts = args.block_size - 1
         self.embed, self.lm_head = embed, lm_head
         self.cost = cost  # a block's cost in plain steps, before ``tune`` measures it

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # SwiGLU without biases, as llama's
 from mlx_lm.models.rope_utils import initialize_rope
@@ -82,7 +82,8 @@ class Attention(nn.Module):
         q = rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
         k = rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        # (mlx-lm's: the quantized path where the cache is quantized, --kv-bits)
+        out = scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -129,7 +130,7 @@ class Eagle3Model(nn.Module):
         self.lm_head = nn.Linear(dim, draft_vocab, bias=False)
         self.d2t = mx.zeros((draft_vocab,), dtype=mx.int32)
         self.logit_scale = float(c.get("logit_scale", 1.0))
-        hd = c.get("head_dim") or dim // c["num_attention_heads"]
+        hd = self.head_dim = c.get("head_dim") or dim // c["num_attention_heads"]
         theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0
         )
@@ -188,6 +189,7 @@ class Eagle3Drafter(HeadDrafter):
     def __init__(self, model: Eagle3Model, taps: Tuple[int, ...]):
         super().__init__(Eagle3Head(model))
         self.reads = Reads(hidden=False, layers=taps)
+        self.kv_widths = (model.head_dim,)
         self.fc = model.fc
 
     def features(self, taps) -> mx.array:
