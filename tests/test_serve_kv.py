@@ -162,3 +162,30 @@ def test_the_prompt_cache_keeps_quantized_entries(models):
         assert r2.choices[0].text == want
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_ragged_caches_keys_can_be_tied_as_pipeline_sharding_ties_them(bits):
+    """mlx-lm's pipelined models write ``cache[-1].keys = mx.depends(...)``;
+    a read-only ``keys`` hung a pipelined server's first prompt."""
+    from mlx_mtp.batch_cache import merge
+
+    singles = []
+    for n in (3, 7):
+        c = mlx_lm.models.cache.KVCache()
+        if bits:
+            c = KVSettings(bits, GROUP, 0).layer(c)
+        c.update_and_fetch(*(mx.random.normal((1, 2, n, 32)),) * 2)
+        c.update_and_fetch(*(mx.random.normal((1, 2, 1, 32)),) * 2)  # turned
+        singles.append(c)
+    batch = merge(singles)
+    h = mx.ones((2, 1, 8))
+    before = batch.keys
+    batch.keys = mx.depends(batch.keys, h)
+    batch.values = mx.depends(batch.values, h)
+    after = batch.keys
+    if bits:
+        assert isinstance(after, tuple) and len(after) == len(before)
+        assert all(mx.array_equal(a, b) for a, b in zip(after, before))
+    else:
+        assert mx.array_equal(after, before)
