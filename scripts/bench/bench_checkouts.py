@@ -41,7 +41,14 @@ from mlx_mtp.speculative import speculative_generate_step
 
 model, tokenizer = mlx_mtp.load(sys.argv[1] or None)
 prompts = json.loads(sys.argv[2])
-encoded = [tokenizer.encode(p) for p in prompts]
+# as a user's chat turn (raw text makes the model end at once: ``auto`` and
+# ``batch`` stop at the end-of-sequence token, ``one`` runs on regardless)
+encoded = [
+    tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True
+    )
+    for p in prompts
+]
 
 def run(work, n):
     kind, _, arg = work.partition(":")
