@@ -51,6 +51,13 @@ from .probe import machine_costs
 # A drafter takes part only where, at an optimistic acceptance, some draft
 # count is expected to beat plain steps by this much (``can_pay``).
 PAY_MARGIN = 1.05
+# a cost-aware source gives a drafter up for the rest of the generation once
+# it has proposed ``RETIRE_AFTER`` drafts and kept under ``RETIRE_RATE`` of
+# them (no drafter pays there: the MTP head needs about 0.25 here); given up,
+# it costs nothing, as it no longer reads the trunk's features as they come
+# (a cost the rounds' costs leave out)
+RETIRE_AFTER = 12
+RETIRE_RATE = 0.05
 
 
 @dataclass
@@ -130,17 +137,19 @@ class ModelDrafts(NoDrafts):
 
     def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
         self.policy, self.drafter, self.costs = policy, drafter, costs
+        self.proposed = self.kept = 0
+        self.retired = False  # see ``RETIRE_AFTER``
 
     @property
     def draft_max(self) -> int:
-        return self.policy.draft_max
+        return 0 if self.retired else self.policy.draft_max
 
     @property
     def drafters(self) -> FrozenSet[str]:
         return frozenset([self.drafter]) if self.draft_max > 0 else frozenset()
 
     def count(self) -> int:
-        return self.policy()
+        return 0 if self.retired else self.policy()
 
     def rates(self) -> Sequence[float]:
         return self.policy.acceptance
@@ -155,6 +164,13 @@ class ModelDrafts(NoDrafts):
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
+        self.proposed += drafted
+        self.kept += accepted
+        # a cost-aware count (not a count the user fixed) gives up a drafter
+        # that almost never agrees: it stops drafting and reading along
+        adaptive = isinstance(self.policy, CostAwareDraft)
+        if adaptive and self.proposed >= RETIRE_AFTER:
+            self.retired = self.kept < RETIRE_RATE * self.proposed
 
 
 class LookupDrafts(NoDrafts):

@@ -85,4 +85,33 @@ def test_a_drafter_that_never_agrees_costs_at_most_three_percent(target):
     spent = sum(costs.round(len(r.drafted)) for r in stats.trace)
     assert len(got) / spent >= 0.97
     probes = [r for r in stats.trace if r.drafted]
-    assert 0 < len(probes) <= 12  # it keeps looking, now and then
+    assert 0 < len(probes) <= 12  # it looks a few times
+    # then gives the drafter up: no drafts, no reading along, plain output
+    assert source.retired
+    last = stats.trace.index(probes[-1])
+    assert all(not r.drafted for r in stats.trace[last + 1 :])
+    from mlx_mtp.drafts import NoDrafts
+
+    assert got == run(model, prompt, 300, NoDrafts())[0]
+
+
+def test_a_given_up_drafter_stops_reading_along(target):
+    """Given up, the drafter's caches stop where they stood, one stream and
+    a batch alike; a count the user fixed never gives up."""
+    from mlx_mtp.adaptive import FixedDraft
+    from mlx_mtp.drafts import RETIRE_AFTER
+
+    model = attach(*target, agreeable=False)
+    prompt = tiny.random_prompt(30, seed=11)
+    cache = model.make_cache()
+    source = make_source(model, "dflash", None)
+    steps = speculative_generate_step(
+        prompt, model, max_tokens=200, drafts=source, prompt_cache=cache
+    )
+    list(steps)
+    assert source.retired
+    held = cache.drafts["dflash"].caches[0].offset
+    assert held < cache.trunk[0].offset - 100  # it stopped reading long ago
+    fixed = ModelDrafts(FixedDraft(2), "dflash")
+    list(speculative_generate_step(prompt, model, max_tokens=RETIRE_AFTER * 2, drafts=fixed))
+    assert not fixed.retired
