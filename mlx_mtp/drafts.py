@@ -52,10 +52,13 @@ from .probe import machine_costs
 # count is expected to beat plain steps by this much (``can_pay``).
 PAY_MARGIN = 1.05
 # a cost-aware source gives a drafter up for the rest of the generation once
-# it has proposed ``RETIRE_AFTER`` drafts and kept under ``RETIRE_RATE`` of
-# them (no drafter pays there: the MTP head needs about 0.25 here); given up,
-# it costs nothing, as it no longer reads the trunk's features as they come
-# (a cost the rounds' costs leave out)
+# ``RETIRE_ROUNDS`` rounds drafted with it (``RETIRE_AFTER`` drafts at least)
+# kept under ``RETIRE_RATE`` of its drafts: no drafter pays there (the MTP
+# head needs about 0.25 here), and one whose first draft is kept 70% of the
+# time misses 6 rounds running 0.07% of the time. Given up, it costs
+# nothing: it no longer reads the trunk's features as they come (a cost the
+# rounds' costs leave out)
+RETIRE_ROUNDS = 6
 RETIRE_AFTER = 12
 RETIRE_RATE = 0.05
 
@@ -137,7 +140,7 @@ class ModelDrafts(NoDrafts):
 
     def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
         self.policy, self.drafter, self.costs = policy, drafter, costs
-        self.proposed = self.kept = 0
+        self.proposed = self.kept = self.rounds = 0
         self.retired = False  # see ``RETIRE_AFTER``
 
     @property
@@ -166,10 +169,11 @@ class ModelDrafts(NoDrafts):
         self.policy.update(drafted, accepted)
         self.proposed += drafted
         self.kept += accepted
+        self.rounds += drafted > 0
         # a cost-aware count (not a count the user fixed) gives up a drafter
         # that almost never agrees: it stops drafting and reading along
         adaptive = isinstance(self.policy, CostAwareDraft)
-        if adaptive and self.proposed >= RETIRE_AFTER:
+        if adaptive and self.rounds >= RETIRE_ROUNDS and self.proposed >= RETIRE_AFTER:
             self.retired = self.kept < RETIRE_RATE * self.proposed
 
 

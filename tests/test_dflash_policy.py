@@ -99,19 +99,18 @@ def test_a_given_up_drafter_stops_reading_along(target):
     """Given up, the drafter's caches stop where they stood, one stream and
     a batch alike; a count the user fixed never gives up."""
     from mlx_mtp.adaptive import FixedDraft
-    from mlx_mtp.drafts import RETIRE_AFTER
-
     model = attach(*target, agreeable=False)
     prompt = tiny.random_prompt(30, seed=11)
     cache = model.make_cache()
     source = make_source(model, "dflash", None)
     steps = speculative_generate_step(
-        prompt, model, max_tokens=200, drafts=source, prompt_cache=cache
+        prompt, model, max_tokens=400, drafts=source, prompt_cache=cache
     )
     list(steps)
     assert source.retired
     held = cache.drafts["dflash"].caches[0].offset
     assert held < cache.trunk[0].offset - 100  # it stopped reading long ago
     fixed = ModelDrafts(FixedDraft(2), "dflash")
-    list(speculative_generate_step(prompt, model, max_tokens=RETIRE_AFTER * 2, drafts=fixed))
+    steps = speculative_generate_step(prompt, model, max_tokens=60, drafts=fixed)
+    list(steps)
     assert not fixed.retired
