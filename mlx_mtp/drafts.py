@@ -451,7 +451,9 @@ def make_source(
     if models and (lookup is not None or len(models) > 1):
         return AutoDrafts(models, lookup, others)
     if lookup is not None:
-        return LookupDrafts(lookup, others)
+        lookups = LookupDrafts(lookup, others)
+        lookups.asked = asked  # the stats say why the drafters drafted nothing
+        return lookups
     if models:
         return models[0]
     none = NoDrafts()

@@ -10,7 +10,7 @@ import tiny
 import mlx_mtp
 from mlx_mtp import drafts, probe
 from mlx_mtp.adaptive import Costs, prior_costs
-from mlx_mtp.drafts import ModelDrafts, NoDrafts, make_source
+from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.speculative import speculative_generate_step
 
 
@@ -77,6 +77,13 @@ def test_a_head_that_cannot_pay_is_left_out(folder, monkeypatch):
     list(speculative_generate_step(prompt, model, max_tokens=40, drafts=source,
                                    prompt_cache=cache, stats=stats))  # fmt: skip
     assert stats.drafted == 0 and cache.head_offset == 0 and cache.pending_hidden is None
+    # "auto" keeps prompt lookup alone, and the stats still say no drafts were
+    # made and why (the README's main command on Linux)
+    lookups = make_source(model, "auto", 3)
+    assert type(lookups) is LookupDrafts and lookups.asked == 3
+    tokenizer = mlx_mtp.load(folder)[1]
+    last = list(mlx_mtp.stream_generate(model, tokenizer, prompt, 8))[-1]
+    assert last.stats.summary("why").startswith("no drafts this run (why)")
     # where a verify is nearly free, the same head pays
     cheap = Costs([1.0, 1.1, 1.2], [0.08, 0.16])
     monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
