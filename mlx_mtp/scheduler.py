@@ -59,16 +59,10 @@ class Scheduler:
         self.model = model
         self.draft_p_min, self.prefill_step = draft_p_min, prefill_step
         self.kv = kv
-        self.decoder = Decoder(model, draft_p_min, policy, kv=kv)
-        self.reader = Decoder(model, kv=kv)  # streams whose prompts are being read
-        # of those, the ones whose caches turn quantized later (``kv``)
-        self.fresh = Decoder(model, convert=False, kv=kv)
+        self.reset(policy)
         self.batched = self.decoder.batched
         self.max_batch = max_batch if self.batched else 1
         self.max_reading = min(max_reading or self.max_batch, self.max_batch)
-        self.waiting: Deque[Job] = deque()
-        self.reading: Dict[int, Job] = {}  # by id of their stream
-        self.jobs: Dict[int, Job] = {}  # decoding, by id of their stream
 
     def busy(self) -> bool:
         return bool(self.waiting or self.reading or self.jobs)
@@ -77,9 +71,14 @@ class Scheduler:
         return self.max_batch - len(self.reading) - len(self.jobs)
 
     def reset(self, policy: Optional[BatchDraftLength] = None) -> None:
-        """Forget every job: the batch starts afresh (after an internal error)."""
-        self.waiting, self.reading, self.jobs = deque(), {}, {}
+        """Forget every job: the batch starts afresh (at the start, and after
+        an internal error)."""
+        self.waiting: Deque[Job] = deque()
+        self.reading: Dict[int, Job] = {}  # by id of their stream
+        self.jobs: Dict[int, Job] = {}  # decoding, by id of their stream
         self.decoder = Decoder(self.model, self.draft_p_min, policy, kv=self.kv)
+        # streams whose prompts are being read; of those, the ones whose
+        # caches turn quantized later (``kv``)
         self.reader = Decoder(self.model, kv=self.kv)
         self.fresh = Decoder(self.model, convert=False, kv=self.kv)
 
