@@ -72,12 +72,7 @@ class QuantizingKVCache(KVCache):
                     for x in (self.keys, self.values)
                 )
             except ValueError:
-                width = self.keys.shape[-1]
-                raise MTPError(
-                    f"cannot quantize this model's keys and values: its heads are "
-                    f"{width} wide, not a multiple of the group size "
-                    f"{self.group_size} (kv_group_size 32, 64 or 128)"
-                ) from None
+                raise group_misfit(self.keys.shape[-1], self.group_size) from None
         self.bits = self.kv_bits
 
     @property
@@ -310,11 +305,7 @@ class KVSettings:
                 widths += head_widths(model)
             for width in sorted(set(widths)):
                 if width % self.group_size:
-                    raise MTPError(
-                        f"cannot quantize this model's keys and values: its heads "
-                        f"are {width} wide, not a multiple of the group size "
-                        f"{self.group_size} (kv_group_size 32, 64 or 128)"
-                    )
+                    raise group_misfit(width, self.group_size)
         if self.max_size is None:
             return
         if any(d.reads.kv for d in model.drafters):
@@ -421,6 +412,15 @@ def head_widths(model) -> List[int]:
         widths = sorted({x.shape[-1] for c in plain for x in (c.keys, c.values)})
         _WIDTHS[model.trunk] = widths
     return widths
+
+
+def group_misfit(width: int, group_size: int) -> MTPError:
+    """The one-line error where heads ``width`` wide do not take the groups."""
+    return MTPError(
+        f"cannot quantize this model's keys and values: its heads are {width} "
+        f"wide, not a multiple of the group size {group_size} (kv_group_size "
+        f"{', '.join(map(str, KV_GROUP_SIZES[:-1]))} or {KV_GROUP_SIZES[-1]})"
+    )
 
 
 def describe_layer(c: Any) -> str:
