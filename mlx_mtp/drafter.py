@@ -115,6 +115,15 @@ class Drafter:
     # whether its own caches may be bounded (``max_kv_size``): a drafter whose
     # masks place every context position in its cache cannot
     boundable = True
+    # a digest of the checkpoint it was loaded from (set by the registry)
+    checkpoint: Optional[str] = None
+
+    @property
+    def key(self) -> str:
+        """What its measured costs are stored under (``probe``): its name,
+        and for a checkpoint of its own that checkpoint's digest, so another
+        checkpoint of the same kind is measured anew."""
+        return f"{self.name}:{self.checkpoint}" if self.checkpoint else self.name
 
     @property
     def num_layers(self) -> int:

@@ -22,6 +22,7 @@ API and both HTTP APIs go through it).
 - ``NoDrafts``: plain steps.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence
 
@@ -31,6 +32,7 @@ from .adaptive import (
     CostAwareDraft,
     Costs,
     FixedDraft,
+    best_draft_count,
     expected_tokens,
     prior_costs,
     speedups,
@@ -51,16 +53,17 @@ from .probe import machine_costs
 # A drafter takes part only where, at an optimistic acceptance, some draft
 # count is expected to beat plain steps by this much (``can_pay``).
 PAY_MARGIN = 1.05
-# a cost-aware source gives a drafter up for the rest of the generation once
-# ``RETIRE_ROUNDS`` rounds drafted with it (``RETIRE_AFTER`` drafts at least)
-# kept under ``RETIRE_RATE`` of its drafts: no drafter pays there (the MTP
-# head needs about 0.25 here), and one whose first draft is kept 70% of the
-# time misses 6 rounds running 0.07% of the time. Given up, it costs
+# A cost-aware source gives a drafter up for the rest of the generation once
+# it has kept none of its drafts in ``RETIRE_ROUNDS`` drafting rounds, and in
+# enough that, at 95% confidence, its first draft is kept less often than any
+# draft count needs to pay (by the rule of three: none kept in ``n`` tests
+# bounds the rate by ``3 / n``; on a CPU a DFlash block at 0.48 of a step
+# needs 0.47, 7 rounds, which a drafter keeping 70% misses running 0.02% of
+# the time; the default head's cheap drafts need 0.21, 15 rounds, which the
+# head, keeping 29%, misses running 0.6% of the time). Given up, it costs
 # nothing: it no longer reads the trunk's features as they come (a cost the
-# rounds' costs leave out)
+# rounds' costs leave out).
 RETIRE_ROUNDS = 6
-RETIRE_AFTER = 12
-RETIRE_RATE = 0.05
 
 
 @dataclass
@@ -141,7 +144,8 @@ class ModelDrafts(NoDrafts):
     def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
         self.policy, self.drafter, self.costs = policy, drafter, costs
         self.proposed = self.kept = self.rounds = 0
-        self.retired = False  # see ``RETIRE_AFTER``
+        self.retired = False  # see ``RETIRE_ROUNDS``
+        self.retire_after: Optional[int] = None
 
     @property
     def draft_max(self) -> int:
@@ -173,8 +177,21 @@ class ModelDrafts(NoDrafts):
         # a cost-aware count (not a count the user fixed) gives up a drafter
         # that almost never agrees: it stops drafting and reading along
         adaptive = isinstance(self.policy, CostAwareDraft)
-        if adaptive and self.rounds >= RETIRE_ROUNDS and self.proposed >= RETIRE_AFTER:
-            self.retired = self.kept < RETIRE_RATE * self.proposed
+        if adaptive and not self.kept and self.rounds >= self._retire_after():
+            self.retired = True
+
+    def _retire_after(self) -> int:
+        """Drafting rounds with nothing kept that give the drafter up (see
+        ``RETIRE_ROUNDS``)."""
+        if self.retire_after is None:
+            costs = self.costs or self.policy.costs
+            pays = (
+                a / 100
+                for a in range(1, 101)
+                if best_draft_count([a / 100], costs, self.policy.draft_max) > 0
+            )
+            self.retire_after = max(RETIRE_ROUNDS, math.ceil(3.0 / next(pays, 1.0)))
+        return self.retire_after
 
 
 class LookupDrafts(NoDrafts):

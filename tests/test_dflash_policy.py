@@ -80,19 +80,20 @@ def test_a_drafter_that_never_agrees_costs_at_most_three_percent(target):
     source = make_source(model, "dflash", None)
     costs = source.costs
     prompt = tiny.random_prompt(30, seed=11)
-    got, stats = run(model, prompt, 300, source)
-    assert stats.accepted <= 2  # it never agrees
+    got, stats = run(model, prompt, 600, source)
+    assert stats.accepted == 0  # it never agrees
     spent = sum(costs.round(len(r.drafted)) for r in stats.trace)
     assert len(got) / spent >= 0.97
     probes = [r for r in stats.trace if r.drafted]
     assert 0 < len(probes) <= 12  # it looks a few times
     # then gives the drafter up: no drafts, no reading along, plain output
     assert source.retired
-    last = stats.trace.index(probes[-1])
+    last = max(i for i, r in enumerate(stats.trace) if r.drafted)
     assert all(not r.drafted for r in stats.trace[last + 1 :])
+    assert last < len(stats.trace) - 50  # given up well before the end
     from mlx_mtp.drafts import NoDrafts
 
-    assert got == run(model, prompt, 300, NoDrafts())[0]
+    assert got == run(model, prompt, 600, NoDrafts())[0]
 
 
 def test_a_given_up_drafter_stops_reading_along(target):
@@ -104,7 +105,7 @@ def test_a_given_up_drafter_stops_reading_along(target):
     cache = model.make_cache()
     source = make_source(model, "dflash", None)
     steps = speculative_generate_step(
-        prompt, model, max_tokens=400, drafts=source, prompt_cache=cache
+        prompt, model, max_tokens=600, drafts=source, prompt_cache=cache
     )
     list(steps)
     assert source.retired

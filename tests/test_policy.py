@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 import mlx_mtp
 from mlx_mtp.adaptive import (
     CostAwareDraft,
+    RAMP,
     Costs,
     FixedDraft,
     best_draft_count,
@@ -99,6 +100,26 @@ def test_policy_follows_acceptance_and_probes_rarely():
         if k:
             policy.update(k, k)
     assert policy() == 3
+
+
+def test_a_guessed_acceptance_ramps_the_draft_count_up():
+    """With no measured acceptance (the default guess) a round drafts at
+    most ``RAMP`` until one keeps a draft, each keeping round doubling the
+    bound; a measured prior drafts its best count at once."""
+    cheap = Costs([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35], [0.01] * 7)
+    assert CostAwareDraft(7, cheap, prior=[0.5])() == 7
+    policy = CostAwareDraft(7, cheap)
+    counts = []
+    for _ in range(4):
+        k = policy()
+        counts.append(k)
+        policy.update(k, k)  # every draft kept: the best count stays 7
+    assert counts == [RAMP, 2 * RAMP, 7, 7]
+    # rounds whose drafts are all rejected do not move the bound
+    policy = CostAwareDraft(7, cheap)
+    policy.update(0, 0)
+    policy.update(RAMP, 0)
+    assert policy() == RAMP
 
 
 def test_probes_cost_at_most_about_one_percent():

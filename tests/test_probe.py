@@ -49,6 +49,36 @@ def test_a_damaged_costs_file_is_measured_again(folder, measuring):
     assert len(json.loads(measuring.read_text())) == 1 and costs.verify[0] == 1.0
 
 
+def test_a_drafter_attached_later_is_measured_under_its_checkpoint(
+    tmp_path, measuring, monkeypatch
+):
+    """An entry measured without a drafter (or with another checkpoint of
+    its kind) is measured again when one is attached, the costs measured
+    before kept: a block drafter's cost is its measured one, not its prior."""
+    import tiny_dflash as td
+
+    target = td.build_target(tmp_path / "target", "qwen3", 6)
+    first = td.build_drafter(tmp_path / "dflash-a", [1, 4], 6, seed=1)
+    second = td.build_drafter(tmp_path / "dflash-b", [1, 3, 5], 6, seed=2)
+    probe.machine_costs(mlx_mtp.load_model(target))
+    model = mlx_mtp.load_model(target, draft=first)
+    a = model.drafters[-1]
+    assert a.key.startswith("dflash:") and a.key != "dflash"
+    costs = probe.machine_costs(model, a)
+    stored = json.loads(measuring.read_text())
+    assert len(stored) == 1 and stored[0]["costs"]["draft"][a.key] == costs.draft
+    assert costs.draft[0] != a.prior_cost(1)  # measured, not the bytes' guess
+    b = mlx_mtp.load_model(target, draft=second).drafters[-1]
+    assert b.key != a.key
+    probe.machine_costs(mlx_mtp.load_model(target, draft=second), b)
+    drafts = json.loads(measuring.read_text())[0]["costs"]["draft"]
+    assert {a.key, b.key} <= set(drafts)
+    # each is read back from then on, in a later process too
+    monkeypatch.setattr(probe, "measure", lambda model: pytest.fail("measured again"))
+    again = mlx_mtp.load_model(target, draft=first)
+    assert probe.machine_costs(again, again.drafters[-1]).draft == costs.draft
+
+
 def test_a_tuned_entry_wins(folder, measuring, monkeypatch):
     model = mlx_mtp.load_model(folder)
     tuned = {"verify": [1.0, 1.1], "draft": [0.05], "round": [1.0, 1.2]}

@@ -14,6 +14,7 @@ used). The model's own MTP head becomes a drafter in ``head.py``.
 """
 
 import ast
+import hashlib
 import importlib
 import json
 import sys
@@ -76,13 +77,24 @@ def load_drafter(folder, target):
         )
     module = importlib.import_module(f"{__name__}.{kind}")
     try:
-        return module.load(folder, config, target)
+        drafter = module.load(folder, config, target)
     except MTPError:
         raise
     except (ValueError, KeyError) as e:
         raise MTPError(
             f"--draft {where}: does not fit the model ({first_line(e)})"
         ) from None
+    drafter.checkpoint = checkpoint_digest(folder)
+    return drafter
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """A digest of a drafter folder's config and weight files (names and
+    sizes): what its measured costs are stored under (``Drafter.key``)."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()[:12]
 
 
 def _search_path():
