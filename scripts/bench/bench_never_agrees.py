@@ -1,17 +1,140 @@
-"""A drafter that never agrees against plain decoding (not a test): decode
-tok/s of ``stream_generate`` with ``draft_source`` the drafter (cost-aware)
-against ``mtp=False``, alternating, over the shipped chat prompts.
+"""A drafter that never agrees against plain decoding (not a test).
+
+``generate``: decode tok/s of ``stream_generate`` with ``draft_source`` the
+drafter (cost-aware, ``--draft-max``) against ``mtp=False``, alternating, over
+the shipped chat prompts (each as one user message). The ratio is of the
+totals, every prompt's tokens over every prompt's decode time (an answer of
+one token weighs one token), from one process: ``--fresh`` runs each
+generation in a process of its own instead (the first generation after
+loading, as a user's ``mlx-mtp generate`` is).
+
+``--serve``: one ``mlx-mtp serve --draft DIR --draft-source SOURCE`` process
+(prompt cache and lookup memory off), asked the same chats streamed, greedy,
+``--tokens`` each, one at a time (``--streams 1``) or several at once,
+alternating requests with ``draft_max`` 0 (plain) and without (the drafter);
+tokens over wall time of each side, medians of the paired ratios.
 
     python scripts/bench/bench_drafters.py --keep DIR   # random drafters
     python scripts/bench/bench_never_agrees.py DIR/DFlashDraftModel
-        [--model M] [--source dflash] [--tokens 128] [--prompts 3] [--repeats 2]
+        [--model M] [--source dflash] [--tokens 128] [--repeats 2] [--fresh]
+        [--serve [--streams 1 4]]
 """
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
-import mlx_mtp
-from mlx_mtp.prompts import load_prompts
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def generations(args, prompt: str) -> dict:
+    """Plain and drafted generations of ``prompt`` in this process."""
+    import mlx_mtp
+    from mlx_mtp.prompts import encode, user_prompt
+
+    model, tokenizer = loaded(args)
+    prompt = encode(tokenizer, user_prompt(tokenizer, prompt))
+    out = {}
+    for side, kw in (
+        ("plain", {"mtp": False}),
+        ("drafted", {"draft_source": args.source, "draft_max": args.draft_max}),
+    ):
+        for r in mlx_mtp.stream_generate(model, tokenizer, prompt, args.tokens, **kw):
+            last = r
+        out[side] = {
+            "tokens": last.generation_tokens,
+            "seconds": last.generation_tokens / last.generation_tps,
+            "drafted": last.stats.drafted,
+            "accepted": last.stats.accepted,
+        }
+    return out
+
+
+_LOADED = {}
+
+
+def loaded(args):
+    if not _LOADED:
+        import mlx_mtp
+
+        _LOADED["m"] = mlx_mtp.load(args.model, draft=args.drafter)
+    return _LOADED["m"]
+
+
+def generate_side(args, prompts):
+    rows = []
+    for rep in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            if args.fresh:
+                cmd = [sys.executable, __file__, args.drafter, "--one", str(i),
+                       "--source", args.source, "--tokens", str(args.tokens),
+                       "--draft-max", str(args.draft_max)]  # fmt: skip
+                if args.model:
+                    cmd += ["--model", args.model]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+            else:
+                row = generations(args, prompt)
+            rows.append(row)
+            p, d = row["plain"], row["drafted"]
+            print(f"{rep}.{i}: plain {p['tokens']} tokens {p['tokens'] / p['seconds']:.2f}"
+                  f" tok/s, {args.source} {d['tokens'] / d['seconds']:.2f} tok/s, "
+                  f"drafted {d['drafted']}, accepted {d['accepted']}",
+                  flush=True)  # fmt: skip
+    total = {s: (sum(r[s]["tokens"] for r in rows), sum(r[s]["seconds"] for r in rows))
+             for s in ("plain", "drafted")}  # fmt: skip
+    speed = {s: n / t for s, (n, t) in total.items()}
+    print(f"total: plain {speed['plain']:.2f} tok/s, {args.source} "
+          f"{speed['drafted']:.2f} tok/s: {speed['drafted'] / speed['plain']:.3f} of plain "
+          f"({total['plain'][0]} and {total['drafted'][0]} tokens, "
+          f"{'fresh processes' if args.fresh else 'one process'})")  # fmt: skip
+
+
+def serve_side(args, prompts):
+    from bench_serve import PROMPTS  # noqa: F401  (the server bench's helpers)
+    from bench_vs_mlx_lm_server import free_port, run, start
+
+    if args.model is None:
+        from mlx_mtp.convert.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--model", args.model,
+           "--draft", args.drafter, "--draft-source", args.source,
+           "--draft-max", str(args.draft_max), "--port", str(port),
+           "--prompt-cache-entries", "0", "--lookup-memory-mb", "0",
+           "--max-batch", str(max(args.streams))]  # fmt: skip
+    server = start(cmd, port)
+    sides = {"plain": {"draft_max": 0}, "drafted": {}}
+    ratios = {n: [] for n in args.streams}
+    try:
+        for side in sides:  # warm up
+            run(server, port, prompts[:1], 8, sides[side])
+        for rep in range(args.repeats):
+            for n in args.streams:
+                groups = [prompts[i : i + n] for i in range(0, len(prompts), n)]
+                got = {}
+                order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+                for group in groups:
+                    for side in order:
+                        speed, _ = run(server, port, group, args.tokens, sides[side])
+                        got.setdefault(side, []).append(speed)
+                ratio = statistics.median(
+                    d / p for d, p in zip(got["drafted"], got["plain"])
+                )
+                ratios[n].append(ratio)
+                print(f"{rep}: {n} streams, plain {statistics.median(got['plain']):.2f}"
+                      f" tok/s, drafted {statistics.median(got['drafted']):.2f}, "
+                      f"paired {ratio:.3f}", flush=True)  # fmt: skip
+    finally:
+        server.send_signal(2)
+        server.wait(timeout=60)
+    for n, rs in ratios.items():
+        print(f"serve, {n} streams: {args.source} / plain {statistics.median(rs):.3f} "
+              f"(median of {len(rs)} repetitions)")  # fmt: skip
 
 
 def main():
@@ -19,28 +142,23 @@ def main():
     ap.add_argument("drafter")
     ap.add_argument("--model", default=None)
     ap.add_argument("--source", default="dflash")
+    ap.add_argument("--draft-max", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1])
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    model, tokenizer = mlx_mtp.load(args.model, draft=args.drafter)
-    prompts = [p.prompt for p in load_prompts()][: args.prompts]
+    from mlx_mtp.prompts import load_prompts
 
-    def run(prompt, **kw):
-        for r in mlx_mtp.stream_generate(model, tokenizer, prompt, args.tokens, **kw):
-            last = r
-        return last.generation_tps, last.stats
-
-    ratios = []
-    for _ in range(args.repeats):
-        for i, prompt in enumerate(prompts):
-            plain, _ = run(prompt, mtp=False)
-            drafted, stats = run(prompt, draft_source=args.source, draft_max=7)
-            ratios.append(drafted / plain)
-            print(f"prompt {i}: plain {plain:.2f} tok/s, {args.source} {drafted:.2f} "
-                  f"({drafted / plain:.3f}), drafted {stats.drafted}, "
-                  f"accepted {stats.accepted}", flush=True)  # fmt: skip
-    print(f"median {args.source} / plain: {statistics.median(ratios):.3f}")
+    prompts = [p.prompt for p in load_prompts()]
+    if args.one is not None:
+        print(json.dumps(generations(args, prompts[args.one])))
+    elif args.serve:
+        serve_side(args, prompts)
+    else:
+        generate_side(args, prompts)
 
 
 if __name__ == "__main__":
