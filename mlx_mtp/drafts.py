@@ -175,7 +175,7 @@ class ModelDrafts(NoDrafts):
         self.kept += accepted
         self.rounds += drafted > 0
         # a cost-aware count (not a count the user fixed) gives up a drafter
-        # that almost never agrees: it stops drafting and reading along
+        # that has kept nothing for long: it stops drafting and reading along
         adaptive = isinstance(self.policy, CostAwareDraft)
         if adaptive and not self.kept and self.rounds >= self._retire_after():
             self.retired = True
