@@ -6,7 +6,8 @@ the shipped chat prompts (each as one user message). The ratio is of the
 totals, every prompt's tokens over every prompt's decode time (an answer of
 one token weighs one token), from one process: ``--fresh`` runs each
 generation in a process of its own instead (the first generation after
-loading, as a user's ``mlx-mtp generate`` is).
+loading, as a user's ``mlx-mtp generate`` is; which side runs first, cold,
+alternates from prompt to prompt).
 
 ``--serve``: one ``mlx-mtp serve --draft DIR --draft-source SOURCE`` process
 (prompt cache and lookup memory off), asked the same chats streamed, greedy,
@@ -30,18 +31,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def generations(args, prompt: str) -> dict:
-    """Plain and drafted generations of ``prompt`` in this process."""
+def generations(args, prompt: str, first: str = "plain") -> dict:
+    """Plain and drafted generations of ``prompt`` in this process, ``first``
+    the side that runs first (in a fresh process, the cold one)."""
     import mlx_mtp
     from mlx_mtp.prompts import encode, user_prompt
 
     model, tokenizer = loaded(args)
     prompt = encode(tokenizer, user_prompt(tokenizer, prompt))
     out = {}
-    for side, kw in (
+    sides = [
         ("plain", {"mtp": False}),
         ("drafted", {"draft_source": args.source, "draft_max": args.draft_max}),
-    ):
+    ]
+    for side, kw in sides if first == "plain" else sides[::-1]:
         for r in mlx_mtp.stream_generate(model, tokenizer, prompt, args.tokens, **kw):
             last = r
         out[side] = {
@@ -69,7 +72,10 @@ def generate_side(args, prompts):
     for rep in range(args.repeats):
         for i, prompt in enumerate(prompts):
             if args.fresh:
+                # the side that runs cold alternates
+                first = "plain" if (rep + i) % 2 == 0 else "drafted"
                 cmd = [sys.executable, __file__, args.drafter, "--one", str(i),
+                       "--first", first,
                        "--source", args.source, "--tokens", str(args.tokens),
                        "--draft-max", str(args.draft_max)]  # fmt: skip
                 if args.model:
@@ -149,12 +155,13 @@ def main():
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--streams", type=int, nargs="+", default=[1])
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--first", default="plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from mlx_mtp.prompts import load_prompts
 
     prompts = [p.prompt for p in load_prompts()]
     if args.one is not None:
-        print(json.dumps(generations(args, prompts[args.one])))
+        print(json.dumps(generations(args, prompts[args.one], args.first)))
     elif args.serve:
         serve_side(args, prompts)
     else:
