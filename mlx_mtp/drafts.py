@@ -143,9 +143,15 @@ class ModelDrafts(NoDrafts):
 
     def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
         self.policy, self.drafter, self.costs = policy, drafter, costs
-        self.proposed = self.kept = self.rounds = 0
-        self.retired = False  # see ``RETIRE_ROUNDS``
+        self.kept = self.rounds = 0
+        # a cost-aware count (not a count the user fixed) gives up a drafter
+        # that has kept nothing in this many drafting rounds: it stops
+        # drafting and reading along (see ``RETIRE_ROUNDS``)
         self.retire_after: Optional[int] = None
+        if isinstance(policy, CostAwareDraft):
+            costs_here = costs or policy.costs
+            self.retire_after = rounds_to_give_up(costs_here, policy.draft_max)
+        self.retired = False
 
     @property
     def draft_max(self) -> int:
@@ -171,27 +177,22 @@ class ModelDrafts(NoDrafts):
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
-        self.proposed += drafted
         self.kept += accepted
         self.rounds += drafted > 0
-        # a cost-aware count (not a count the user fixed) gives up a drafter
-        # that has kept nothing for long: it stops drafting and reading along
-        adaptive = isinstance(self.policy, CostAwareDraft)
-        if adaptive and not self.kept and self.rounds >= self._retire_after():
-            self.retired = True
+        if self.retire_after is not None and not self.kept:
+            self.retired |= self.rounds >= self.retire_after
 
-    def _retire_after(self) -> int:
-        """Drafting rounds with nothing kept that give the drafter up (see
-        ``RETIRE_ROUNDS``)."""
-        if self.retire_after is None:
-            costs = self.costs or self.policy.costs
-            pays = (
-                a / 100
-                for a in range(1, 101)
-                if best_draft_count([a / 100], costs, self.policy.draft_max) > 0
-            )
-            self.retire_after = max(RETIRE_ROUNDS, math.ceil(3.0 / next(pays, 1.0)))
-        return self.retire_after
+
+def rounds_to_give_up(costs: Costs, draft_max: int) -> int:
+    """Drafting rounds with nothing kept that give a drafter up (see
+    ``RETIRE_ROUNDS``): enough that ``3 / n`` falls below the first-draft
+    acceptance at which some count up to ``draft_max`` pays under ``costs``."""
+    pays = (
+        a / 100
+        for a in range(1, 101)
+        if best_draft_count([a / 100], costs, draft_max) > 0
+    )
+    return max(RETIRE_ROUNDS, math.ceil(3.0 / next(pays, 1.0)))
 
 
 class LookupDrafts(NoDrafts):

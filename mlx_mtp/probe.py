@@ -101,14 +101,14 @@ def measured_entry(model) -> Optional[Dict[str, Any]]:
     """The stored measurement for ``model`` here, measured and stored now
     when there is none (None where it cannot be measured)."""
     cached = getattr(model, "_measured_costs", None)
-    if cached is not None and all(d.key in cached["draft"] for d in model.drafters):
+    if _covers(cached, model):
         return cached
     key = {"machine": config.machine(), "model": config.cached_identity(model)}
     entries = _read()
     found = next((e["costs"] for e in entries if _key(e) == key and _valid(e)), None)
     # a drafter attached since (each checkpoint under its own key) is measured
     # with the rest, and the drafters measured before are kept
-    if found is None or any(d.key not in found["draft"] for d in model.drafters):
+    if not _covers(found, model):
         before = found["draft"] if found is not None else {}
         found = measure(model)
         if found is not None:
@@ -116,6 +116,11 @@ def measured_entry(model) -> Optional[Dict[str, Any]]:
             _write(entries, {**key, "created": time.time(), "costs": found})
     object.__setattr__(model, "_measured_costs", found)
     return found
+
+
+def _covers(costs: Optional[Dict[str, Any]], model) -> bool:
+    """Whether measured ``costs`` hold every drafter attached to ``model``."""
+    return costs is not None and all(d.key in costs["draft"] for d in model.drafters)
 
 
 def _key(entry) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ tokens over wall time of each side, medians of the paired ratios.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -56,15 +57,16 @@ def generations(args, prompt: str, first: str = "plain") -> dict:
     return out
 
 
-_LOADED = {}
+@functools.lru_cache(maxsize=1)
+def _load(model, drafter):
+    import mlx_mtp
+
+    return mlx_mtp.load(model, draft=drafter)
 
 
 def loaded(args):
-    if not _LOADED:
-        import mlx_mtp
-
-        _LOADED["m"] = mlx_mtp.load(args.model, draft=args.drafter)
-    return _LOADED["m"]
+    """The model and drafter, loaded once per process."""
+    return _load(args.model, args.drafter)
 
 
 def generate_side(args, prompts):
@@ -100,8 +102,7 @@ def generate_side(args, prompts):
 
 
 def serve_side(args, prompts):
-    from bench_serve import PROMPTS  # noqa: F401  (the server bench's helpers)
-    from bench_vs_mlx_lm_server import free_port, run, start
+    from bench_vs_mlx_lm_server import free_port, run, start  # the server bench's
 
     if args.model is None:
         from mlx_mtp.convert.default_model import default_model_path
