@@ -56,7 +56,8 @@ PROBE_BUDGET = 0.01
 OPTIMISM = 1.0
 # Where the acceptance is the default guess (no ``tune``, no training record:
 # a drafter just attached), a round drafts at most ``RAMP`` until one keeps a
-# draft, and each keeping round doubles that bound: the guess is no evidence,
+# draft, and each keeping round doubles that bound (``drafts.ModelDrafts``,
+# for one stream and for each stream of a batch): the guess is no evidence,
 # and a round of rejected drafts costs more the more it drafted, while its
 # first rejection tells as much at 2 drafts as at 7. Simulated against a
 # DFlash block's cost measured on a CPU (0.48 of a step, a verify over 2
@@ -208,6 +209,7 @@ class AcceptanceEstimate:
         recover: float = RECOVER,
     ):
         measured = bool(prior)
+        self.measured = measured  # False: the rates start at the default guess
         prior = list(prior or []) or [DEFAULT_PRIOR_ACCEPTANCE]
         if prior_weight is None:
             prior_weight = PRIOR_WEIGHT if measured else GUESS_WEIGHT
@@ -264,7 +266,6 @@ class CostAwareDraft:
         self.estimate = AcceptanceEstimate(
             draft_max, prior, prior_weight, min_rate, recover
         )
-        self.ramp: Optional[int] = None if prior else RAMP  # see ``RAMP``
         extra = costs.round(1) - 1.0 if draft_max > 0 else 0.0
         probe_gap = max(probe_gap, math.ceil(extra / PROBE_BUDGET))
         self.first_gap = min(probe_gap, max_probe_gap)
@@ -288,7 +289,7 @@ class CostAwareDraft:
         k = best_draft_count(self.estimate.optimistic(), self.costs, self.draft_max)
         if k > 0:
             self.gap, self.idle = self.first_gap, 0
-            return k if self.ramp is None else min(k, self.ramp)
+            return k
         self.idle += 1
         if self.idle < self.gap:
             return 0
@@ -298,8 +299,6 @@ class CostAwareDraft:
     def update(self, drafted: int, accepted: int) -> None:
         """Learn from a round that proposed ``drafted`` drafts and kept ``accepted``."""
         self.estimate.update(drafted, accepted)
-        if accepted and self.ramp is not None:
-            self.ramp = 2 * self.ramp if 2 * self.ramp < self.draft_max else None
         if accepted and self.idle == 0 and self.gap > self.first_gap:
             self.gap = self.first_gap  # a kept probe: the text may have changed
 

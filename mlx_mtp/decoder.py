@@ -346,7 +346,7 @@ class Decoder(DraftView):
         """The most drafter drafts stream ``s`` may take this round."""
         if not self.model.drafters:
             return 0
-        return max(0, min(s.source.draft_max, self.width(s) - 1))
+        return max(0, min(s.source.bound(), self.width(s) - 1))
 
     def width(self, s: Stream) -> int:
         """The most tokens stream ``s``'s next forward may read: its remaining

@@ -29,6 +29,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence
 from . import config
 from .adaptive import (
     DEFAULT_PRIOR_ACCEPTANCE,
+    RAMP,
     CostAwareDraft,
     Costs,
     FixedDraft,
@@ -93,6 +94,10 @@ class DraftSource(Protocol):
         (the single-stream loop asks before the round; a batch picks one
         length for all its streams instead)."""
 
+    def bound(self) -> int:
+        """The most model drafts a round may take now: ``draft_max``, less
+        while a drafter's acceptance is only a guess (``adaptive.RAMP``)."""
+
     def rates(self) -> Sequence[float]:
         """Its drafter's running acceptance per depth (for the batch's policy)."""
 
@@ -120,6 +125,9 @@ class NoDrafts:
     def count(self) -> int:
         return 0
 
+    def bound(self) -> int:
+        return 0
+
     def rates(self) -> Sequence[float]:
         return []
 
@@ -141,16 +149,31 @@ class ModelDrafts(NoDrafts):
 
     name = "mtp"
 
-    def __init__(self, policy, drafter: str = "mtp", costs: Optional[Costs] = None):
+    def __init__(
+        self,
+        policy,
+        drafter: str = "mtp",
+        costs: Optional[Costs] = None,
+        cost_aware: Optional[bool] = None,
+    ):
+        """``cost_aware``: whether its count follows the costs (by default,
+        whether ``policy`` is a ``CostAwareDraft``; a served stream's, whose
+        count the batch's policy chooses, is when its request left the count
+        adaptive). Such a source ramps its drafts up from ``RAMP`` while its
+        acceptance is only the default guess, and gives a drafter up once it
+        has kept nothing in ``retire_after`` drafting rounds (see
+        ``RETIRE_ROUNDS``): it stops drafting and reading along."""
         self.policy, self.drafter, self.costs = policy, drafter, costs
         self.kept = self.rounds = 0
-        # a cost-aware count (not a count the user fixed) gives up a drafter
-        # that has kept nothing in this many drafting rounds: it stops
-        # drafting and reading along (see ``RETIRE_ROUNDS``)
+        if cost_aware is None:
+            cost_aware = isinstance(policy, CostAwareDraft)
         self.retire_after: Optional[int] = None
-        if isinstance(policy, CostAwareDraft):
+        self.ramp: Optional[int] = None  # see ``adaptive.RAMP``
+        if cost_aware:
             costs_here = costs or policy.costs
             self.retire_after = rounds_to_give_up(costs_here, policy.draft_max)
+            if not policy.estimate.measured:
+                self.ramp = RAMP
         self.retired = False
 
     @property
@@ -161,8 +184,11 @@ class ModelDrafts(NoDrafts):
     def drafters(self) -> FrozenSet[str]:
         return frozenset([self.drafter]) if self.draft_max > 0 else frozenset()
 
+    def bound(self) -> int:
+        return self.draft_max if self.ramp is None else min(self.draft_max, self.ramp)
+
     def count(self) -> int:
-        return 0 if self.retired else self.policy()
+        return 0 if self.retired else min(self.policy(), self.bound())
 
     def rates(self) -> Sequence[float]:
         return self.policy.acceptance
@@ -173,12 +199,15 @@ class ModelDrafts(NoDrafts):
         return expected_tokens(self.rates(), k) / (self.costs or costs).round(k)
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
-        return Plan(k=max(0, min(k, self.draft_max)), drafter=self.drafter)
+        return Plan(k=max(0, min(k, self.bound())), drafter=self.drafter)
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
         self.kept += accepted
         self.rounds += drafted > 0
+        if accepted and self.ramp is not None:
+            twice = 2 * self.ramp
+            self.ramp = twice if twice < self.policy.draft_max else None
         if self.retire_after is not None and not self.kept:
             self.retired |= self.rounds >= self.retire_after
 
@@ -263,6 +292,9 @@ class AutoDrafts(LookupDrafts):
     def draft_max(self) -> int:
         return max(m.draft_max for m in self.models)
 
+    def bound(self) -> int:
+        return max(m.bound() for m in self.models)
+
     @property
     def drafters(self) -> FrozenSet[str]:
         return frozenset().union(*(m.drafters for m in self.models))
@@ -284,8 +316,8 @@ class AutoDrafts(LookupDrafts):
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         model = self.chosen
         if len(self.models) > 1:  # the best at the length the loop offers
-            model = max(self.models, key=lambda m: self._speed(m, min(k, m.draft_max)))
-        k = max(0, min(k, model.draft_max))
+            model = max(self.models, key=lambda m: self._speed(m, min(k, m.bound())))
+        k = max(0, min(k, model.bound()))
         against = self._speed(model, k) if k > 0 else 1.0  # a plain step: 1
         proposal = self._propose(history, room, against)
         return proposal if proposal.tokens else Plan(k=k, drafter=model.drafter)
@@ -327,6 +359,9 @@ class PhasedDrafts:
 
     def count(self) -> int:
         return self.current.count()
+
+    def bound(self) -> int:
+        return self.current.bound()
 
     def rates(self) -> Sequence[float]:
         return self.current.rates()
@@ -459,7 +494,7 @@ def make_source(
             policy = FixedDraft(k, prior=prior)
         else:
             policy = make_policy(model, k, adaptive, d)
-        models.append(ModelDrafts(policy, d.name, costs))
+        models.append(ModelDrafts(policy, d.name, costs, adaptive))
     lookup = make_lookup(model) if name in ("ngram", "auto") else None
     others: List[Lookup] = []
     if lookup is not None and prediction:

@@ -115,3 +115,33 @@ def test_a_given_up_drafter_stops_reading_along(target):
     steps = speculative_generate_step(prompt, model, max_tokens=60, drafts=fixed)
     list(steps)
     assert not fixed.retired
+
+
+def test_served_streams_ramp_up_and_give_a_drafter_up(target):
+    """In a batch (``batch_generate``, the server's rounds) each stream of a
+    drafter with no measured acceptance drafts at most ``RAMP`` until one of
+    its drafts is kept, and gives the drafter up as one stream does: a
+    drafter that never agrees drafts a few short rounds per stream."""
+    from mlx_mtp.adaptive import RAMP
+    from mlx_mtp.drafts import rounds_to_give_up
+
+    model = attach(*target, agreeable=False)
+    source = make_source(model, "dflash", None, batched=True)
+    assert isinstance(source, ModelDrafts) and source.bound() == RAMP
+    give_up = rounds_to_give_up(source.costs, source.draft_max)
+    tiny.write_tokenizer(target[0])
+    tokenizer = mlx_mtp.load(target[0])[1]
+    prompts = [tiny.random_prompt(20 + 7 * i, seed=40 + i) for i in range(4)]
+    got = mlx_mtp.batch_generate(
+        model, tokenizer, prompts, max_tokens=160, return_token_ids=True,
+        draft_source="dflash",
+    )  # fmt: skip
+    plain = mlx_mtp.batch_generate(
+        model, tokenizer, prompts, max_tokens=160, return_token_ids=True, mtp=False
+    )
+    assert got.token_ids == plain.token_ids
+    for stats in got.mtp_stats:
+        assert stats.accepted == 0
+        assert len(stats.drafted_at) <= RAMP  # no round drafted more
+        assert stats.drafted_at[:1] <= [give_up]  # drafting rounds, then no more
+        assert stats.drafted <= RAMP * give_up

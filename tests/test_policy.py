@@ -33,7 +33,7 @@ from mlx_mtp.adaptive import (
 )
 from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
 from mlx_mtp.defaults import MAX_DRAFT_MAX
-from mlx_mtp.drafts import make_policy
+from mlx_mtp.drafts import ModelDrafts, make_policy
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.tune import tune
@@ -105,21 +105,33 @@ def test_policy_follows_acceptance_and_probes_rarely():
 def test_a_guessed_acceptance_ramps_the_draft_count_up():
     """With no measured acceptance (the default guess) a round drafts at
     most ``RAMP`` until one keeps a draft, each keeping round doubling the
-    bound; a measured prior drafts its best count at once."""
+    bound; a measured prior drafts its best count at once. The bound holds
+    for one stream (``count``) and for a served stream (``bound``, which the
+    batch's draft length is capped by); a count the user fixed has none."""
     cheap = Costs([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35], [0.01] * 7)
-    assert CostAwareDraft(7, cheap, prior=[0.5])() == 7
-    policy = CostAwareDraft(7, cheap)
+    measured = ModelDrafts(CostAwareDraft(7, cheap, prior=[0.5]))
+    assert (measured.count(), measured.bound()) == (7, 7)
+    source = ModelDrafts(CostAwareDraft(7, cheap))
     counts = []
     for _ in range(4):
-        k = policy()
+        k = source.count()
         counts.append(k)
-        policy.update(k, k)  # every draft kept: the best count stays 7
+        source.update("mtp", k, k)  # every draft kept: the best count stays 7
     assert counts == [RAMP, 2 * RAMP, 7, 7]
     # rounds whose drafts are all rejected do not move the bound
-    policy = CostAwareDraft(7, cheap)
-    policy.update(0, 0)
-    policy.update(RAMP, 0)
-    assert policy() == RAMP
+    source = ModelDrafts(CostAwareDraft(7, cheap))
+    source.update("mtp", 0, 0)
+    source.update("mtp", RAMP, 0)
+    assert source.count() == RAMP
+    # a served stream: its count is the batch's; its bound ramps alike
+    served = ModelDrafts(FixedDraft(7), costs=cheap, cost_aware=True)
+    bounds = []
+    for _ in range(3):
+        bounds.append(served.bound())
+        served.update("mtp", bounds[-1], 1)
+    assert bounds == [RAMP, 2 * RAMP, 7] and served.draft_max == 7
+    assert ModelDrafts(FixedDraft(7, prior=[0.5]), costs=cheap, cost_aware=True).bound() == 7
+    assert ModelDrafts(FixedDraft(7)).bound() == 7
 
 
 def test_probes_cost_at_most_about_one_percent():
