@@ -36,23 +36,27 @@ LAUNCH = (
     "sys.argv[0] = 'mlx.launch'; sys.exit(main())"
 )
 # Runs under the launcher: every rank loads each model sharded, generates at
-# draft-max 0..3 and prints one JSON line per run.
+# draft-max 0..3 and writes one JSON line per run to a file of its own (the
+# launcher merges the ranks' stdout, and under load it can join two ranks'
+# lines into one).
 WORKER = """
 import json, sys
+from pathlib import Path
 from mlx_mtp import distributed, stream_generate
 
-prompt, n = json.loads(sys.argv[1]), int(sys.argv[2])
-for spec in sys.argv[3:]:
+out, prompt, n = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+for spec in sys.argv[4:]:
     path, sharding = spec.split("@")
     model, tokenizer = distributed.load(path, sharding=sharding)
     for k in range(4):
         tokens = []
         for r in stream_generate(model, tokenizer, prompt, n, draft_max=k, mtp=k > 0):
             tokens.append(r.token)
-        print(json.dumps({
-            "rank": model.sharding.rank, "spec": spec, "mode": model.sharding.mode,
-            "k": k, "tokens": tokens, "stats": r.stats.to_dict(),
-        }), flush=True)
+        with open(out / f"rank{model.sharding.rank}.jsonl", "a") as f:
+            f.write(json.dumps({
+                "rank": model.sharding.rank, "spec": spec, "mode": model.sharding.mode,
+                "k": k, "tokens": tokens, "stats": r.stats.to_dict(),
+            }) + "\\n")
 """
 
 
@@ -190,11 +194,15 @@ def api_runs(models):
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER)
-        code, out, err = launch(
-            sys.executable, script, json.dumps(PROMPT), MAX_TOKENS, *specs
+        code, _, err = launch(
+            sys.executable, script, tmp, json.dumps(PROMPT), MAX_TOKENS, *specs
         )
-    assert code == 0 and not launcher_problems(err), err
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert code == 0 and not launcher_problems(err), err
+        lines = [
+            line for f in sorted(Path(tmp).glob("rank*.jsonl"))
+            for line in f.read_text().splitlines()
+        ]  # fmt: skip
+    return [json.loads(line) for line in lines]
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, MULTI])
