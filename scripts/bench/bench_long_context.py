@@ -31,6 +31,12 @@ first token that differs, or ``-``).
 The default model's trained context is 8 K (SmolLM2-135M): past it the model
 still runs (its position limit is raised for the run), so memory and speed
 hold, and acceptance is that of a model reading past its training.
+
+On Linux, MLX's bundled reference BLAS makes the reads slow: a 2048-token
+read of the default model took 202 s with it and 23 s with OpenBLAS
+preloaded (``LD_PRELOAD=.../openblas-pthread/libblas.so.3``, 2 threads),
+and a 32 K read with OpenBLAS ran past an hour of one core here. Keep the
+files (``--dir``) and reuse them.
 """
 
 import argparse
