@@ -491,8 +491,10 @@ def test_verify_keeps_t_states_per_layer_and_releases_them(family):
     # their stack at once, so up to twice that; the GPU kernels write the kept
     # states directly
     assert peak <= 2 * kept + 4 * state_bytes
-    # the rollback pins no kept buffer (a few bytes of scalars may differ)
-    assert keeping[2] - plain[2] < 1024
+    # the rollback pins no kept buffer: what stays is far under one token's state
+    # (a few KiB of scalars and small arrays may differ from run to run; CI once
+    # saw 6.4 KiB against states of 2 MiB)
+    assert keeping[2] - plain[2] < min(64 * 1024, state_bytes // 8)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
