@@ -303,5 +303,61 @@ class CostAwareDraft:
             self.gap = self.first_gap  # a kept probe: the text may have changed
 
 
+# A server starts each request's drafter from what that drafter's drafts were
+# worth in the requests before (``AcceptanceHistory``): once a depth has been
+# tested ``HISTORY_MIN_TESTS`` times, its rate there is a measured prior (no
+# ramp, ``PRIOR_WEIGHT``), over about the last ``HISTORY_WINDOW`` tests. A
+# drafter that never agreed then starts later requests at no drafts (probes
+# and the batch's exploration still try it now and then), where each request
+# would otherwise ramp from the default guess and pay its first rejected
+# rounds again.
+HISTORY_MIN_TESTS = 8
+HISTORY_WINDOW = 64
+
+
+class AcceptanceHistory:
+    """What each drafter's drafts were worth across generations (a server's):
+    per drafter and depth, the drafts tested and kept, over about the last
+    ``window`` tests of each depth. Its ``prior`` starts a new generation's
+    estimate (``AcceptanceEstimate``) in place of the default guess or the
+    tuned rates."""
+
+    def __init__(self, min_tests: int = HISTORY_MIN_TESTS, window: int = HISTORY_WINDOW):
+        self.min_tests, self.window = min_tests, window
+        self.tests: Dict[str, List[float]] = {}
+        self.kept: Dict[str, List[float]] = {}
+
+    def record(self, drafter: str, drafted: int, accepted: int) -> None:
+        """A round checked ``drafted`` of ``drafter``'s drafts and kept ``accepted``."""
+        tested = min(drafted, accepted + 1)  # drafts after the first rejection were not
+        tests = self.tests.setdefault(drafter, [])
+        kept = self.kept.setdefault(drafter, [])
+        while len(tests) < tested:
+            tests.append(0.0)
+            kept.append(0.0)
+        for j in range(tested):
+            tests[j] += 1.0
+            kept[j] += float(j < accepted)
+            if tests[j] > self.window:  # older tests fade
+                scale = self.window / tests[j]
+                tests[j] *= scale
+                kept[j] *= scale
+
+    def prior(self, drafter: str) -> Optional[List[float]]:
+        """``drafter``'s kept share per depth, over the depths tested at least
+        ``min_tests`` times (None where its first depth has not been)."""
+        rates = []
+        for t, k in zip(self.tests.get(drafter, []), self.kept.get(drafter, [])):
+            if t < self.min_tests:
+                break
+            rates.append(k / t)
+        return rates or None
+
+    def priors(self) -> Dict[str, List[float]]:
+        """Every drafter's ``prior`` that there is (for a server's ``/health``)."""
+        found = {name: self.prior(name) for name in sorted(self.tests)}
+        return {name: [round(a, 4) for a in p] for name, p in found.items() if p}
+
+
 def _clip(p: float) -> float:
     return min(max(float(p), 0.0), 1.0)

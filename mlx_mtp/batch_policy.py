@@ -27,7 +27,10 @@ compute-bound cost 4 plain rounds) every ``MAX_GAP``. ``K = 0`` is measured
 in runs of rounds: a plain round that follows one starts before the one
 before it is read (``decoder``), which is what a plain round costs once
 chosen, and the decoder records only those. The largest ``K`` (the drafts
-asked for) stays unless another is expected ``MARGIN`` faster.
+asked for) stays unless another is expected ``MARGIN`` faster; where no
+stream expects to keep a draft at all (a drafter that has never agreed, from
+a server's ``adaptive.AcceptanceHistory``), ``K = 0`` stands in for it, and
+the largest ``K`` is not measured for it: only exploring rounds draft then.
 """
 
 import statistics
@@ -74,25 +77,30 @@ class BatchDraftLength:
         top = max(caps, default=0)
         if top == 0:
             return 0
+
+        def tokens(k: int) -> float:
+            return sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+
+        # the drafts asked for, where any stream expects to keep one
+        asked = top if tokens(top) > tokens(0) else 0
         samples = self.times(batch)
         ends = [len(samples.get(k, ())) for k in (top, 0)]
-        if min(ends) < MIN_SAMPLES:  # the largest K first, then K = 0
-            return top if ends[0] < MIN_SAMPLES else 0
+        if ends[0] < MIN_SAMPLES and asked:  # the largest K first, then K = 0
+            return top
+        if ends[1] < MIN_SAMPLES or not samples:
+            return 0
         self.rounds += 1
         if self.again:  # the plain round measured runs on from the one before
             self.again = False
             return self._take(0)
         times = {k: statistics.median(v) for k, v in samples.items()}
 
-        def tokens(k: int) -> float:
-            return sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
-
         def speed(k: int) -> float:
             return tokens(k) / self._seconds(times, k)
 
         best = max(range(top + 1), key=speed)
         # the drafts asked for, unless clearly slower (noise must not move it)
-        choice = best if speed(best) > speed(top) * (1 + MARGIN) else top
+        choice = best if speed(best) > speed(asked) * (1 + MARGIN) else asked
         if self.rounds % self.explore == 0:
             # each length's loss: the time its round takes beyond what the
             # choice takes for as many tokens

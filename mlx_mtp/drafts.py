@@ -30,6 +30,7 @@ from . import config
 from .adaptive import (
     DEFAULT_PRIOR_ACCEPTANCE,
     RAMP,
+    AcceptanceHistory,
     CostAwareDraft,
     Costs,
     FixedDraft,
@@ -155,6 +156,7 @@ class ModelDrafts(NoDrafts):
         drafter: str = "mtp",
         costs: Optional[Costs] = None,
         cost_aware: Optional[bool] = None,
+        history: Optional[AcceptanceHistory] = None,
     ):
         """``cost_aware``: whether its count follows the costs (by default,
         whether ``policy`` is a ``CostAwareDraft``; a served stream's, whose
@@ -162,8 +164,10 @@ class ModelDrafts(NoDrafts):
         adaptive). Such a source ramps its drafts up from ``RAMP`` while its
         acceptance is only the default guess, and gives a drafter up once it
         has kept nothing in ``retire_after`` drafting rounds (see
-        ``RETIRE_ROUNDS``): it stops drafting and reading along."""
+        ``RETIRE_ROUNDS``): it stops drafting and reading along. ``history``
+        (a server's) hears every round, for the generations after this one."""
         self.policy, self.drafter, self.costs = policy, drafter, costs
+        self.history = history
         self.kept = self.rounds = 0
         if cost_aware is None:
             cost_aware = isinstance(policy, CostAwareDraft)
@@ -203,6 +207,8 @@ class ModelDrafts(NoDrafts):
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
+        if self.history is not None and drafted:
+            self.history.record(self.drafter, drafted, accepted)
         self.kept += accepted
         self.rounds += drafted > 0
         if accepted and self.ramp is not None:
@@ -426,16 +432,18 @@ def acceptance_prior(model, drafter: str = "mtp") -> Optional[List[float]]:
     return config.trained_acceptance(model)
 
 
-def make_policy(model, draft_max: int, adaptive: bool = True, drafter=None):
+def make_policy(model, draft_max: int, adaptive: bool = True, drafter=None, prior=None):
     """How many of ``drafter``'s drafts (None: the model's first drafter, its
     MTP head) a round of one stream takes: ``CostAwareDraft`` from this
-    machine's costs (``probe.machine_costs``) and the tuned or trained
-    acceptance, or ``FixedDraft(draft_max)``."""
+    machine's costs (``probe.machine_costs``) and ``prior`` (by default the
+    tuned or trained acceptance), or ``FixedDraft(draft_max)``."""
     if not adaptive or draft_max == 0 or not model.drafters:
         return FixedDraft(draft_max)
     drafter = drafter or model.drafters[0]
     costs = machine_costs(model, drafter)
-    return CostAwareDraft(draft_max, costs, acceptance_prior(model, drafter.name))
+    if prior is None:
+        prior = acceptance_prior(model, drafter.name)
+    return CostAwareDraft(draft_max, costs, prior)
 
 
 def can_pay(costs: Costs, prior: Optional[Sequence[float]], draft_max: int) -> bool:
@@ -458,6 +466,7 @@ def make_source(
     batched: bool = False,
     prediction: Sequence[int] = (),
     memory: Optional[LookupMemory] = None,
+    history: Optional[AcceptanceHistory] = None,
 ) -> DraftSource:
     """The draft source ``name`` for one generation.
 
@@ -474,7 +483,12 @@ def make_source(
     keeps its running acceptance, from its measured prior). ``prediction``:
     tokens the answer is expected to be (OpenAI's Predicted Outputs), and
     ``memory``: earlier generations (a server's), both looked up beside the
-    prompt ("ngram", "auto"). A source that cannot be used here falls back
+    prompt ("ngram", "auto"). ``history``: what each drafter's drafts were
+    worth in earlier generations (a server's ``AcceptanceHistory``); where it
+    has tested a drafter enough, the drafter's acceptance starts there rather
+    than at the tuned rates or the default guess (whether a drafter can pay
+    here at all is still judged by its tuned rates, so a drafter that lost
+    on earlier requests stays in, to be tried now and then). A source that cannot be used here falls back
     to what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
@@ -490,11 +504,12 @@ def make_source(
         if adaptive and not can_pay(costs, prior, k):
             asked = max(asked, k)
             continue
+        seen = history.prior(d.name) if history is not None else None
         if batched:
-            policy = FixedDraft(k, prior=prior)
+            policy = FixedDraft(k, prior=seen or prior)
         else:
-            policy = make_policy(model, k, adaptive, d)
-        models.append(ModelDrafts(policy, d.name, costs, adaptive))
+            policy = make_policy(model, k, adaptive, d, seen or prior)
+        models.append(ModelDrafts(policy, d.name, costs, adaptive, history))
     lookup = make_lookup(model) if name in ("ngram", "auto") else None
     others: List[Lookup] = []
     if lookup is not None and prediction:

@@ -59,16 +59,19 @@ class DraftSettings:
         draft_max = self.draft_max
         return default_draft_max(model) if draft_max is None else draft_max
 
-    def make(self, model, batched: bool = False, memory=None) -> DraftSource:
+    def make(
+        self, model, batched: bool = False, memory=None, history=None
+    ) -> DraftSource:
         """This request's draft source on ``model`` (``batched``: a served
         stream, whose draft length the batch chooses; ``memory``: a server's
-        ``ngram.LookupMemory`` of earlier requests). Without ``draft_max``
-        each drafter drafts at most its own bound (``make_source``)."""
+        ``ngram.LookupMemory`` of earlier requests, ``history`` its
+        ``adaptive.AcceptanceHistory``). Without ``draft_max`` each drafter
+        drafts at most its own bound (``make_source``)."""
         if not self.mtp:
             return make_source(model, "mtp", 0)
         return make_source(
             model, self.source, self.draft_max, self.adaptive, batched,
-            self.prediction, memory,
+            self.prediction, memory, history,
         )  # fmt: skip
 
 
@@ -98,13 +101,16 @@ class GenerationRequest:
         self.kv.validate()
         return self
 
-    def source(self, model, batched: bool = False, memory=None) -> DraftSource:
+    def source(
+        self, model, batched: bool = False, memory=None, history=None
+    ) -> DraftSource:
         """This request's draft source (``DraftSettings.make``), one per phase
         where the model thinks (``drafts.PhasedDrafts``)."""
         if self.thinking is None:
-            return self.drafts.make(model, batched, memory)
+            return self.drafts.make(model, batched, memory, history)
         return PhasedDrafts(
-            lambda: self.drafts.make(model, batched, memory), self.thinking.phases()
+            lambda: self.drafts.make(model, batched, memory, history),
+            self.thinking.phases(),
         )
 
     def verifier(self, sampler=None):

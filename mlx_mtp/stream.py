@@ -89,6 +89,7 @@ def open_stream(
     seed_offset: int = 0,
     batched: bool = False,
     memory=None,
+    history=None,
     kv: Optional[KVSettings] = None,
 ) -> Stream:
     """The stream that generates after ``prompt`` on ``model``.
@@ -102,7 +103,9 @@ def open_stream(
     seeded request's streams seeds of their own (prompt ``i`` of a batch).
     ``prompt`` is the tokens not yet in the cache. ``memory``: a server's
     lookup memory of earlier requests (``ngram.LookupMemory``), which the
-    request's draft source consults. The caches follow ``kv`` (else the
+    request's draft source consults, and ``history`` what its drafters'
+    drafts were worth there (``adaptive.AcceptanceHistory``), where the
+    source's acceptance starts. The caches follow ``kv`` (else the
     request's): the one place a cache policy (quantized, bounded) enters a
     stream.
     """
@@ -113,7 +116,7 @@ def open_stream(
             request = dataclasses.replace(request, sampling=sampling)
         verifier = verifier or request.verifier(sampler)
         if source is None:
-            source = request.source(model, batched, memory)
+            source = request.source(model, batched, memory, history)
         if max_tokens is None:
             max_tokens = request.max_tokens
         if logprobs is None and request.logprobs is not None:

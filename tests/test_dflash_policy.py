@@ -145,3 +145,52 @@ def test_served_streams_ramp_up_and_give_a_drafter_up(target):
         assert len(stats.drafted_at) <= RAMP  # no round drafted more
         assert stats.drafted_at[:1] <= [give_up]  # drafting rounds, then no more
         assert stats.drafted <= RAMP * give_up
+
+
+def test_the_server_starts_requests_where_earlier_ones_left_a_drafter(target):
+    """A server keeps what each drafter's drafts were worth per depth
+    (``AcceptanceHistory``): once a drafter that never agrees has been tested
+    enough, later requests start at its measured zero (no ramp from the
+    default guess), so only the batch's exploring rounds draft, and the
+    answers are plain decoding's; ``/health`` shows where the next request
+    starts."""
+    import json
+
+    from live_server import LiveServer
+
+    from mlx_mtp.adaptive import HISTORY_MIN_TESTS
+    from mlx_mtp.serve import ServeConfig
+
+    model = attach(*target, agreeable=False)
+    tiny.write_tokenizer(target[0])
+    tokenizer = mlx_mtp.load(target[0])[1]
+    server = LiveServer(model, tokenizer, "dflash", ServeConfig())
+    policy = server.engine.decoder.policy
+
+    def ask(i, **drafts):
+        body = {"prompt": tiny.random_prompt(20 + 3 * i, seed=60 + i),
+                "max_tokens": 64, "temperature": 0, **drafts}  # fmt: skip
+        status, data = server.post("/v1/completions", json.dumps(body).encode())
+        assert status == 200
+        return json.loads(data)["choices"][0]["text"]
+
+    try:
+        plain = [ask(i, draft_max=0) for i in range(8)]
+        drafted, i = [], 0
+        while server.engine.history.prior("dflash") is None:  # the first ones
+            assert i < 4, "the drafter was not tested enough"
+            drafted.append(ask(i, draft_source="dflash"))
+            i += 1
+        assert server.engine.history.prior("dflash") == [0.0]
+        before, rounds = dict(policy.chosen), policy.rounds
+        drafted += [ask(j, draft_source="dflash") for j in range(i, 8)]
+        health = server.get("/health")[1]
+    finally:
+        server.close()
+    assert drafted == plain
+    assert health["acceptance_priors"] == {"dflash": [0.0]}
+    drafting = sum(n - before.get(k, 0) for k, n in policy.chosen.items() if k)
+    later = policy.rounds - rounds
+    assert later >= 64 * (8 - i) - 8 * (8 - i)  # one round per token, about
+    assert drafting <= later // policy.explore + 1  # exploring rounds alone
+    assert server.engine.history.tests["dflash"][0] >= HISTORY_MIN_TESTS

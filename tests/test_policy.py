@@ -134,6 +134,35 @@ def test_a_guessed_acceptance_ramps_the_draft_count_up():
     assert ModelDrafts(FixedDraft(7)).bound() == 7
 
 
+def test_a_history_of_earlier_generations_is_a_measured_prior():
+    """A server's ``AcceptanceHistory``: per drafter and depth, the share of
+    tested drafts kept (drafts after a round's first rejection are not
+    tested), a prior once a depth has ``min_tests`` tests, over about the last
+    ``window``; a source made with it starts there, without the ramp."""
+    from mlx_mtp.adaptive import AcceptanceHistory
+
+    history = AcceptanceHistory(min_tests=4, window=8)
+    assert history.prior("mtp") is None
+    for _ in range(3):
+        history.record("mtp", 3, 1)  # depth 1 kept, depth 2 rejected, 3 untested
+    assert history.prior("mtp") is None  # 3 tests: too few
+    history.record("mtp", 2, 2)
+    assert history.prior("mtp") == [1.0, 0.25]  # depth 3: one test, too few
+    for _ in range(30):  # the text changed: now nothing is kept
+        history.record("mtp", 3, 0)
+    first, second = history.prior("mtp")
+    assert 0.0 < first < 0.05 and second == 0.25  # older tests faded
+    assert history.tests["mtp"][0] <= 8 + 1e-9
+    assert history.priors() == {"mtp": [round(first, 4), 0.25]}
+    # a source started from it: measured, so no ramp; it hears every round
+    cheap = Costs([1.0, 1.05, 1.1, 1.15], [0.01] * 3)
+    served = ModelDrafts(FixedDraft(3, prior=history.prior("mtp")), costs=cheap,
+                         cost_aware=True, history=history)  # fmt: skip
+    assert served.bound() == 3 and served.rates()[:2] == [first, 0.25]
+    served.update("mtp", 1, 1)
+    assert history.prior("mtp")[0] > first
+
+
 def test_probes_cost_at_most_about_one_percent():
     # drafts that do not pay at the prior and are never kept, over a short
     # answer: the probes' extra cost stays within 1% of its rounds (a gap of 8

@@ -524,6 +524,28 @@ def test_policy_measures_both_ends_then_picks_the_fastest():
     assert one.choose(1, [[0.01]], [1]) == 0  # 8.9% faster
 
 
+def test_policy_drafts_nothing_no_stream_expects_to_keep():
+    """Where no stream expects to keep a draft (a drafter that never agreed,
+    by a server's history), K = 0 stands for the drafts asked for, even
+    where drafts are measured free, and the largest K is not timed for it;
+    a stream that expects to keep one brings the drafts back."""
+    free = BatchDraftLength(explore=1000)
+    _measured(free, 2, {4: 0.10, 0: 0.10})
+    assert free.choose(2, [[0.0] * 4] * 2, [4, 4]) == 0
+    assert free.choose(2, [[0.0] * 4, [0.5] * 4], [4, 4]) == 4
+    fresh = BatchDraftLength(explore=1000)
+    picks = []
+    for _ in range(4):
+        picks.append(fresh.choose(2, [[0.0] * 4] * 2, [4, 4]))
+        fresh.record(2, picks[-1], 0.1)
+    assert picks == [0, 0, 0, 0] and set(fresh.samples[2]) == {0}
+    # exploring rounds still try drafts now and then
+    exploring = BatchDraftLength(explore=2)
+    _measured(exploring, 2, {4: 0.10, 0: 0.10})
+    picks = [exploring.choose(2, [[0.0] * 4] * 2, [4, 4]) for _ in range(8)]
+    assert 0 < sum(1 for k in picks if k) <= 4
+
+
 def test_policy_interpolates_and_explores():
     policy = BatchDraftLength(explore=2)
     _measured(policy, 2, {0: 1.0, 4: 1.1})

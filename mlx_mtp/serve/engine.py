@@ -12,7 +12,9 @@ runs too) in a thread. Each turn of its loop
    tokens into text: end-of-sequence tokens, ``max_tokens`` and stop strings
    finish a stream, which leaves the batch and leaves its cache to the
    prompt cache, and its prompt and answer to the lookup memory that later
-   requests draft from (``ngram.LookupMemory``).
+   requests draft from (``ngram.LookupMemory``). Every drafting round also
+   tells ``adaptive.AcceptanceHistory`` what the drafter's drafts were worth:
+   later requests start their acceptance there.
 
 Models whose caches have no batch form here are served one stream at a time,
 through the same decoder (a batch of one).
@@ -32,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..adaptive import AcceptanceHistory
 from ..batch_policy import BatchDraftLength
 from ..chat import truncatable
 from ..ngram import LookupMemory
@@ -223,6 +226,8 @@ class Engine(Scheduler):
         self._stopping = False
         self._deadline: Optional[float] = None  # streams still running then end
         self.totals = MTPStats()  # of every request finished (``/health``)
+        # what each drafter's drafts were worth so far: where a request's starts
+        self.history = AcceptanceHistory()
 
     def _disk(self) -> Optional[DiskCache]:
         """The prompt cache's entries on disk, where the config asks for them."""
@@ -296,6 +301,8 @@ class Engine(Scheduler):
             "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
             # the requests finished so far, per source of drafts
             "acceptance_by_source": self.totals.acceptance_by_source(),
+            # per drafter and depth, where the next request's acceptance starts
+            "acceptance_priors": self.history.priors(),
             "prompt_cache": {
                 "entries": len(self.prompt_cache),
                 "max_entries": c.prompt_cache_entries,
@@ -425,6 +432,7 @@ class Engine(Scheduler):
             stop_tokens=self.text_eos(),
             batched=True,
             memory=self.memory,
+            history=self.history,
             kv=self.config.kv,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read
