@@ -306,13 +306,15 @@ class CostAwareDraft:
 # A server starts each request's drafter from what that drafter's drafts were
 # worth in the requests before (``AcceptanceHistory``): once a depth has been
 # tested ``HISTORY_MIN_TESTS`` times, its rate there is a measured prior (no
-# ramp, ``PRIOR_WEIGHT``), over about the last ``HISTORY_WINDOW`` tests. A
-# drafter that never agreed then starts later requests at no drafts (probes
-# and the batch's exploration still try it now and then), where each request
-# would otherwise ramp from the default guess and pay its first rejected
-# rounds again.
+# ramp, ``PRIOR_WEIGHT``), over about the last ``HISTORY_WINDOW`` tests. Where
+# that prior says the drafter cannot pay (``drafts.can_pay``), requests leave
+# it out, reading along included, but one in ``HISTORY_RETRY`` takes it again
+# from its tuned rates or the default guess, so that a drafter the text has
+# come to suit is found again. Each request would otherwise ramp from the
+# guess and pay its first rejected rounds, and its reading along, again.
 HISTORY_MIN_TESTS = 8
 HISTORY_WINDOW = 64
+HISTORY_RETRY = 8
 
 
 class AcceptanceHistory:
@@ -322,10 +324,25 @@ class AcceptanceHistory:
     estimate (``AcceptanceEstimate``) in place of the default guess or the
     tuned rates."""
 
-    def __init__(self, min_tests: int = HISTORY_MIN_TESTS, window: int = HISTORY_WINDOW):
-        self.min_tests, self.window = min_tests, window
+    def __init__(
+        self,
+        min_tests: int = HISTORY_MIN_TESTS,
+        window: int = HISTORY_WINDOW,
+        retry: int = HISTORY_RETRY,
+    ):
+        self.min_tests, self.window, self.retry = min_tests, window, retry
         self.tests: Dict[str, List[float]] = {}
         self.kept: Dict[str, List[float]] = {}
+        self.left_out: Dict[str, int] = {}  # requests in a row without it
+
+    def leave_out(self, drafter: str) -> bool:
+        """Whether a request whose ``drafter`` cannot pay by this history
+        leaves it out: all but one in ``retry``, which tries it afresh."""
+        n = self.left_out.get(drafter, 0) + 1
+        if n >= self.retry:
+            n = 0
+        self.left_out[drafter] = n
+        return n > 0
 
     def record(self, drafter: str, drafted: int, accepted: int) -> None:
         """A round checked ``drafted`` of ``drafter``'s drafts and kept ``accepted``."""

@@ -486,10 +486,10 @@ def make_source(
     prompt ("ngram", "auto"). ``history``: what each drafter's drafts were
     worth in earlier generations (a server's ``AcceptanceHistory``); where it
     has tested a drafter enough, the drafter's acceptance starts there rather
-    than at the tuned rates or the default guess (whether a drafter can pay
-    here at all is still judged by its tuned rates, so a drafter that lost
-    on earlier requests stays in, to be tried now and then). A source that cannot be used here falls back
-    to what can: no drafter, no lookup, or plain steps.
+    than at the tuned rates or the default guess, and where by that it cannot
+    pay the drafter is left out, but for one generation in ``HISTORY_RETRY``,
+    which takes it afresh. A source that cannot be used here falls back to
+    what can: no drafter, no lookup, or plain steps.
     """
     check_source_name(name)
     check_draft_max(draft_max)
@@ -505,6 +505,11 @@ def make_source(
             asked = max(asked, k)
             continue
         seen = history.prior(d.name) if history is not None else None
+        if seen and adaptive and not can_pay(costs, seen, k):
+            if history.leave_out(d.name):
+                asked = max(asked, k)
+                continue
+            seen = None  # this one tries it afresh
         if batched:
             policy = FixedDraft(k, prior=seen or prior)
         else:

@@ -194,3 +194,36 @@ def test_the_server_starts_requests_where_earlier_ones_left_a_drafter(target):
     assert later >= 64 * (8 - i) - 8 * (8 - i)  # one round per token, about
     assert drafting <= later // policy.explore + 1  # exploring rounds alone
     assert server.engine.history.tests["dflash"][0] >= HISTORY_MIN_TESTS
+
+
+def test_a_drafter_the_history_says_cannot_pay_is_left_out_but_retried(target):
+    """Where what earlier requests' drafts were worth says a drafter cannot
+    pay, a request leaves it out (no drafts, no reading along), but one in
+    ``HISTORY_RETRY`` takes it afresh, from the default guess and its ramp."""
+    from mlx_mtp.adaptive import HISTORY_RETRY, AcceptanceHistory
+    from mlx_mtp.drafts import NoDrafts, can_pay
+
+    model = attach(*target, agreeable=False)
+    model.drafters[-1].cost = 0.5  # a dear block: pays at the guess, not at zero
+    costs = machine_costs(model, model.drafters[-1])
+    assert can_pay(costs, None, 7) and not can_pay(costs, [0.0], 7)
+    history = AcceptanceHistory()
+    for _ in range(10):
+        history.record("dflash", 2, 0)
+    kinds = []
+    for _ in range(2 * HISTORY_RETRY):
+        source = make_source(model, "dflash", None, batched=True, history=history)
+        kinds.append(type(source).__name__)
+        if isinstance(source, ModelDrafts):
+            assert not source.policy.estimate.measured  # afresh: the guess
+            assert source.bound() == 2  # and its ramp
+        else:
+            assert isinstance(source, NoDrafts) and source.asked == 7
+    assert kinds.count("ModelDrafts") == 2
+    assert kinds[HISTORY_RETRY - 1] == "ModelDrafts"
+    # a drafter that can pay by its history starts there
+    good = AcceptanceHistory()
+    for _ in range(10):
+        good.record("dflash", 2, 2)
+    source = make_source(model, "dflash", None, batched=True, history=good)
+    assert source.policy.estimate.measured and source.rates()[:2] == [1.0, 1.0]

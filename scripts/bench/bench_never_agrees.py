@@ -13,7 +13,9 @@ alternates from prompt to prompt).
 (prompt cache and lookup memory off), asked the same chats streamed, greedy,
 ``--tokens`` each, one at a time (``--streams 1``) or several at once,
 alternating requests with ``draft_max`` 0 (plain) and without (the drafter);
-tokens over wall time of each side, medians of the paired ratios.
+tokens over wall time of each side, medians of the paired ratios per
+repetition and their median, and the geometric mean and median of every
+pair (the steadier figure where one request's speed varies by 20%).
 
     python scripts/bench/bench_drafters.py --keep DIR   # random drafters
     python scripts/bench/bench_never_agrees.py DIR/DFlashDraftModel
@@ -117,6 +119,7 @@ def serve_side(args, prompts):
     server = start(cmd, port)
     sides = {"plain": {"draft_max": 0}, "drafted": {}}
     ratios = {n: [] for n in args.streams}
+    pairs = {n: [] for n in args.streams}  # every group's drafted / plain
     try:
         for side in sides:  # warm up
             run(server, port, prompts[:1], 8, sides[side])
@@ -129,9 +132,9 @@ def serve_side(args, prompts):
                     for side in order:
                         speed, _ = run(server, port, group, args.tokens, sides[side])
                         got.setdefault(side, []).append(speed)
-                ratio = statistics.median(
-                    d / p for d, p in zip(got["drafted"], got["plain"])
-                )
+                paired = [d / p for d, p in zip(got["drafted"], got["plain"])]
+                pairs[n] += paired
+                ratio = statistics.median(paired)
                 ratios[n].append(ratio)
                 print(f"{rep}: {n} streams, plain {statistics.median(got['plain']):.2f}"
                       f" tok/s, drafted {statistics.median(got['drafted']):.2f}, "
@@ -140,8 +143,11 @@ def serve_side(args, prompts):
         server.send_signal(2)
         server.wait(timeout=60)
     for n, rs in ratios.items():
+        every = pairs[n]
         print(f"serve, {n} streams: {args.source} / plain {statistics.median(rs):.3f} "
-              f"(median of {len(rs)} repetitions)")  # fmt: skip
+              f"(median of {len(rs)} repetitions); over all {len(every)} pairs: "
+              f"geometric mean {statistics.geometric_mean(every):.3f}, "
+              f"median {statistics.median(every):.3f}")  # fmt: skip
 
 
 def main():
