@@ -243,6 +243,7 @@ def chat(
         max_tokens=max_tokens,
         request=request,
         prefill_progress=progress,
+        remember=True,  # what the drafters were worth in earlier runs
     )
     if cached is not None:
         session.resume(cached.cache, cached.tokens, cached.prompt)

@@ -180,6 +180,7 @@ def generate(
             text,
             request=request,
             prefill_progress=bar,
+            remember=True,  # what the drafters were worth in earlier runs
             **resume,
         ):
             if truncate_prompt and not tokens:

@@ -98,7 +98,10 @@ class BatchDraftLength:
         def speed(k: int) -> float:
             return tokens(k) / self._seconds(times, k)
 
-        best = max(range(top + 1), key=speed)
+        # a length whose drafts no stream expects to keep cannot be faster
+        # than plain rounds, whatever noise in the times says
+        useful = [k for k in range(top + 1) if k == 0 or tokens(k) > tokens(0)]
+        best = max(useful, key=speed)
         # the drafts asked for, unless clearly slower (noise must not move it)
         choice = best if speed(best) > speed(asked) * (1 + MARGIN) else asked
         if self.rounds % self.explore == 0:

@@ -21,6 +21,7 @@ from .defaults import (
     DEFAULT_QUANTIZED_KV_START,
 )
 from .distributed import sync_verifier
+from . import remembered
 from .errors import MTPError
 from .kv import KVSettings
 from .loader import MTPModel
@@ -81,6 +82,7 @@ def stream_generate(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     trace: bool = False,
+    remember: bool = False,
     **kwargs,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
@@ -122,6 +124,12 @@ def stream_generate(
     ``truncate_prompt`` (see ``fit_context``); generation stops at the end of
     the context. ``prefill_progress(done, total)`` hears how many prompt
     tokens the trunk has read, before the first chunk and after each.
+
+    ``remember=True`` starts each drafter where earlier generations with it
+    on this model left it, and leaves one that cannot pay by them out, as a
+    server does across its requests; those histories are kept across
+    processes (``remembered``; the command line's ``generate`` and ``chat``
+    keep them). Only the speed changes.
     """
     if request is not None and kwargs:
         names = ", ".join(sorted(kwargs))
@@ -149,13 +157,14 @@ def stream_generate(
     detokenizer.reset()
     stop_tokens = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     rows = _Rows()
+    history = remembered.load(model) if remember else None
     steps = speculative_generate_step(
         tokens,
         model,
         max_tokens=max_tokens,
         draft_p_min=request.drafts.p_min,
         verifier=verifier,
-        drafts=request.source(model),
+        drafts=request.source(model, history=history),
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
@@ -166,32 +175,36 @@ def stream_generate(
         kv=request.kv,
     )
     n, prompt_tps = 0, 0.0
-    for token, from_draft in steps:
-        n += 1
-        if n == 1:
-            prompt_tps = stats.prompt_tokens / (time.perf_counter() - tic)
-        finish = None
-        if token in stop_tokens:
-            finish = "stop"
-        elif n == max_tokens:
-            finish = "length"
-        if finish != "stop":
-            detokenizer.add_token(token)
-        if finish is not None:
-            detokenizer.finalize()
-        yield GenerationResponse(
-            text=detokenizer.last_segment,
-            token=token,
-            from_draft=from_draft,
-            prompt_tokens=stats.prompt_tokens,
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=stats.generation_tps,
-            peak_memory=stats.peak_memory,
-            stats=stats,
-            finish_reason=finish,
-            logprobs=rows.rows.popleft(),
-        )
+    try:
+        for token, from_draft in steps:
+            n += 1
+            if n == 1:
+                prompt_tps = stats.prompt_tokens / (time.perf_counter() - tic)
+            finish = None
+            if token in stop_tokens:
+                finish = "stop"
+            elif n == max_tokens:
+                finish = "length"
+            if finish != "stop":
+                detokenizer.add_token(token)
+            if finish is not None:
+                detokenizer.finalize()
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                token=token,
+                from_draft=from_draft,
+                prompt_tokens=stats.prompt_tokens,
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=stats.generation_tps,
+                peak_memory=stats.peak_memory,
+                stats=stats,
+                finish_reason=finish,
+                logprobs=rows.rows.popleft(),
+            )
+    finally:  # the histories the next run starts from
+        if history is not None:
+            remembered.save(model, history)
 
 
 # mlx-lm's keywords that mlx-mtp does not take, and what it takes instead

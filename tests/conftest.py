@@ -14,6 +14,7 @@ import tiny_own_layout  # noqa: E402
 # of each tiny model: deterministic, and no costs.json written by the suite.
 # tests/test_probe.py measures; processes the tests start inherit this.
 os.environ["MLX_MTP_COSTS"] = "prior"
+os.environ["MLX_MTP_HISTORY"] = "off"  # no run starts from another's drafts
 
 # heads in the DeepSeek and MiMo layouts (tests/tiny.py)
 DRAFT_FAMILIES = [

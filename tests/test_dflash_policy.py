@@ -227,3 +227,53 @@ def test_a_drafter_the_history_says_cannot_pay_is_left_out_but_retried(target):
         good.record("dflash", 2, 2)
     source = make_source(model, "dflash", None, batched=True, history=good)
     assert source.policy.estimate.measured and source.rates()[:2] == [1.0, 1.0]
+
+
+def test_generate_remembers_a_drafter_across_processes(target, tmp_path, monkeypatch):
+    """``stream_generate(remember=True)`` (the command line's generate and
+    chat) keeps what each drafter's drafts were worth in
+    ``$XDG_CACHE_HOME/mlx-mtp/acceptance.json``: a later process starts
+    there, leaves a drafter that cannot pay by it out (one run in
+    ``HISTORY_RETRY`` tries it afresh), and answers as plain decoding does.
+    A damaged file is ignored; without ``remember`` nothing is read or
+    written."""
+    import json
+
+    from mlx_mtp import remembered
+    from mlx_mtp.adaptive import HISTORY_MIN_TESTS, HISTORY_RETRY
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("MLX_MTP_HISTORY", "on")
+    tiny.write_tokenizer(target[0])
+    tokenizer = mlx_mtp.load(target[0])[1]
+    prompt = tiny.random_prompt(24, seed=5)
+
+    def run_once(remember=True):
+        model = attach(*target, agreeable=False)  # a process's own model
+        model.drafters[-1].cost = 0.5  # pays at the guess, not at zero
+        out = list(mlx_mtp.stream_generate(
+            model, tokenizer, prompt, 48, draft_source="dflash", remember=remember
+        ))  # fmt: skip
+        return [r.token for r in out], out[-1].stats.drafted
+
+    plain = [r.token for r in mlx_mtp.stream_generate(
+        attach(*target, agreeable=False), tokenizer, prompt, 48, mtp=False)]  # fmt: skip
+    file = remembered.history_file()
+    tokens, _ = run_once(remember=False)
+    assert tokens == plain and not file.exists()
+    drafted = []
+    while True:  # until the history has tested it enough
+        tokens, n = run_once()
+        assert tokens == plain
+        drafted.append(n)
+        entry = json.loads(file.read_text())[0]["drafters"]
+        (key,) = entry
+        if entry[key]["tests"][0] >= HISTORY_MIN_TESTS:
+            break
+        assert len(drafted) < 6
+    assert key.startswith("dflash") and entry[key]["kept"][0] == 0
+    later = [run_once()[1] for _ in range(HISTORY_RETRY)]
+    assert later.count(0) == HISTORY_RETRY - 1 and max(later) > 0  # one retry
+    file.write_text("{damaged")
+    assert run_once()[0] == plain  # ignored: starts anew
+    assert json.loads(file.read_text())[0]["drafters"][key]["tests"][0] > 0

@@ -7,7 +7,10 @@ totals, every prompt's tokens over every prompt's decode time (an answer of
 one token weighs one token), from one process: ``--fresh`` runs each
 generation in a process of its own instead (the first generation after
 loading, as a user's ``mlx-mtp generate`` is; which side runs first, cold,
-alternates from prompt to prompt).
+alternates from prompt to prompt). ``--remember``: the drafted side keeps
+the drafter's history across runs, as ``mlx-mtp generate`` does
+(``remembered``; delete ``$XDG_CACHE_HOME/mlx-mtp/acceptance.json`` first
+to include the first contact).
 
 ``--serve``: one ``mlx-mtp serve --draft DIR --draft-source SOURCE`` process
 (prompt cache and lookup memory off), asked the same chats streamed, greedy,
@@ -20,6 +23,7 @@ pair (the steadier figure where one request's speed varies by 20%).
     python scripts/bench/bench_drafters.py --keep DIR   # random drafters
     python scripts/bench/bench_never_agrees.py DIR/DFlashDraftModel
         [--model M] [--source dflash] [--tokens 128] [--repeats 2] [--fresh]
+        [--remember]
         [--serve [--streams 1 4]]
 """
 
@@ -45,7 +49,8 @@ def generations(args, prompt: str, first: str = "plain") -> dict:
     out = {}
     sides = [
         ("plain", {"mtp": False}),
-        ("drafted", {"draft_source": args.source, "draft_max": args.draft_max}),
+        ("drafted", {"draft_source": args.source, "draft_max": args.draft_max,
+                     "remember": args.remember}),
     ]
     for side, kw in sides if first == "plain" else sides[::-1]:
         for r in mlx_mtp.stream_generate(model, tokenizer, prompt, args.tokens, **kw):
@@ -82,6 +87,8 @@ def generate_side(args, prompts):
                        "--first", first,
                        "--source", args.source, "--tokens", str(args.tokens),
                        "--draft-max", str(args.draft_max)]  # fmt: skip
+                if args.remember:
+                    cmd.append("--remember")
                 if args.model:
                     cmd += ["--model", args.model]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -159,6 +166,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--remember", action="store_true",
+                    help="as the command line's generate: each run starts from "
+                    "the drafter's history the runs before left")  # fmt: skip
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--streams", type=int, nargs="+", default=[1])
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
