@@ -225,6 +225,28 @@ def _valid(entry: Dict[str, Any]) -> bool:
     return bool(numbers[0] and numbers[1] and acceptance)
 
 
+def read_entries(file: Path) -> List[Dict[str, Any]]:
+    """The JSON list of entries in ``file`` (a cache of measurements): its
+    objects, or none where it cannot be read."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return []
+    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+
+
+def write_entries(file: Path, data: List[Dict[str, Any]]) -> None:
+    """Write ``data`` to ``file`` atomically; a folder that cannot be
+    written keeps it in this process only."""
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 def store_tuned(model, entry: Dict[str, Any]) -> Path:
     """Write ``entry`` into the MTP config beside the model, replacing the
     entry of the same machine and model; returns the file written."""

@@ -129,7 +129,8 @@ def stream_generate(
     on this model left it, and leaves one that cannot pay by them out, as a
     server does across its requests; those histories are kept across
     processes (``remembered``; the command line's ``generate`` and ``chat``
-    keep them). Only the speed changes.
+    keep them). Greedy output stays the same, and sampled output keeps its
+    distribution: only which drafts are made changes.
     """
     if request is not None and kwargs:
         names = ", ".join(sorted(kwargs))

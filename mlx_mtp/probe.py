@@ -30,7 +30,6 @@ the same prior guess (``adaptive.prior_costs``), as it must draft alike.
 pins it so that policies stay deterministic).
 """
 
-import json
 import os
 import statistics
 import time
@@ -138,26 +137,14 @@ def _valid(entry) -> bool:
 
 
 def _read() -> List[Dict[str, Any]]:
-    try:
-        data = json.loads(costs_file().read_text())
-    except (OSError, ValueError):
-        return []
-    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+    return config.read_entries(costs_file())
 
 
 def _write(entries: List[Dict[str, Any]], entry: Dict[str, Any]) -> None:
     """Add ``entry`` (replacing its key's), atomically; a cache folder that
     cannot be written keeps the measurement in this process only."""
     kept = [e for e in entries if _key(e) != _key(entry)]
-    data = (kept + [entry])[-MAX_ENTRIES:]
-    file = costs_file()
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(file)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    config.write_entries(costs_file(), (kept + [entry])[-MAX_ENTRIES:])
 
 
 def measure(model) -> Optional[Dict[str, Any]]:

@@ -18,7 +18,6 @@ Over several processes (``mlx.launch``) none is kept: every rank must
 draft alike. ``MLX_MTP_HISTORY=off`` turns it off (the test suite does).
 """
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -86,14 +85,7 @@ def save(model, history: Optional[AcceptanceHistory]) -> None:
             }
     kept = [e for e in entries if e.get("model") != identity]
     data = (kept + [{"model": identity, "drafters": drafters}])[-MAX_ENTRIES:]
-    file = history_file()
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(file)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    config.write_entries(history_file(), data)
 
 
 def _entry(entries: List[Dict[str, Any]], identity) -> Optional[Dict[str, Any]]:
@@ -101,8 +93,4 @@ def _entry(entries: List[Dict[str, Any]], identity) -> Optional[Dict[str, Any]]:
 
 
 def _read() -> List[Dict[str, Any]]:
-    try:
-        data = json.loads(history_file().read_text())
-    except (OSError, ValueError):
-        return []
-    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+    return config.read_entries(history_file())
