@@ -87,7 +87,7 @@ class BatchDraftLength:
         ends = [len(samples.get(k, ())) for k in (top, 0)]
         if ends[0] < MIN_SAMPLES and asked:  # the largest K first, then K = 0
             return top
-        if ends[1] < MIN_SAMPLES or not samples:
+        if ends[1] < MIN_SAMPLES:
             return 0
         self.rounds += 1
         if self.again:  # the plain round measured runs on from the one before

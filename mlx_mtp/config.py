@@ -225,6 +225,20 @@ def _valid(entry: Dict[str, Any]) -> bool:
     return bool(numbers[0] and numbers[1] and acceptance)
 
 
+def cache_file(name: str) -> Path:
+    """``name`` in mlx-mtp's folder of ``$XDG_CACHE_HOME`` (else ``~/.cache``):
+    what is measured or learnt here once and read by later processes."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-mtp" / name
+
+
+def sharded(model) -> bool:
+    """Whether ``model`` runs over several processes (``mlx.launch``), where
+    every rank must draft alike and nothing measured by one rank is used."""
+    sharding = getattr(model, "sharding", None)
+    return sharding is not None and sharding.size > 1
+
+
 def read_entries(file: Path) -> List[Dict[str, Any]]:
     """The JSON list of entries in ``file`` (a cache of measurements): its
     objects, or none where it cannot be read."""

@@ -10,6 +10,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from . import remembered
 from .cache import MTPCache
 from .config import no_drafts_reason
 from .defaults import (
@@ -21,7 +22,6 @@ from .defaults import (
     DEFAULT_QUANTIZED_KV_START,
 )
 from .distributed import sync_verifier
-from . import remembered
 from .errors import MTPError
 from .kv import KVSettings
 from .loader import MTPModel

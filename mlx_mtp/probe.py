@@ -53,8 +53,7 @@ DEPTHS = 4  # verify costs kept for 1..DEPTHS + 1 tokens
 
 
 def costs_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-mtp" / COSTS_FILE
+    return config.cache_file(COSTS_FILE)
 
 
 def machine_costs(model, drafter=None) -> Costs:
@@ -66,8 +65,7 @@ def machine_costs(model, drafter=None) -> Costs:
     if drafter is None and model.drafters:
         drafter = model.drafters[0]
     name = drafter.name if drafter is not None else "mtp"
-    sharding = getattr(model, "sharding", None)
-    if sharding is not None and sharding.size > 1:
+    if config.sharded(model):
         return _drafting(prior_costs(), drafter, None)
     entry = config.tuned_entry(model) if model.drafters else None
     if entry is not None:

@@ -30,15 +30,13 @@ MAX_ENTRIES = 32  # models kept in the file; the oldest written go first
 
 
 def history_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-mtp" / HISTORY_FILE
+    return config.cache_file(HISTORY_FILE)
 
 
 def enabled(model) -> bool:
     if os.environ.get("MLX_MTP_HISTORY", "").lower() in ("off", "0", "no"):
         return False
-    sharding = getattr(model, "sharding", None)
-    return bool(model.drafters) and not (sharding is not None and sharding.size > 1)
+    return bool(model.drafters) and not config.sharded(model)
 
 
 def load(model) -> Optional[AcceptanceHistory]:
