@@ -9,6 +9,7 @@ Greedy output must equal mlx-lm's plain greedy generation on one process.
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -163,8 +164,13 @@ def mtp_cli(*args):
 
 
 def launcher_problems(stderr: str):
-    """The launcher's lines about ranks that failed or were killed."""
-    return [line for line in stderr.splitlines() if "[WARN]" in line]
+    """The launcher's reports of ranks that failed or were killed.
+
+    It prints them from one thread per rank, so two reports can interleave
+    ("[WARN][WARN]  Node with rank 0 ...\nNode with rank 1 ..."): read the
+    reports from the whole text, not line by line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", stderr)
+    return re.findall(r"Node with rank \d+ (?:was killed|exited with code -?\d+)", text)
 
 
 def plain_greedy(folder, prompt, n=MAX_TOKENS):
