@@ -262,17 +262,22 @@ class CostAwareDraft:
         max_probe_gap: int = MAX_PROBE_GAP,
     ):
         self.draft_max = draft_max
-        self.costs = costs
         self.estimate = AcceptanceEstimate(
             draft_max, prior, prior_weight, min_rate, recover
         )
-        extra = costs.round(1) - 1.0 if draft_max > 0 else 0.0
-        probe_gap = max(probe_gap, math.ceil(extra / PROBE_BUDGET))
-        self.first_gap = min(probe_gap, max_probe_gap)
-        self.max_gap = max_probe_gap
+        self.probe_gap, self.max_gap = probe_gap, max_probe_gap
+        self.set_costs(costs)
         self.gap, self.idle = self.first_gap, 0
+
+    def set_costs(self, costs: Costs) -> None:
+        """Weigh rounds by ``costs`` from now on (a long context's, measured
+        there: ``probe.costs_at``); the acceptance learnt so far stays."""
+        self.costs = costs
+        extra = costs.round(1) - 1.0 if self.draft_max > 0 else 0.0
+        probe_gap = max(self.probe_gap, math.ceil(extra / PROBE_BUDGET))
+        self.first_gap = min(probe_gap, self.max_gap)
         # where even drafts that are always kept cannot pay, never draft
-        self.can_pay = best_draft_count([1.0], costs, draft_max) > 0
+        self.can_pay = best_draft_count([1.0], costs, self.draft_max) > 0
 
     @property
     def acceptance(self) -> List[float]:

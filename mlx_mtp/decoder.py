@@ -34,14 +34,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import rounds
+from . import probe, rounds
 from .batch_cache import RaggedKVCache, batchable, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
 from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
-from .kv import KVSettings, QuantizingKVCache, room
+from .kv import KVSettings, QuantizingKVCache, quantizes_later, room
 from .stream import Stream
 
 
@@ -377,6 +377,8 @@ class Decoder(DraftView):
             return [landed.get(id(s), []) for s in streams]
         if self.ahead is not None:
             return self._plain(tic)
+        if len(streams) == 1 and self.policy is None and not self.batched:
+            self._recost(streams[0])
         # 1) the round's draft length, and each stream's plan
         caps = [self.cap(s) for s in streams]
         k, self.next_k = (
@@ -406,6 +408,21 @@ class Decoder(DraftView):
         for s in streams:
             s.stats.generation_time += seconds
         return [e[:m] for e, m in zip(emitted, kept)]
+
+    def _recost(self, s: Stream) -> None:
+        """From a long context on, weigh ``s``'s rounds by costs measured at
+        its context (``probe.costs_at``: once per power of two of the tokens
+        its caches hold, once they have their lasting form). A batch needs none: its
+        policy times its rounds as they run (``BatchDraftLength``)."""
+        bucket = probe.context_bucket(s.cache.offset + 1)
+        if bucket in (None, s.costed_at) or not getattr(s.source, "weighs_costs", False):
+            return
+        if quantizes_later(s.cache.trunk):
+            return
+        s.costed_at = bucket
+        costs = probe.costs_at(self.model, self, s)
+        if costs is not None:
+            s.source.recost(costs)
 
     def _choose(self, caps: List[int]) -> int:
         """The round's draft length: the policy's, or the most any stream's

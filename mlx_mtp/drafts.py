@@ -114,6 +114,14 @@ class DraftSource(Protocol):
         a ready proposal (the single-stream loop runs plain steps ahead only
         while none can come)."""
 
+    # whether what it drafts follows round costs (a long context's are
+    # measured there and given to ``recost``)
+    weighs_costs: bool
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        """Weigh rounds from now on by ``costs`` (a drafter's name: the costs
+        of rounds with its drafts; None: of a lookup's, verifies alone)."""
+
 
 class NoDrafts:
     """Plain steps: no drafts."""
@@ -122,6 +130,7 @@ class NoDrafts:
     draft_max = 0
     drafters: FrozenSet[str] = frozenset()
     asked = 0  # drafts per round asked for, of drafters left out (``can_pay``)
+    weighs_costs = False
 
     def count(self) -> int:
         return 0
@@ -140,6 +149,9 @@ class NoDrafts:
 
     def may_propose_after(self, history: Sequence[int]) -> bool:
         return False
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        pass
 
 
 class ModelDrafts(NoDrafts):
@@ -183,6 +195,24 @@ class ModelDrafts(NoDrafts):
     @property
     def draft_max(self) -> int:
         return 0 if self.retired else self.policy.draft_max
+
+    @property
+    def weighs_costs(self) -> bool:
+        return self.retire_after is not None and not self.retired
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        """Its count follows ``costs`` of its drafter's rounds; where by them
+        even its measured acceptance cannot pay (``can_pay``), it gives the
+        drafter up (a context only grows, and its costs with it)."""
+        if not self.weighs_costs:
+            return
+        self.costs = costs(self.drafter)
+        k = self.policy.draft_max
+        if isinstance(self.policy, CostAwareDraft):
+            self.policy.set_costs(self.costs)
+        self.retire_after = rounds_to_give_up(self.costs, k)
+        prior = self.policy.estimate.prior if self.policy.estimate.measured else None
+        self.retired = not can_pay(self.costs, prior, k)
 
     @property
     def drafters(self) -> FrozenSet[str]:
@@ -271,6 +301,14 @@ class LookupDrafts(NoDrafts):
     def _costs(self) -> Costs:
         return self.lookups[0].costs if self.lookups else prior_costs()
 
+    @property
+    def weighs_costs(self) -> bool:
+        return bool(self.lookups)
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        for lookup in self.lookups:
+            lookup.costs = costs(None)
+
 
 class AutoDrafts(LookupDrafts):
     """Per round, a lookup proposal where checking it is expected to keep
@@ -334,6 +372,15 @@ class AutoDrafts(LookupDrafts):
             if m.drafter == source:
                 m.update(source, drafted, accepted)
 
+    @property
+    def weighs_costs(self) -> bool:
+        return super().weighs_costs or any(m.weighs_costs for m in self.models)
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        super().recost(costs)
+        for m in self.models:
+            m.recost(costs)
+
 
 class PhasedDrafts:
     """A thinking model's drafts: a source of its own for each phase of the
@@ -346,6 +393,7 @@ class PhasedDrafts:
 
     def __init__(self, make: Callable[[], DraftSource], phases):
         self.make, self.phases = make, phases
+        self.costs: Optional[Callable[[Optional[str]], Costs]] = None
         self.sources: Dict[str, DraftSource] = {phases.phase: make()}
         self.current = self.sources[phases.phase]
         self.planned: Optional[DraftSource] = None  # the source of the last plan
@@ -361,6 +409,8 @@ class PhasedDrafts:
         phase = self.phases(history)
         if phase not in self.sources:
             self.sources[phase] = self.make()
+            if self.costs is not None:  # the context's costs hold for it too
+                self.sources[phase].recost(self.costs)
         self.current = self.sources[phase]
 
     def count(self) -> int:
@@ -383,6 +433,15 @@ class PhasedDrafts:
     def may_propose_after(self, history: Sequence[int]) -> bool:
         self._follow(history)
         return self.current.may_propose_after(history)
+
+    @property
+    def weighs_costs(self) -> bool:
+        return any(source.weighs_costs for source in self.sources.values())
+
+    def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
+        self.costs = costs
+        for source in self.sources.values():
+            source.recost(costs)
 
 
 def source_names() -> List[str]:

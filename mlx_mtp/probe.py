@@ -34,18 +34,24 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
 from . import config
 from .adaptive import Costs, prior_costs
 from .cache import start_verify
-from .decoder import Decoder
+from .kv import describe_layer
 from .sampling import ExactMatchVerifier
 from .stream import open_stream
 
 COSTS_FILE = "costs.json"
+# From this many tokens of context on, a stream's rounds are weighed by costs
+# measured at its context (``costs_at``): a verify's attention over the
+# context grows with it, and by more than a plain step's where the caches
+# are quantized (on this machine's CPU, 16 K tokens of the default model's
+# 8-bit cache took a verify over 4 tokens from 1.4 steps to 2.0).
+LONG_CONTEXT = 4096
 REPEATS = 2
 CONTEXT = 48  # tokens of warm cache the parts are timed after
 MAX_ENTRIES = 32
@@ -100,7 +106,7 @@ def measured_entry(model) -> Optional[Dict[str, Any]]:
     cached = getattr(model, "_measured_costs", None)
     if _covers(cached, model):
         return cached
-    key = {"machine": config.machine(), "model": config.cached_identity(model)}
+    key = _key({"machine": config.machine(), "model": config.cached_identity(model)})
     entries = _read()
     found = next((e["costs"] for e in entries if _key(e) == key and _valid(e)), None)
     # a drafter attached since (each checkpoint under its own key) is measured
@@ -115,13 +121,65 @@ def measured_entry(model) -> Optional[Dict[str, Any]]:
     return found
 
 
+def context_bucket(length: int) -> Optional[int]:
+    """The context class whose costs a stream of ``length`` tokens is weighed
+    by: None below ``LONG_CONTEXT`` (the costs measured at a short context),
+    else the power of two at or below ``length``."""
+    if length < LONG_CONTEXT:
+        return None
+    return 1 << (length.bit_length() - 1)
+
+
+def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
+    """The round costs at ``stream``'s context (``context_bucket`` of the
+    tokens its caches hold), by
+    drafter name (None: a lookup's, whose rounds are verifies alone): stored
+    for this machine, model, context class and cache form, else measured now
+    on the stream itself (``time_parts``, about ten plain steps at that
+    context, once per machine) and stored. None where costs are not
+    measured (``MLX_MTP_COSTS=prior``, several processes) or the stream's
+    caches cannot be brought back."""
+    length = stream.cache.offset + 1  # the last token is read by the round
+    bucket = context_bucket(length)
+    if bucket is None or config.sharded(model):
+        return None
+    if os.environ.get("MLX_MTP_COSTS") == "prior":
+        return None
+    form = sorted({describe_layer(c) for c in stream.cache.trunk})
+    key = _key({"machine": config.machine(), "model": config.cached_identity(model),
+                "context": bucket, "kv": "; ".join(form)})  # fmt: skip
+    entries = _read()
+    found = next((e["costs"] for e in entries if _key(e) == key and _valid(e)), None)
+    if not _covers(found, model):
+        before = found["draft"] if found is not None else {}
+        found = time_parts(model, view, stream)
+        if found is None:
+            return None
+        found["draft"] = {**before, **found["draft"]}
+        found["at"] = length
+        _write(entries, {**key, "created": time.time(), "costs": found})
+    verify = [float(x) for x in found["verify"]]
+    drafters = {d.name: d for d in model.drafters}
+
+    def costs(name: Optional[str]) -> Costs:
+        d = drafters.get(name) if name is not None else None
+        if d is None:
+            return Costs(verify, [0.0])
+        draft = found["draft"].get(d.key)
+        if not draft:
+            draft = [d.prior_cost(k) for k in range(1, DEPTHS + 1)]
+        return Costs(verify, [float(x) for x in draft])
+
+    return costs
+
+
 def _covers(costs: Optional[Dict[str, Any]], model) -> bool:
     """Whether measured ``costs`` hold every drafter attached to ``model``."""
     return costs is not None and all(d.key in costs["draft"] for d in model.drafters)
 
 
 def _key(entry) -> Dict[str, Any]:
-    return {"machine": entry.get("machine"), "model": entry.get("model")}
+    return {k: entry.get(k) for k in ("machine", "model", "context", "kv")}
 
 
 def _valid(entry) -> bool:
@@ -151,6 +209,8 @@ def measure(model) -> Optional[Dict[str, Any]]:
     in plain steps, with the plain step's milliseconds and the measurement's
     own seconds; None where the caches cannot be brought back to time from
     one point."""
+    from .decoder import Decoder  # the loop's module weighs costs from here
+
     tic = time.perf_counter()
     vocab = model.trunk.embed_tokens.weight.shape[0]
     context = [(7 * i + 3) % min(vocab, 256) for i in range(CONTEXT)]
@@ -158,7 +218,19 @@ def measure(model) -> Optional[Dict[str, Any]]:
     view = Decoder(model, merge=False)
     view.add([stream])
     view.read_chunk([context], [0], CONTEXT)  # all but the last: y
-    cache, y = stream.cache, context[-1]
+    found = time_parts(model, view, stream)
+    view.remove([stream])
+    if found is not None:
+        found["seconds"] = round(time.perf_counter() - tic, 3)
+    return found
+
+
+def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
+    """``measure``'s timings on ``stream`` as it stands in ``view`` (its last
+    token not yet read by the trunk), which is brought back to where it
+    stood; None where its caches cannot be."""
+    tic = time.perf_counter()
+    cache, y = stream.cache, stream.history[-1]
     snapshot = cache.snapshot()
     if snapshot is None:
         return None
@@ -191,18 +263,19 @@ def measure(model) -> Optional[Dict[str, Any]]:
             jobs[d.name, k] = draft(d, k)
     times: Dict[Any, List[float]] = {key: [] for key in jobs}
     keys = list(jobs)
-    for key in keys[1:]:  # warm up: the kernels of each shape, untimed
-        cache.restore(snapshot)
-        jobs[key]()
-    for rep in range(REPEATS):
-        shift = rep % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+    try:
+        for key in keys[1:]:  # warm up: the kernels of each shape, untimed
             cache.restore(snapshot)
-            start = time.perf_counter()
             jobs[key]()
-            times[key].append(time.perf_counter() - start)
-    cache.restore(snapshot)
-    view.remove([stream])
+        for rep in range(REPEATS):
+            shift = rep % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                cache.restore(snapshot)
+                start = time.perf_counter()
+                jobs[key]()
+                times[key].append(time.perf_counter() - start)
+    finally:
+        cache.restore(snapshot)
     med = {key: statistics.median(t) for key, t in times.items()}
     step = med["plain", 0] / 2
     v2 = max(med["verify", 0] / step, 1.0)

@@ -66,6 +66,7 @@ class Stream:
     logprobs: Optional[Any] = None  # kept tokens' log-probabilities, if asked
     source: Any = None  # its ``drafts.DraftSource`` (None: every drafter's drafts)
     accepted: int = 0  # drafts kept in its last round
+    costed_at: Optional[int] = None  # its context class (``probe.context_bucket``) when its source was last given costs measured there
 
     @property
     def remaining(self) -> int:

@@ -9,7 +9,7 @@ import tiny
 
 import mlx_mtp
 from mlx_mtp import drafts, probe
-from mlx_mtp.adaptive import Costs, prior_costs
+from mlx_mtp.adaptive import CostAwareDraft, Costs, prior_costs
 from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.speculative import speculative_generate_step
 
@@ -125,3 +125,100 @@ def test_can_pay_by_the_optimistic_acceptance():
     assert drafts.can_pay(memory_bound, [0.3], 3)
     assert not drafts.can_pay(Costs([1.0, 1.8, 2.7], [0.08, 0.16]), [0.3], 3)
     assert drafts.can_pay(Costs([1.0, 1.8, 2.7], [0.08, 0.16]), [0.95], 3)
+
+
+# -- costs at a long context --------------------------------------------------
+
+
+@pytest.fixture
+def long_context(monkeypatch, measuring):
+    """Long contexts from 32 tokens on; the short context's costs cheap, so
+    that the head drafts and its rounds follow costs."""
+    monkeypatch.setattr(probe, "LONG_CONTEXT", 32)
+    cheap = Costs([1.0, 1.1, 1.2, 1.3, 1.4], [0.05, 0.1, 0.15, 0.2])
+    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
+    return measuring
+
+
+def test_context_buckets():
+    assert probe.context_bucket(probe.LONG_CONTEXT - 1) is None
+    assert probe.context_bucket(4096) == 4096 and probe.context_bucket(8191) == 4096
+    assert probe.context_bucket(16384) == 16384 and probe.context_bucket(40000) == 32768
+
+
+QUANTIZED = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+
+
+@pytest.mark.parametrize(
+    "family, kv", [("mimo", {}), ("mimo", QUANTIZED), ("qwen3_next", QUANTIZED)]
+)
+def test_costs_measured_at_a_long_context_keep_greedy_output(
+    tmp_path, long_context, family, kv
+):
+    """The costs are timed on the generation's own caches (quantized ones, a
+    recurrent hybrid's), at 32 tokens and again at 64, and stored by
+    context and cache form; the caches are brought back, so greedy output
+    is plain greedy output."""
+    if family == "qwen3_next":
+        import tiny_hybrid
+
+        folder = tiny_hybrid.build_folder(tmp_path / family, family, head_dim=32)[0]
+    else:
+        folder = tiny.build_folder(tmp_path / family, family, num_attention_heads=2)[0]
+    model, tokenizer = mlx_mtp.load(folder)
+    prompt = tiny.random_prompt(40)
+    plain = mlx_mtp.stream_generate(model, tokenizer, prompt, 40, mtp=False, **kv)
+    want = [r.token for r in plain]
+    got = list(mlx_mtp.stream_generate(model, tokenizer, prompt, 40, **kv))
+    assert [r.token for r in got] == want and got[-1].stats.drafted > 0
+    entries = [e for e in json.loads(long_context.read_text()) if e.get("context")]
+    assert sorted(e["context"] for e in entries) == [32, 64]
+    form = "8-bit keys and values (group size 32)" if kv else ""
+    assert all(form in e["kv"] for e in entries)
+    assert all(32 <= e["costs"]["at"] < 2 * e["context"] for e in entries)
+
+
+def test_the_source_follows_the_long_contexts_costs_stored_once(
+    folder, long_context, monkeypatch
+):
+    model = mlx_mtp.load_model(folder)
+    prompt = tiny.random_prompt(40)
+    source = make_source(model, "mtp", 3)
+    list(speculative_generate_step(prompt, model, max_tokens=8, drafts=source))
+    (entry,) = json.loads(long_context.read_text())
+    assert entry["context"] == 32 and entry["kv"] == "full-precision keys and values"
+    assert source.costs.verify == entry["costs"]["verify"]
+    assert source.policy.costs is source.costs
+    assert source.costs.draft == entry["costs"]["draft"]["mtp"]
+    # a later generation (a later process alike) reads them: nothing is timed
+    monkeypatch.setattr(probe, "time_parts", lambda *a: pytest.fail("timed again"))
+    again = make_source(mlx_mtp.load_model(folder), "auto", 3)
+    list(speculative_generate_step(prompt, model, max_tokens=8, drafts=again))
+    assert again.head.costs.verify == entry["costs"]["verify"]
+    assert all(x.costs.verify == entry["costs"]["verify"] for x in again.lookups)
+
+
+def test_where_the_costs_pinned_no_long_context_is_timed(folder, monkeypatch):
+    monkeypatch.setattr(probe, "LONG_CONTEXT", 32)
+    monkeypatch.setattr(probe, "time_parts", lambda *a: pytest.fail("timed"))
+    model = mlx_mtp.load_model(folder)  # the suite pins MLX_MTP_COSTS=prior
+    source = make_source(model, "mtp", 3, adaptive=True)
+    list(speculative_generate_step(tiny.random_prompt(40), model, max_tokens=8,
+                                   drafts=source))  # fmt: skip
+
+
+def test_a_drafter_that_cannot_pay_at_the_context_is_given_up():
+    """Where a long context's costs leave even the drafter's measured
+    acceptance unable to pay, it stops drafting and reading along; where
+    they still let it pay, its count weighs the new costs."""
+    cheap = Costs([1.0, 1.1, 1.2, 1.3], [0.05, 0.1, 0.15])
+    dear = Costs([1.0, 1.8, 2.6, 3.4], [0.05, 0.1, 0.15])
+    source = ModelDrafts(CostAwareDraft(3, cheap, [0.3]), "mtp", cheap)
+    assert source.weighs_costs and source.draft_max == 3
+    dearer = Costs([1.0, 1.15, 1.3, 1.45], [0.05, 0.1, 0.15])
+    source.recost(lambda name: dearer)
+    assert source.draft_max == 3 and source.policy.costs is dearer
+    assert source.retire_after >= drafts.RETIRE_ROUNDS
+    source.recost(lambda name: dear)
+    assert source.retired and source.draft_max == 0 and source.drafters == frozenset()
+    assert not source.weighs_costs
