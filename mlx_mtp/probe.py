@@ -24,8 +24,14 @@ hits all alike), after one untimed forward and proposal, and the medians
 kept: about eight forwards on the default model (see docs/performance.md for
 what that costs a fresh process).
 
-A tuned entry wins; over several processes (``mlx.launch``) every rank uses
-the same prior guess (``adaptive.prior_costs``), as it must draft alike.
+From ``LONG_CONTEXT`` tokens on, a single stream's rounds are weighed by
+costs timed the same way on its own caches at its context (``costs_at``:
+once per power of two of the context, per machine, model and cache form,
+stored in the same file): a verify's attention grows with the context.
+
+A tuned entry wins at short contexts; over several processes
+(``mlx.launch``) every rank uses the same prior guess
+(``adaptive.prior_costs``), as it must draft alike.
 ``MLX_MTP_COSTS=prior`` keeps the prior guess everywhere (the test suite
 pins it so that policies stay deterministic).
 """
