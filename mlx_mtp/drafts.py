@@ -23,8 +23,18 @@ API and both HTTP APIs go through it).
 """
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence
+from typing import (
+    Callable,
+    Deque,
+    Dict,
+    FrozenSet,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+)
 
 from . import config
 from .adaptive import (
@@ -66,6 +76,20 @@ PAY_MARGIN = 1.05
 # nothing: it no longer reads the trunk's features as they come (a cost the
 # rounds' costs leave out).
 RETIRE_ROUNDS = 6
+# The single-stream loop runs a plain round ahead of its token (the next
+# forward starts before this one's token is read) unless a lookup may propose
+# after that token; a round that waits for the token costs more where the
+# forward is long (``Decoder.wait_cost``: on this machine's CPU 1.3 plain
+# steps at 16 K tokens of an 8-bit cache, against one at short contexts).
+# Where lookups propose seldom, waiting for them lost more than they gained:
+# at 16 K tokens, with the whole context to look in, they may propose after
+# nearly every token. So once ``WAIT_SAMPLES`` waits are known, a source
+# whose latest ``WAIT_WINDOW`` waits gained less per round (tokens kept less
+# the round's cost, 0 where nothing was proposed) than a wait costs runs
+# ahead instead, but for one round in ``WAIT_RETRY``, which waits.
+WAIT_WINDOW = 16
+WAIT_SAMPLES = 4
+WAIT_RETRY = 8
 
 
 @dataclass
@@ -109,10 +133,13 @@ class DraftSource(Protocol):
     def update(self, source: str, drafted: int, accepted: int) -> None:
         """The round checked ``drafted`` drafts of ``source`` and kept ``accepted``."""
 
-    def may_propose_after(self, history: Sequence[int]) -> bool:
+    def may_propose_after(
+        self, history: Sequence[int], wait_cost: Optional[float] = 0.0
+    ) -> bool:
         """Whether the round after the token that follows ``history`` may hold
-        a ready proposal (the single-stream loop runs plain steps ahead only
-        while none can come)."""
+        a ready proposal worth waiting for: the single-stream loop runs plain
+        steps ahead only while none can come, and a round that waits costs
+        ``1 + wait_cost`` plain steps (``Decoder.wait_cost``)."""
 
     # whether what it drafts follows round costs (a long context's are
     # measured there and given to ``recost``)
@@ -147,7 +174,9 @@ class NoDrafts:
     def update(self, source: str, drafted: int, accepted: int) -> None:
         pass
 
-    def may_propose_after(self, history: Sequence[int]) -> bool:
+    def may_propose_after(
+        self, history: Sequence[int], wait_cost: Optional[float] = 0.0
+    ) -> bool:
         return False
 
     def recost(self, costs: Callable[[Optional[str]], Costs]) -> None:
@@ -272,11 +301,49 @@ class LookupDrafts(NoDrafts):
         self.lookup = lookup
         lookups = ([lookup] if lookup else []) + list(others)
         self.lookups: List[Lookup] = sorted(lookups, key=lambda x: x.order)
+        # what the rounds that waited for a proposal gained, in plain steps
+        # (0: none came); see ``WAIT_WINDOW``
+        self.waits: Deque[float] = deque(maxlen=WAIT_WINDOW)
+        self.waiting = False  # the next round waited
+        self.checking = False  # the round under way checks a waited-for proposal
+        self.passed = 0  # waits passed up in a row
 
     def plan(self, history: Sequence[int], room: int, k: int) -> Plan:
         return self._propose(history, room, 1.0)
 
+    def may_propose_after(
+        self, history: Sequence[int], wait_cost: Optional[float] = 0.0
+    ) -> bool:
+        """Whether a lookup may propose after the next token, and waiting
+        for it has paid: where the latest waits gained less per round than
+        a wait costs (``wait_cost``), the next round runs ahead instead, but
+        for one in ``WAIT_RETRY``, which waits to see whether lookups pay
+        again (a passage being copied). While the loop has not timed both
+        kinds of round (``wait_cost`` None), every other wait runs ahead."""
+        if not any(lookup.may_propose_after(history) for lookup in self.lookups):
+            return False
+        waits, retry = self.waits, WAIT_RETRY
+        if wait_cost is None:
+            pass_up, retry = True, 2
+        else:
+            pass_up = len(waits) >= WAIT_SAMPLES and sum(waits) / len(waits) < wait_cost
+        if pass_up:
+            self.passed += 1
+            if self.passed < retry:
+                return False
+        self.passed = 0
+        self.waiting = True
+        return True
+
     def _propose(self, history: Sequence[int], room: int, against: float) -> Plan:
+        plan = self._offer(history, room, against)
+        if self.waiting:  # its gain is known once the verify is (``update``)
+            self.waiting, self.checking = False, bool(plan.tokens)
+            if not plan.tokens:
+                self.waits.append(0.0)
+        return plan
+
+    def _offer(self, history: Sequence[int], room: int, against: float) -> Plan:
         if room <= 0:
             return Plan()
         best, tokens, value = None, [], against
@@ -294,9 +361,10 @@ class LookupDrafts(NoDrafts):
         for lookup in self.lookups:
             if lookup.tag == source:
                 lookup.update(drafted, accepted)
-
-    def may_propose_after(self, history: Sequence[int]) -> bool:
-        return any(lookup.may_propose_after(history) for lookup in self.lookups)
+                if self.checking:  # tokens kept, less the round's cost
+                    cost = lookup.costs.verify_cost(drafted + 1)
+                    self.waits.append(accepted + 1 - cost)
+                    self.checking = False
 
     def _costs(self) -> Costs:
         return self.lookups[0].costs if self.lookups else prior_costs()
@@ -430,9 +498,11 @@ class PhasedDrafts:
     def update(self, source: str, drafted: int, accepted: int) -> None:
         (self.planned or self.current).update(source, drafted, accepted)
 
-    def may_propose_after(self, history: Sequence[int]) -> bool:
+    def may_propose_after(
+        self, history: Sequence[int], wait_cost: Optional[float] = 0.0
+    ) -> bool:
         self._follow(history)
-        return self.current.may_propose_after(history)
+        return self.current.may_propose_after(history, wait_cost)
 
     @property
     def weighs_costs(self) -> bool:

@@ -223,3 +223,69 @@ def test_the_budget_writes_the_close_once_it_runs_out():
     assert budget_row(t, [4, 5]) is None  # never opened
     assert budget_row(t, [100, 5]) == CLOSE[0]
     assert thinking(budget=None).processor() is None
+
+
+# -- waiting for a lookup's proposal -------------------------------------------------
+
+
+def _waiting_source():
+    """Lookups in a predicted answer that proposes after every token, but
+    whose proposals (the test says) are never checked."""
+    prediction = PredictionLookup(list(range(50, 90)), prior_costs())
+    return LookupDrafts(None, [prediction])
+
+
+def test_waits_that_do_not_pay_for_what_they_forfeit_run_ahead():
+    """The single-stream loop waits for a token before the next round only
+    where a proposal may come and waiting has paid; where the latest waits
+    gained less than a wait costs, 1 in ``WAIT_RETRY`` still waits."""
+    from mlx_mtp import drafts
+
+    source, history = _waiting_source(), [1, 2, 3]
+    # a wait's cost not known yet: every other round runs ahead, so the
+    # loop times both kinds of round
+    assert [source.may_propose_after(history, None) for _ in range(4)] == [
+        False, True, False, True,
+    ]  # fmt: skip
+    source.waiting = False
+    for _ in range(drafts.WAIT_SAMPLES):  # waits in which nothing came
+        assert source.may_propose_after(history, 0.3)
+        assert source.plan(history, 0, 0).tokens == []  # no room: no proposal
+    assert list(source.waits) == [0.0] * drafts.WAIT_SAMPLES
+    asked = [source.may_propose_after(history, 0.3) for _ in range(2 * drafts.WAIT_RETRY)]
+    assert sum(asked) == 2 and asked[drafts.WAIT_RETRY - 1]
+    # where a wait costs nothing (a short context), every chance is waited for
+    assert all(source.may_propose_after(history, 0.0) for _ in range(4))
+
+
+def test_waits_that_pay_go_on():
+    """A wait whose proposal of ``n`` was kept whole gained ``n + 1`` tokens
+    less the round's cost; such waits beat a wait's cost of 0.3 and the
+    source goes on waiting."""
+    from mlx_mtp import drafts
+
+    source, history = _waiting_source(), [1, 2, 3]
+    gains = []
+    for _ in range(drafts.WAIT_SAMPLES):
+        assert source.may_propose_after(history, 0.3)
+        plan = source.plan(history, 4, 0)
+        n = len(plan.tokens)
+        assert plan.source == "prediction" and n > 0
+        source.update("prediction", n, n)
+        gains.append(n + 1 - prior_costs().verify_cost(n + 1))
+    assert list(source.waits) == pytest.approx(gains) and min(gains) > 0.3
+    assert all(source.may_propose_after(history, 0.3) for _ in range(8))
+
+
+def test_the_loop_times_rounds_run_ahead_and_cold():
+    from mlx_mtp.decoder import TIMED_MIN, Decoder
+
+    decoder = Decoder.__new__(Decoder)
+    decoder.plain_seconds = {True: [], False: []}
+    for _ in range(TIMED_MIN):
+        assert decoder.wait_cost() is None
+        decoder.plain_seconds[True].append(0.13)
+        decoder.plain_seconds[False].append(0.10)
+    assert decoder.wait_cost() == pytest.approx(0.3)
+    decoder.plain_seconds[True][:] = [0.09] * TIMED_MIN  # never below 0
+    assert decoder.wait_cost() == 0.0
