@@ -271,7 +271,7 @@ class CostAwareDraft:
 
     def set_costs(self, costs: Costs) -> None:
         """Weigh rounds by ``costs`` from now on (a long context's, measured
-        there: ``probe.costs_at``); the acceptance learnt so far stays."""
+        there: ``timing.costs_at``); the acceptance learnt so far stays."""
         self.costs = costs
         extra = costs.round(1) - 1.0 if self.draft_max > 0 else 0.0
         probe_gap = max(self.probe_gap, math.ceil(extra / PROBE_BUDGET))

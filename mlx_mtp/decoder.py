@@ -36,7 +36,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import probe, rounds
+from . import rounds, timing
 from .batch_cache import RaggedKVCache, batchable, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
@@ -423,16 +423,17 @@ class Decoder(DraftView):
 
     def _recost(self, s: Stream) -> None:
         """From a long context on, weigh ``s``'s rounds by costs measured at
-        its context (``probe.costs_at``: once per power of two of the tokens
+        its context (``timing.costs_at``: once per power of two of the tokens
         its caches hold, once they have their lasting form). A batch needs none: its
         policy times its rounds as they run (``BatchDraftLength``)."""
-        bucket = probe.context_bucket(s.cache.offset + 1)
-        if bucket in (None, s.costed_at) or not getattr(s.source, "weighs_costs", False):
+        bucket = timing.context_bucket(s.cache.offset + 1)
+        weighs = getattr(s.source, "weighs_costs", False)
+        if bucket in (None, s.costed_at) or not weighs:
             return
         if quantizes_later(s.cache.trunk):
             return
         s.costed_at = bucket
-        costs = probe.costs_at(self.model, self, s)
+        costs = timing.costs_at(self.model, self, s)
         if costs is not None:
             s.source.recost(costs)
 

@@ -66,7 +66,8 @@ class Stream:
     logprobs: Optional[Any] = None  # kept tokens' log-probabilities, if asked
     source: Any = None  # its ``drafts.DraftSource`` (None: every drafter's drafts)
     accepted: int = 0  # drafts kept in its last round
-    costed_at: Optional[int] = None  # its context class (``probe.context_bucket``) when its source was last given costs measured there
+    # the context class (``timing.context_bucket``) whose costs its source has
+    costed_at: Optional[int] = None
 
     @property
     def remaining(self) -> int:

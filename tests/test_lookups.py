@@ -252,7 +252,9 @@ def test_waits_that_do_not_pay_for_what_they_forfeit_run_ahead():
         assert source.may_propose_after(history, 0.3)
         assert source.plan(history, 0, 0).tokens == []  # no room: no proposal
     assert list(source.waits) == [0.0] * drafts.WAIT_SAMPLES
-    asked = [source.may_propose_after(history, 0.3) for _ in range(2 * drafts.WAIT_RETRY)]
+    asked = [
+        source.may_propose_after(history, 0.3) for _ in range(2 * drafts.WAIT_RETRY)
+    ]
     assert sum(asked) == 2 and asked[drafts.WAIT_RETRY - 1]
     # where a wait costs nothing (a short context), every chance is waited for
     assert all(source.may_propose_after(history, 0.0) for _ in range(4))

@@ -8,7 +8,7 @@ import pytest
 import tiny
 
 import mlx_mtp
-from mlx_mtp import drafts, probe
+from mlx_mtp import drafts, probe, timing
 from mlx_mtp.adaptive import CostAwareDraft, Costs, prior_costs
 from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.speculative import speculative_generate_step
@@ -19,7 +19,7 @@ def measuring(monkeypatch, tmp_path):
     """Costs measured (not the suite's pinned prior), kept under ``tmp_path``."""
     monkeypatch.delenv("MLX_MTP_COSTS", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path / "mlx-mtp" / probe.COSTS_FILE
+    return tmp_path / "mlx-mtp" / timing.COSTS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +134,16 @@ def test_can_pay_by_the_optimistic_acceptance():
 def long_context(monkeypatch, measuring):
     """Long contexts from 32 tokens on; the short context's costs cheap, so
     that the head drafts and its rounds follow costs."""
-    monkeypatch.setattr(probe, "LONG_CONTEXT", 32)
+    monkeypatch.setattr(timing, "LONG_CONTEXT", 32)
     cheap = Costs([1.0, 1.1, 1.2, 1.3, 1.4], [0.05, 0.1, 0.15, 0.2])
     monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
     return measuring
 
 
 def test_context_buckets():
-    assert probe.context_bucket(probe.LONG_CONTEXT - 1) is None
-    assert probe.context_bucket(4096) == 4096 and probe.context_bucket(8191) == 4096
-    assert probe.context_bucket(16384) == 16384 and probe.context_bucket(40000) == 32768
+    assert timing.context_bucket(timing.LONG_CONTEXT - 1) is None
+    assert timing.context_bucket(4096) == 4096 and timing.context_bucket(8191) == 4096
+    assert timing.context_bucket(16384) == 16384 and timing.context_bucket(40000) == 32768
 
 
 QUANTIZED = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
@@ -191,7 +191,7 @@ def test_the_source_follows_the_long_contexts_costs_stored_once(
     assert source.policy.costs is source.costs
     assert source.costs.draft == entry["costs"]["draft"]["mtp"]
     # a later generation (a later process alike) reads them: nothing is timed
-    monkeypatch.setattr(probe, "time_parts", lambda *a: pytest.fail("timed again"))
+    monkeypatch.setattr(timing, "time_parts", lambda *a: pytest.fail("timed again"))
     again = make_source(mlx_mtp.load_model(folder), "auto", 3)
     list(speculative_generate_step(prompt, model, max_tokens=8, drafts=again))
     assert again.head.costs.verify == entry["costs"]["verify"]
@@ -199,8 +199,8 @@ def test_the_source_follows_the_long_contexts_costs_stored_once(
 
 
 def test_where_the_costs_pinned_no_long_context_is_timed(folder, monkeypatch):
-    monkeypatch.setattr(probe, "LONG_CONTEXT", 32)
-    monkeypatch.setattr(probe, "time_parts", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(timing, "LONG_CONTEXT", 32)
+    monkeypatch.setattr(timing, "time_parts", lambda *a: pytest.fail("timed"))
     model = mlx_mtp.load_model(folder)  # the suite pins MLX_MTP_COSTS=prior
     source = make_source(model, "mtp", 3, adaptive=True)
     list(speculative_generate_step(tiny.random_prompt(40), model, max_tokens=8,
