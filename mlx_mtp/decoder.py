@@ -424,8 +424,8 @@ class Decoder(DraftView):
     def _recost(self, s: Stream) -> None:
         """From a long context on, weigh ``s``'s rounds by costs measured at
         its context (``timing.costs_at``: once per power of two of the tokens
-        its caches hold, once they have their lasting form). A batch needs none: its
-        policy times its rounds as they run (``BatchDraftLength``)."""
+        its caches hold, once they have their lasting form). A batch needs
+        none: its policy times its rounds as they run (``BatchDraftLength``)."""
         bucket = timing.context_bucket(s.cache.offset + 1)
         weighs = getattr(s.source, "weighs_costs", False)
         if bucket in (None, s.costed_at) or not weighs:

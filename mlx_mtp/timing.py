@@ -51,13 +51,12 @@ def context_bucket(length: int) -> Optional[int]:
 
 def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
     """The round costs at ``stream``'s context (``context_bucket`` of the
-    tokens its caches hold), by
-    drafter name (None: a lookup's, whose rounds are verifies alone): stored
-    for this machine, model, context class and cache form, else measured now
-    on the stream itself (``time_parts``, about ten plain steps at that
-    context, once per machine) and stored. None where costs are not
-    measured (``MLX_MTP_COSTS=prior``, several processes) or the stream's
-    caches cannot be brought back."""
+    tokens its caches hold), by drafter name (None: a lookup's, whose rounds
+    are verifies alone): stored for this machine, model, context class and
+    cache form, else timed now on the stream itself (``time_parts``, about
+    ten plain steps at that context, once per machine) and stored. None
+    where costs are not measured (``MLX_MTP_COSTS=prior``, several
+    processes) or the stream's caches cannot be brought back."""
     length = stream.cache.offset + 1  # the last token is read by the round
     bucket = context_bucket(length)
     if bucket is None or config.sharded(model):
@@ -65,8 +64,14 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
     if os.environ.get("MLX_MTP_COSTS") == "prior":
         return None
     form = sorted({describe_layer(c) for c in stream.cache.trunk})
-    key = entry_key({"machine": config.machine(), "model": config.cached_identity(model),
-                "context": bucket, "kv": "; ".join(form)})  # fmt: skip
+    key = entry_key(
+        {
+            "machine": config.machine(),
+            "model": config.cached_identity(model),
+            "context": bucket,
+            "kv": "; ".join(form),
+        }
+    )
     entries = read_entries()
     found = next(
         (e["costs"] for e in entries if entry_key(e) == key and valid_entry(e)), None
@@ -95,9 +100,12 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
 
 
 def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
-    """``measure``'s timings on ``stream`` as it stands in ``view`` (its last
-    token not yet read by the trunk), which is brought back to where it
-    stood; None where its caches cannot be."""
+    """The parts of a round (see the module's docstring) timed on ``stream``
+    as it stands in ``view`` (its last token not yet read by the trunk), in
+    plain steps: ``{"verify": [1..DEPTHS + 1 tokens], "draft": {key: [k =
+    1..DEPTHS]}}``, with the plain step's milliseconds and the timing's own
+    seconds. The stream is brought back to where it stood; None where its
+    caches cannot be."""
     tic = time.perf_counter()
     cache, y = stream.cache, stream.history[-1]
     snapshot = cache.snapshot()
