@@ -523,7 +523,7 @@ class Decoder(DraftView):
         # (``add`` reads a round's end alone: no sample)
         if self.policy is not None and start_next and not (cold and self.ahead):
             self.policy.record(n, 0, seconds)
-        if start_next and not self.batched:
+        if start_next and n == 1:
             self.plain_seconds[cold].append(seconds)
         for s in streams:
             s.stats.generation_time += seconds

@@ -319,12 +319,14 @@ class LookupDrafts(NoDrafts):
         a wait costs (``wait_cost``), the next round runs ahead instead, but
         for one in ``WAIT_RETRY``, which waits to see whether lookups pay
         again (a passage being copied). While the loop has not timed both
-        kinds of round (``wait_cost`` None), every other wait runs ahead."""
+        kinds of round (``wait_cost`` None), every other wait runs ahead
+        unless the waits so far gained a plain step each (a predicted answer
+        being followed), so that the loop times both."""
         if not any(lookup.may_propose_after(history) for lookup in self.lookups):
             return False
         waits, retry = self.waits, WAIT_RETRY
         if wait_cost is None:
-            pass_up, retry = True, 2
+            pass_up, retry = not waits or sum(waits) / len(waits) < 1.0, 2
         else:
             pass_up = len(waits) >= WAIT_SAMPLES and sum(waits) / len(waits) < wait_cost
         if pass_up:

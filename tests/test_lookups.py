@@ -277,6 +277,8 @@ def test_waits_that_pay_go_on():
         gains.append(n + 1 - prior_costs().verify_cost(n + 1))
     assert list(source.waits) == pytest.approx(gains) and min(gains) > 0.3
     assert all(source.may_propose_after(history, 0.3) for _ in range(8))
+    # before the loop has timed a wait, waits that gained a step each go on
+    assert all(source.may_propose_after(history, None) for _ in range(4))
 
 
 def test_the_loop_times_rounds_run_ahead_and_cold():
