@@ -331,6 +331,9 @@ class ClusterEngine(Engine):
                     self._turn(plan)
                 self.stats.turn_time += time.perf_counter() - tic
         except PeerLost as e:
+            # the line to a rank that died names it (``Liveness``); under load
+            # the collective failed first, and the answers said no rank
+            self._peer_gone()
             self.lose(f"a process of this server stopped ({e})")
         finally:
             mx.synchronize()
