@@ -45,15 +45,7 @@ from .adaptive import Costs, prior_costs
 from .decoder import Decoder
 from .sampling import ExactMatchVerifier
 from .stream import open_stream
-from .timing import (
-    DEPTHS,
-    covers,
-    entry_key,
-    read_entries,
-    time_parts,
-    valid_entry,
-    write_entry,
-)
+from .timing import covers, drafting, entry_key, stored_or_timed, time_parts
 
 CONTEXT = 48  # tokens of warm cache the parts are timed after
 
@@ -68,34 +60,23 @@ def machine_costs(model, drafter=None) -> Costs:
         drafter = model.drafters[0]
     name = drafter.name if drafter is not None else "mtp"
     if config.sharded(model):
-        return _drafting(prior_costs(), drafter, None)
+        return drafting(prior_costs(), drafter, None)
     entry = config.tuned_entry(model) if model.drafters else None
     if entry is not None:
         tuned = Costs.from_dict(entry["costs"])
         if name == "mtp":
             return tuned
-        return _drafting(
+        return drafting(
             tuned, drafter, (entry["costs"].get("drafters") or {}).get(name)
         )
     found = None
     if os.environ.get("MLX_MTP_COSTS") != "prior":
         found = measured_entry(model)
     if found is None:
-        return _drafting(prior_costs(config.compute_bound()), drafter, None)
+        return drafting(prior_costs(config.compute_bound()), drafter, None)
     measured = Costs([float(x) for x in found["verify"]], [0.08])
     key = drafter.key if drafter is not None else name
-    return _drafting(measured, drafter, found["draft"].get(key), replace=True)
-
-
-def _drafting(costs: Costs, drafter, draft, replace: bool = False) -> Costs:
-    """``costs`` with ``drafter``'s draft costs ``draft``; where those were not
-    measured, its prior ones (the head's prior is ``costs``' own, unless
-    ``replace``)."""
-    if draft:
-        return Costs(costs.verify, [float(x) for x in draft])
-    if drafter is None or (drafter.name == "mtp" and not replace):
-        return costs
-    return Costs(costs.verify, [drafter.prior_cost(k) for k in range(1, DEPTHS + 1)])
+    return drafting(measured, drafter, found["draft"].get(key), replace=True)
 
 
 def measured_entry(model) -> Optional[Dict[str, Any]]:
@@ -107,18 +88,7 @@ def measured_entry(model) -> Optional[Dict[str, Any]]:
     key = entry_key(
         {"machine": config.machine(), "model": config.cached_identity(model)}
     )
-    entries = read_entries()
-    found = next(
-        (e["costs"] for e in entries if entry_key(e) == key and valid_entry(e)), None
-    )
-    # a drafter attached since (each checkpoint under its own key) is measured
-    # with the rest, and the drafters measured before are kept
-    if not covers(found, model):
-        before = found["draft"] if found is not None else {}
-        found = measure(model)
-        if found is not None:
-            found["draft"] = {**before, **found["draft"]}
-            write_entry(entries, {**key, "created": time.time(), "costs": found})
+    found = stored_or_timed(model, key, lambda: measure(model))
     object.__setattr__(model, "_measured_costs", found)
     return found
 

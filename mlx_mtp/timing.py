@@ -72,31 +72,55 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
             "kv": "; ".join(form),
         }
     )
-    entries = read_entries()
-    found = next(
-        (e["costs"] for e in entries if entry_key(e) == key and valid_entry(e)), None
-    )
-    if not covers(found, model):
-        before = found["draft"] if found is not None else {}
+
+    def timed() -> Optional[Dict[str, Any]]:
         found = time_parts(model, view, stream)
-        if found is None:
-            return None
-        found["draft"] = {**before, **found["draft"]}
-        found["at"] = length
-        write_entry(entries, {**key, "created": time.time(), "costs": found})
-    verify = [float(x) for x in found["verify"]]
+        if found is not None:
+            found["at"] = length
+        return found
+
+    found = stored_or_timed(model, key, timed)
+    if found is None:
+        return None
+    verify = Costs([float(x) for x in found["verify"]], [0.0])
     drafters = {d.name: d for d in model.drafters}
 
     def costs(name: Optional[str]) -> Costs:
         d = drafters.get(name) if name is not None else None
-        if d is None:
-            return Costs(verify, [0.0])
-        draft = found["draft"].get(d.key)
-        if not draft:
-            draft = [d.prior_cost(k) for k in range(1, DEPTHS + 1)]
-        return Costs(verify, [float(x) for x in draft])
+        draft = found["draft"].get(d.key) if d is not None else None
+        return drafting(verify, d, draft, replace=True)
 
     return costs
+
+
+def stored_or_timed(model, key, timed) -> Optional[Dict[str, Any]]:
+    """The stored costs under ``key`` where they hold every drafter attached
+    to ``model``; else ``timed()``'s (None: they cannot be timed), stored with
+    the drafters timed before kept (a drafter attached since, each
+    checkpoint under its own key, is timed with the rest)."""
+    entries = read_entries()
+    found = next(
+        (e["costs"] for e in entries if entry_key(e) == key and valid_entry(e)), None
+    )
+    if covers(found, model):
+        return found
+    before = found["draft"] if found is not None else {}
+    found = timed()
+    if found is not None:
+        found["draft"] = {**before, **found["draft"]}
+        write_entry(entries, {**key, "created": time.time(), "costs": found})
+    return found
+
+
+def drafting(costs: Costs, drafter, draft, replace: bool = False) -> Costs:
+    """``costs`` with ``drafter``'s draft costs ``draft``; where those were not
+    measured, its prior ones (the head's prior is ``costs``' own, unless
+    ``replace``)."""
+    if draft:
+        return Costs(costs.verify, [float(x) for x in draft])
+    if drafter is None or (drafter.name == "mtp" and not replace):
+        return costs
+    return Costs(costs.verify, [drafter.prior_cost(k) for k in range(1, DEPTHS + 1)])
 
 
 def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
