@@ -27,7 +27,7 @@ from mlx_mtp.defaults import (
     MAX_DRAFT_MAX,
 )
 from mlx_mtp.drafters import kinds
-from mlx_mtp.trunk import HIDDEN_TAPS
+from mlx_mtp.target import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
 

@@ -15,12 +15,8 @@ from mlx_mtp.config import read_head_config
 from mlx_mtp.drafters import read_drafter_config
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, layers_present
-from mlx_mtp.loader import (
-    HEAD_FILE_GLOB,
-    check_safetensors,
-    read_config,
-    trained_head_family,
-)
+from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
+from mlx_mtp.weights import check_safetensors
 
 from .gguf_hybrid import ARCHS as HYBRID
 from .gguf_nemotron import ARCHS as NEMOTRON

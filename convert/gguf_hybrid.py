@@ -118,7 +118,7 @@ def name_map(
 ) -> Dict[str, str]:
     """GGUF name -> the name the converter carries it under.
 
-    Trunk tensors get mlx-lm's names; MTP tensors the head's checkpoint names
+    Target tensors get mlx-lm's names; MTP tensors the head's checkpoint names
     (``mtp.*``); qwen3next's split linear-attention input gets temporary
     ``in_proj_qkv`` / ``in_proj_z`` names until ``finish`` fuses it.
     """

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
-from mlx_mtp.trunk import find_backbone
+from mlx_mtp.target import find_backbone
 
 from . import gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import sanitize_block
-from mlx_mtp.trunk import embedding, find_backbone, output_head
+from mlx_mtp.target import embedding, find_backbone, output_head
 
 from .precision import is_quantized
 

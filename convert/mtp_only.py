@@ -15,7 +15,8 @@ import mlx.core as mx
 from mlx_mtp.config import HEAD_CONFIG_FILE
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, gemma4_assistant
-from mlx_mtp.loader import is_assistant, read_assistant, read_config, read_safetensors
+from mlx_mtp.loader import is_assistant, read_assistant, read_config
+from mlx_mtp.weights import read_safetensors
 
 from .gguf_source import read_gguf
 from .hub import fetch_mtp_shards, is_repo_id

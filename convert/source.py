@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 
 from mlx_mtp.errors import MTPError
-from mlx_mtp.loader import read_config, read_safetensors
+from mlx_mtp.loader import read_config
+from mlx_mtp.weights import read_safetensors
 
 # Files a Hugging Face folder keeps its tokenizer and chat template in.
 TOKENIZER_FILES = (

@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from .defaults import VERSION as __version__
 
 # A source checkout keeps cli/, convert/ and metal/ beside this folder; they
 # install as mlx_mtp.cli, mlx_mtp.convert and mlx_mtp.metal. When the checkout's

@@ -25,7 +25,7 @@ from .defaults import DEFAULT_PREFILL_STEP
 from .errors import MTPError
 from .generate import request_from
 from .loader import MTPModel
-from .prompts import context_length, encode, fit_context
+from .prompts import context_length, encode_prompt, fit_prompt
 from .request import GenerationRequest
 from .sampling import Sampler
 from .scheduler import Job, Scheduler
@@ -54,7 +54,7 @@ class _Batch(Scheduler):
         # the round times measured on this model serve its later calls too
         policy = None
         if request.drafts.adaptive:
-            policy = _POLICIES.setdefault(model.trunk, BatchDraftLength())
+            policy = _POLICIES.setdefault(model.target, BatchDraftLength())
         super().__init__(
             model, policy, request.drafts.p_min, limit, reading, step, request.kv
         )
@@ -98,7 +98,7 @@ def batch_generate(
     mlx-lm's ``batch_generate``, with its arguments and its return value
     (``texts``, ``stats``, and when asked ``caches``, ``token_ids``,
     ``logprobs``; plus each prompt's ``finish_reasons`` and ``mtp_stats``).
-    A prompt is token ids (or text). ``max_tokens`` is one limit or one per
+    A prompt is token ids (or text, or a ``prompt.Prompt``: tokens with media). ``max_tokens`` is one limit or one per
     prompt (default: 128, as mlx-lm's, or ``request.max_tokens``).
     ``prompt_caches`` are ``MTPCache`` s (``return_prompt_caches`` gives them)
     holding what comes before each prompt; they are not changed. What to
@@ -148,14 +148,14 @@ def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[J
     jobs = []
     eos = getattr(tokenizer, "eos_token_ids", ()) or ()
     for i, (prompt, limit, cache) in enumerate(zip(prompts, limits, caches)):
-        tokens = encode(tokenizer, prompt)
-        if not tokens:
+        tokens = encode_prompt(tokenizer, prompt)
+        if not len(tokens):
             raise MTPError(f"prompt {i} is empty")
         if cache is not None and not isinstance(cache, MTPCache):
             raise TypeError(
                 "prompt_caches are MTPCaches (return_prompt_caches=True gives them)"
             )
-        tokens, limit = fit_context(
+        tokens, limit = fit_prompt(
             tokens,
             cache.offset if cache is not None else 0,
             limit,

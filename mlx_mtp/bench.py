@@ -160,7 +160,7 @@ def regime(model: MTPModel, kv: KVSettings = KVSettings()) -> Dict[str, Any]:
         "model_type": model.model_type,
         "mtp_head": model.head is not None,
         "drafters": [d.name for d in model.drafters if d.name != MTP],
-        "hidden_tap": model.trunk.hidden_tap,
+        "hidden_tap": model.target.hidden_tap,
     }
 
 
@@ -202,7 +202,7 @@ def run_once(
     mx.reset_peak_memory()
     if draft_max is None:
         responses = mlx_lm_stream_generate(
-            model.trunk.model,
+            model.target.model,
             tokenizer,
             prompt,
             max_tokens,

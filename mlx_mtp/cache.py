@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .kv import QuantizingKVCache, RollingKVCache
+from .kv import QuantizingKVCache, RollingKVCache, cuttable
 
 
 def can_rollback(caches: List[Any]) -> bool:
@@ -421,3 +421,20 @@ class MTPCache:
                 state = self.drafts[name]
                 state.pending = [p.copy() for p in saved.pending]
                 state.start = list(saved.start)
+
+
+def truncatable(cache: MTPCache) -> bool:
+    """Plain attention caches can be cut anywhere; recurrent states, and
+    bounded caches past their bound, cannot."""
+    return all(
+        not hasattr(c, "rollback") and c.is_trimmable() and cuttable(c)
+        for c in cache.state_list()
+    )
+
+
+def truncate(model, cache: MTPCache, keep: int) -> int:
+    """Cut ``cache`` back so the trunk holds at most its first ``keep`` tokens.
+
+    See ``MTPCache.truncate``; returns how many tokens the trunk still holds.
+    """
+    return cache.truncate(keep, model.drafters)

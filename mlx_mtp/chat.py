@@ -18,39 +18,13 @@ started (after the cut to the new prompt's common prefix).
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
-from .cache import MTPCache, Snapshot
+from .cache import MTPCache, Snapshot, truncatable, truncate
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
-from .kv import cuttable
 from .loader import MTPModel
+from .prompt import common_prefix
 from .prompts import chat_text, encode
 from .stats import MTPStats
-
-
-def truncatable(cache: MTPCache) -> bool:
-    """Plain attention caches can be cut anywhere; recurrent states, and
-    bounded caches past their bound, cannot."""
-    return all(
-        not hasattr(c, "rollback") and c.is_trimmable() and cuttable(c)
-        for c in cache.state_list()
-    )
-
-
-def truncate(model: MTPModel, cache: MTPCache, keep: int) -> int:
-    """Cut ``cache`` back so the trunk holds at most its first ``keep`` tokens.
-
-    See ``MTPCache.truncate``; returns how many tokens the trunk still holds.
-    """
-    return cache.truncate(keep, model.drafters)
-
-
-def common_prefix(a: List[int], b: List[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass

@@ -162,7 +162,7 @@ def weights_dtype(model) -> str:
     """The trunk's weights: their main dtype, and the quantization if any."""
     quant = model.config.get("quantization")
     sizes: Dict[str, int] = {}
-    for _, a in tree_flatten(model.trunk.model.parameters()):
+    for _, a in tree_flatten(model.target.model.parameters()):
         sizes[str(a.dtype)] = sizes.get(str(a.dtype), 0) + a.nbytes
     main = max(sizes, key=sizes.get).replace("mlx.core.", "") if sizes else "?"
     if quant:

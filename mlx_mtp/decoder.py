@@ -44,6 +44,7 @@ from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
 from .kv import KVSettings, QuantizingKVCache, quantizes_later, room
+from .prompt import Piece, Prompt, as_prompt
 from .stream import Stream
 
 # ``Decoder.wait_cost`` from the medians of the latest ``TIMED_ROUNDS`` plain
@@ -64,7 +65,7 @@ class _Ahead:
 
     def __init__(self, model, trunk, streams, inputs: mx.array, pending, undo=None):
         self.undo: Optional[Snapshot] = undo
-        self.logits, self.taps = model.trunk.forward(inputs.reshape(-1, 1), trunk)
+        self.logits, self.taps = model.target.forward(inputs.reshape(-1, 1), trunk)
         self.tokens = mx.concatenate(
             [
                 s.verifier.sample(self.logits[b, -1:], s.history, p).reshape(1)
@@ -285,17 +286,21 @@ class Decoder(DraftView):
 
     # -- prompts -----------------------------------------------------------------
 
-    def prefill(self, tokens: List[List[int]]) -> None:
-        """Stream ``b`` reads ``tokens[b]``, and the drafters it reads along
-        with the features it made. Chunks of one length run unpadded (the
-        recurrent layers need it); shorter ones are right-padded, which only
-        attention caches take (``chunks``): a causal mask keeps the padding
-        from every real token, and each stream's padding is rolled back after."""
+    def prefill(
+        self, tokens: List[List[int]], pieces: Optional[List[List[Piece]]] = None
+    ) -> None:
+        """Stream ``b`` reads ``tokens[b]``, with its media ``pieces[b]``
+        (``prompt.Piece``: read as input embeddings, at positions within the
+        chunk), and the drafters it reads along with the features it made.
+        Chunks of one length run unpadded (the recurrent layers need it);
+        shorter ones are right-padded, which only attention caches take
+        (``chunks``): a causal mask keeps the padding from every real token,
+        and each stream's padding is rolled back after."""
         model = self.model
         width = max(map(len, tokens))
         pads = [width - len(t) for t in tokens]
         padded = [t + [0] * p for t, p in zip(tokens, pads)]
-        _, taps = model.trunk.forward(mx.array(padded), self.trunk)
+        _, taps = model.target.forward(mx.array(padded), self.trunk, pieces=pieces)
         if any(pads):
             self.rollback(self.trunk, pads)
         fed = []
@@ -322,34 +327,63 @@ class Decoder(DraftView):
         caches = [c for d in fed for c in self.caches(d)]
         mx.eval(pending, [c.state for c in self.trunk + caches])
 
-    def chunks(self, left: List[int], step: int) -> List[int]:
+    def chunks(
+        self,
+        left: List[int],
+        step: int,
+        prompts: Optional[Sequence[Prompt]] = None,
+        read: Optional[Sequence[int]] = None,
+    ) -> List[int]:
         """How many prompt tokens each stream reads next, of ``left`` still
-        to read (at most ``step``; each of ``left`` > 0).
+        to read (about ``step``; each of ``left`` > 0), from ``read`` of
+        ``prompts``: a chunk never splits a media segment (it stops before
+        one, or reads one that starts it whole).
 
         Attention caches read ragged chunks in one forward, right-padded to
         the longest: as wide as the padding (wasted work) stays within the
         real tokens, so that 8 prompts of different lengths take one forward,
         not one per length. Other caches (a recurrent state cannot take
-        padding back) read the shortest remainder, all of one length."""
+        padding back) read one length for all: the longest up to the
+        shortest remainder that splits no stream's segment (where none does,
+        a segment is read over two chunks: its embeddings are the same)."""
         want = [min(m, step) for m in left]
+        media = prompts is not None and any(p.segments for p in prompts)
         if not self._attention():
-            return [min(want)] * len(want)
+            n = min(want)
+            if media:
+                n = next(
+                    (w for w in range(n, 0, -1)
+                     if all(p.take(r, w) == w for p, r in zip(prompts, read))),
+                    n,
+                )  # fmt: skip
+            return [n] * len(want)
+        if media:
+            want = [p.take(r, w) for p, r, w in zip(prompts, read, want)]
         if not self.convert:  # where the cache turns depends on it: mlx-lm's chunks
             return want
         for width in sorted(set(want), reverse=True):
             takes = [min(w, width) for w in want]
-            if len(takes) * width - sum(takes) <= sum(takes):
+            if media:
+                takes = [p.take(r, t) for p, r, t in zip(prompts, read, takes)]
+            if len(takes) * max(takes) - sum(takes) <= sum(takes):
                 return takes
-        return want  # unreachable: the shortest width pads nothing
+        return want
 
-    def read_chunk(self, prompts: List[List[int]], read: List[int], step: int):
+    def read_chunk(self, prompts: Sequence[Prompt], read: List[int], step: int):
         """Each stream reads its prompt's next chunk (``chunks``; a prompt's
         last token is left to its first round). Returns how many tokens each
         read, the seconds it took, and which streams' prompts are now read."""
+        prompts = [as_prompt(p) for p in prompts]
         left = [len(p) - 1 - r for p, r in zip(prompts, read)]
-        takes = self.chunks(left, step)
+        takes = self.chunks(left, step, prompts, read)
         tic = time.perf_counter()
-        self.prefill([p[r : r + n] for p, r, n in zip(prompts, read, takes)])
+        pieces = None
+        if any(p.segments for p in prompts):
+            pieces = [p.pieces(r, r + n) for p, r, n in zip(prompts, read, takes)]
+        self.prefill(
+            [list(p.tokens[r : r + n]) for p, r, n in zip(prompts, read, takes)],
+            pieces,
+        )
         return takes, time.perf_counter() - tic, [m == n for m, n in zip(left, takes)]
 
     # -- rounds --------------------------------------------------------------

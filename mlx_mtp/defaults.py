@@ -4,6 +4,8 @@ They live apart from the code that uses them so that the command line can
 show them in ``--help`` without importing MLX or mlx-lm.
 """
 
+VERSION = "0.1.0"  # the package's (``mlx_mtp.__version__``)
+
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DRAFT_MAX = 3
 DEFAULT_DRAFT_P_MIN = 0.0

@@ -1,8 +1,9 @@
 """The prompt cache's second tier: entries on disk, kept across restarts.
 
 Each entry is one prompt-cache file (``prompt_file``: mlx-lm's format, the
-tokens it has read in its metadata) named by a digest of the model, the
-cache policy and the tokens, so the same prefix is always the same file. At
+tokens it has read and their media's digests in its metadata) named by a
+digest of the model, the cache policy and the prompt's keys
+(``Prompt.keys``), so the same prefix is always the same file. At
 start the folder is read (headers only): an entry of another model or other
 cache settings, a damaged or truncated one, or a temporary file a writer
 left when it was killed is skipped and named (``skipped``); nothing is
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import prompt_file
-from .chat import common_prefix, truncatable
+from .cache import truncatable
+from .prompt import as_prompt, common_prefix
 from .errors import MTPError, first_line
 from .kv import KVSettings
 
@@ -46,7 +48,7 @@ STALE_SECONDS = 3600
 
 @dataclass
 class DiskEntry:
-    tokens: List[int]
+    keys: List[int]  # the prompt's keys its trunk has read (``Prompt.keys``)
     nbytes: int
     used: float  # the file's time: the last write or hit
 
@@ -93,8 +95,8 @@ class DiskCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def name(self, tokens: List[int]) -> str:
-        key = json.dumps([self.identity, self.kv.metadata(), tokens], sort_keys=True)
+    def name(self, keys: List[int]) -> str:
+        key = json.dumps([self.identity, self.kv.metadata(), keys], sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:32] + SUFFIX
 
     def scan(self) -> None:
@@ -145,7 +147,7 @@ class DiskCache:
             return "another model"
         if header.kv != self.kv.metadata():
             return "other cache settings"
-        self.entries[path.name] = DiskEntry(header.tokens, stat.st_size, stat.st_mtime)
+        self.entries[path.name] = DiskEntry(header.keys, stat.st_size, stat.st_mtime)
         return None
 
     def describe(self) -> List[str]:
@@ -164,15 +166,16 @@ class DiskCache:
 
     # -- lookups ----------------------------------------------------------------------
 
-    def best(self, tokens: List[int]) -> Tuple[Optional[str], int]:
-        """The entry that holds the most of ``tokens`` (leaving the last one to
-        read), and how many; an entry that cannot be cut must be a prefix."""
+    def best(self, keys: List[int]) -> Tuple[Optional[str], int]:
+        """The entry that holds the most of a prompt's ``keys`` (``Prompt.keys``;
+        leaving the last one to read), and how many; an entry that cannot be
+        cut must be a prefix."""
         self.scan()
         best, keep = None, 0
         with self.lock:
             for name, e in self.entries.items():
-                n = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
-                if n < len(e.tokens) and not self.cuttable:
+                n = min(common_prefix(e.keys, keys), len(keys) - 1)
+                if n < len(e.keys) and not self.cuttable:
                     continue
                 if n > keep:
                     best, keep = name, n
@@ -199,15 +202,18 @@ class DiskCache:
 
     # -- writes -----------------------------------------------------------------------
 
-    def put(self, tokens: List[int], cache) -> None:
-        """Keep ``cache`` (which has read ``tokens``) on disk: its arrays are
-        evaluated here, the file is written by the writer thread."""
-        name = self.name(tokens)
+    def put(self, prompt, cache) -> None:
+        """Keep ``cache`` (which has read ``prompt``: a ``Prompt``, or token
+        ids) on disk: its arrays are evaluated here, the file is written by
+        the writer thread."""
+        prompt = as_prompt(prompt)
+        keys = prompt.keys()
+        name = self.name(keys)
         with self.lock:
             if name in self.entries:
                 return
-        entries, metadata = prompt_file.prepare(self.model, cache, tokens, kv=self.kv)
-        self.queue.put((name, list(tokens), entries, metadata))
+        entries, metadata = prompt_file.prepare(self.model, cache, prompt, kv=self.kv)
+        self.queue.put((name, keys, entries, metadata))
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued entry is written (or ``timeout`` passes)."""
@@ -233,7 +239,7 @@ class DiskCache:
             finally:
                 self.queue.task_done()
 
-    def _write(self, name: str, tokens, entries, metadata) -> None:
+    def _write(self, name: str, keys, entries, metadata) -> None:
         size = sum(x.nbytes for c in entries for x in _arrays(c.state))
         if size > self.max_bytes:
             self.log(
@@ -251,12 +257,12 @@ class DiskCache:
             return
         covered = []
         with self.lock:
-            self.entries[name] = DiskEntry(tokens, path.stat().st_size, time.time())
+            self.entries[name] = DiskEntry(keys, path.stat().st_size, time.time())
             if self.cuttable:  # older entries this one extends go
                 covered = [
                     n
                     for n, e in self.entries.items()
-                    if n != name and tokens[: len(e.tokens)] == e.tokens
+                    if n != name and keys[: len(e.keys)] == e.keys
                 ]
                 for n in covered:
                     del self.entries[n]

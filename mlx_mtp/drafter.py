@@ -34,7 +34,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import DraftState
-from .trunk import Taps
+from .target import Taps
 
 # A drafter layer that has not read for this many positions (rounds without
 # drafts, or deeper than the drafts asked for) catches up, so what waits for it

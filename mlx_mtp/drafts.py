@@ -26,6 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import (
+    Any,
     Callable,
     Deque,
     Dict,
@@ -60,7 +61,7 @@ from .defaults import (
 from .drafters import kinds
 from .errors import MTPError
 from .ngram import Lookup, LookupMemory, MemoryLookup, PredictionLookup, PromptLookup
-from .probe import machine_costs
+from .timing import drafting
 
 # A drafter takes part only where, at an optimistic acceptance, some draft
 # count is expected to beat plain steps by this much (``can_pay``).
@@ -537,12 +538,25 @@ def check_draft_max(draft_max: Optional[int]) -> Optional[int]:
     return draft_max
 
 
-def make_lookup(model) -> Optional[PromptLookup]:
+def assumed_costs(model, drafter=None) -> Costs:
+    """Round costs guessed, not measured (``prior_costs`` by the BLAS, and
+    ``drafter``'s prior draft costs): where the caller passes no measured
+    ones (``probe.machine_costs`` is what requests pass)."""
+    if drafter is None and model.drafters:
+        drafter = model.drafters[0]
+    return drafting(prior_costs(config.compute_bound()), drafter, None)
+
+
+# ``costs(model, drafter)``: round costs in plain steps with ``drafter``'s drafts
+CostsOf = Callable[[Any, Any], Costs]
+
+
+def make_lookup(model, costs: Optional[CostsOf] = None) -> Optional[PromptLookup]:
     """A prompt lookup for ``model``, or None where it cannot
     pay or cannot be checked: where even drafts that are always kept cannot beat
     a plain step (a CPU with MLX's bundled BLAS: a verify over t tokens costs
     about t steps), and on a trunk whose caches cannot drop rejected drafts."""
-    lookup = PromptLookup(machine_costs(model))
+    lookup = PromptLookup((costs or assumed_costs)(model, None))
     if not lookup.can_pay() or not can_rollback(model.make_cache().trunk):
         return None
     return lookup
@@ -563,15 +577,23 @@ def acceptance_prior(model, drafter: str = "mtp") -> Optional[List[float]]:
     return config.trained_acceptance(model)
 
 
-def make_policy(model, draft_max: int, adaptive: bool = True, drafter=None, prior=None):
+def make_policy(
+    model,
+    draft_max: int,
+    adaptive: bool = True,
+    drafter=None,
+    prior=None,
+    costs: Optional[CostsOf] = None,
+):
     """How many of ``drafter``'s drafts (None: the model's first drafter, its
-    MTP head) a round of one stream takes: ``CostAwareDraft`` from this
-    machine's costs (``probe.machine_costs``) and ``prior`` (by default the
-    tuned or trained acceptance), or ``FixedDraft(draft_max)``."""
+    MTP head) a round of one stream takes: ``CostAwareDraft`` from
+    ``costs(model, drafter)`` (this machine's, ``probe.machine_costs``, where
+    a request is made) and ``prior`` (by default the tuned or trained
+    acceptance), or ``FixedDraft(draft_max)``."""
     if not adaptive or draft_max == 0 or not model.drafters:
         return FixedDraft(draft_max)
     drafter = drafter or model.drafters[0]
-    costs = machine_costs(model, drafter)
+    costs = (costs or assumed_costs)(model, drafter)
     if prior is None:
         prior = acceptance_prior(model, drafter.name)
     return CostAwareDraft(draft_max, costs, prior)
@@ -598,6 +620,7 @@ def make_source(
     prediction: Sequence[int] = (),
     memory: Optional[LookupMemory] = None,
     history: Optional[AcceptanceHistory] = None,
+    costs: Optional[CostsOf] = None,
 ) -> DraftSource:
     """The draft source ``name`` for one generation.
 
@@ -607,7 +630,9 @@ def make_source(
     of them, per round (``AutoDrafts``). ``draft_max`` bounds a drafter's
     drafts per round (0: none; None: each drafter's own bound: the head's
     recommended count, a block drafter's block); ``adaptive``: as many as pay
-    by this machine's costs (``probe``; else always the bound), and a
+    by ``costs(model, drafter)`` (this machine's, ``probe.machine_costs``,
+    passed in where a request is made; None: ``assumed_costs``; without
+    ``adaptive``, always the bound), and a
     drafter that cannot pay here at all (``can_pay``) is left out: it would
     cost without a chance to gain. ``batched``: a served stream, whose draft
     count the batch's policy chooses (each drafter's count policy then only
@@ -624,6 +649,7 @@ def make_source(
     """
     check_source_name(name)
     check_draft_max(draft_max)
+    costs = costs or assumed_costs
     models: List[ModelDrafts] = []
     asked = 0  # the most drafts a left-out drafter would have taken
     for d in _drafters_of(model, name):
@@ -631,12 +657,12 @@ def make_source(
         k = min(own if draft_max is None else draft_max, d.max_drafts)
         if k <= 0:
             continue
-        costs, prior = machine_costs(model, d), acceptance_prior(model, d.name)
-        if adaptive and not can_pay(costs, prior, k):
+        measured, prior = costs(model, d), acceptance_prior(model, d.name)
+        if adaptive and not can_pay(measured, prior, k):
             asked = max(asked, k)
             continue
         seen = history.prior(d.name) if history is not None else None
-        if seen and adaptive and not can_pay(costs, seen, k):
+        if seen and adaptive and not can_pay(measured, seen, k):
             if history.leave_out(d.name):
                 asked = max(asked, k)
                 continue
@@ -644,9 +670,9 @@ def make_source(
         if batched:
             policy = FixedDraft(k, prior=seen or prior)
         else:
-            policy = make_policy(model, k, adaptive, d, seen or prior)
-        models.append(ModelDrafts(policy, d.name, costs, adaptive, history))
-    lookup = make_lookup(model) if name in ("ngram", "auto") else None
+            policy = make_policy(model, k, adaptive, d, seen or prior, costs)
+        models.append(ModelDrafts(policy, d.name, measured, adaptive, history))
+    lookup = make_lookup(model, costs) if name in ("ngram", "auto") else None
     others: List[Lookup] = []
     if lookup is not None and prediction:
         others.append(PredictionLookup(prediction, lookup.costs))

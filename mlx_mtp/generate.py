@@ -25,7 +25,8 @@ from .distributed import sync_verifier
 from .errors import MTPError
 from .kv import KVSettings
 from .loader import MTPModel
-from .prompts import context_length, encode, fit_context
+from .prompt import Prompt
+from .prompts import context_length, encode_prompt, fit_prompt
 from .request import DraftSettings, GenerationRequest
 from .sampling import LogitsProcessor, Sampler, SamplingConfig
 from .speculative import speculative_generate_step
@@ -71,7 +72,7 @@ class _Rows:
 def stream_generate(
     model: MTPModel,
     tokenizer: Any,
-    prompt: Union[str, Sequence[int], mx.array],
+    prompt: Union[str, Sequence[int], mx.array, Prompt],
     max_tokens: int = DEFAULT_MAX_TOKENS,
     *,
     request: Optional[GenerationRequest] = None,
@@ -85,7 +86,8 @@ def stream_generate(
     remember: bool = False,
     **kwargs,
 ) -> Iterator[GenerationResponse]:
-    """Generate from ``prompt``, yielding a ``GenerationResponse`` per token.
+    """Generate from ``prompt`` (text, token ids, or a ``prompt.Prompt``:
+    tokens with media), yielding a ``GenerationResponse`` per token.
 
     What to generate is a ``GenerationRequest`` (``request=``), or its fields
     as keyword arguments (see ``request_from``): sampling as mlx-lm takes it
@@ -140,10 +142,10 @@ def stream_generate(
     request.validate()
     request.kv.check_model(model)
     tic = time.perf_counter()
-    tokens = encode(tokenizer, prompt)
-    if not tokens or (isinstance(prompt, str) and not prompt.strip()):
+    tokens = encode_prompt(tokenizer, prompt)
+    if not len(tokens) or (isinstance(prompt, str) and not prompt.strip()):
         raise MTPError("the prompt is empty")
-    tokens, max_tokens = fit_context(
+    tokens, max_tokens = fit_prompt(
         tokens,
         len(cached_tokens),
         request.max_tokens,
@@ -346,7 +348,7 @@ def mtp_logits(model: MTPModel, tokens: Union[Sequence[int], mx.array]) -> mx.ar
     if model.head is None:
         raise ValueError("this model has no MTP head")
     tokens = mx.array(tokens).reshape(1, -1)
-    _, hidden = model.trunk(tokens, model.trunk.make_cache())
+    _, hidden = model.target(tokens, model.target.make_cache())
     logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
     return logits[0]
 
@@ -373,7 +375,7 @@ def draft_logits(
     if not tokens:
         raise ValueError("draft_logits needs at least one token")
     if len(tokens) > 1:
-        _, taps = model.trunk.forward(mx.array([tokens[:-1]]), model.trunk.make_cache())
+        _, taps = model.target.forward(mx.array([tokens[:-1]]), model.target.make_cache())
         features = drafter.features(taps)
     else:
         features = mx.zeros((1, 0, 1))

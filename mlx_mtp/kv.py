@@ -326,7 +326,7 @@ class KVSettings:
             )
 
     def _trunk(self, model) -> List[Any]:
-        return [self.layer(c) for c in model.trunk.make_cache()]
+        return [self.layer(c) for c in model.target.make_cache()]
 
     def layer(self, c: Any) -> Any:
         """The policy's cache for one layer's ``c`` (``c`` itself when it is
@@ -404,13 +404,13 @@ _WIDTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def head_widths(model) -> List[int]:
     """The widths of the keys and values ``model``'s plain attention caches
     hold (one forward of one token finds them, once per model)."""
-    widths = _WIDTHS.get(model.trunk)
+    widths = _WIDTHS.get(model.target)
     if widths is None:
-        cache = model.trunk.make_cache()
-        model.trunk(mx.array([[0]]), cache)
+        cache = model.target.make_cache()
+        model.target(mx.array([[0]]), cache)
         plain = [c for c in cache if type(c) is KVCache and c.keys is not None]
         widths = sorted({x.shape[-1] for c in plain for x in (c.keys, c.values)})
-        _WIDTHS[model.trunk] = widths
+        _WIDTHS[model.target] = widths
     return widths
 
 

@@ -34,7 +34,8 @@ from .heads import (
     not_yet,
 )
 from .heads.common import rollback_caches
-from .trunk import Trunk, output_head
+from .target import Target, output_head
+from .weights import check_safetensors, read_safetensors
 
 HEAD_FILE_GLOB = "mtp*.safetensors"
 # Called as ``shard(model, head, config)`` on the loaded model before its
@@ -44,13 +45,14 @@ ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 @dataclass
 class MTPModel:
-    """A trunk (mlx-lm's model) and, when the checkpoint has one, its MTP head.
+    """A target (``target.Target``: the main model, mlx-lm's) and, when the
+    checkpoint has one, its MTP head.
 
-    Called as ``model(inputs, cache)`` it is the trunk, as mlx-lm's functions
-    call a model; mlx-mtp's functions draft with its head.
+    Called as ``model(inputs, cache)`` it is the target's model, as mlx-lm's
+    functions call a model; mlx-mtp's functions draft with its head.
     """
 
-    trunk: Trunk
+    target: Target
     head: Optional[MTPHead]
     config: Dict[str, Any]
     notice: Optional[str] = None  # why there is no head, when there is none
@@ -71,7 +73,7 @@ class MTPModel:
         reads, and every new cache holds its state."""
         if any(d.name == drafter.name for d in self.drafters):
             raise MTPError(f"a drafter named {drafter.name!r} is attached already")
-        self.trunk.tap_layers(drafter.reads.layers)
+        self.target.tap_layers(drafter.reads.layers)
         self.drafters.append(drafter)
 
     @property
@@ -81,7 +83,7 @@ class MTPModel:
     @property
     def layers(self) -> list:
         """The trunk's layers (mlx-lm reads ``model.layers``)."""
-        return self.trunk.backbone.layers
+        return self.target.backbone.layers
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         """The trunk's logits over ``inputs`` (``[B, L]``), as mlx-lm's model
@@ -90,14 +92,14 @@ class MTPModel:
         an ``MTPCache`` or mlx-lm's list of the trunk's caches."""
         if isinstance(cache, MTPCache):
             cache = cache.trunk
-        logits, _ = self.trunk(inputs, cache, **kwargs)
+        logits, _ = self.target(inputs, cache, **kwargs)
         return logits
 
     def make_cache(self) -> MTPCache:
         """A fresh cache; it is also the list of the trunk's caches that
         mlx-lm's ``make_prompt_cache`` expects (see ``MTPCache``)."""
         return MTPCache(
-            trunk=self.trunk.make_cache(),
+            trunk=self.target.make_cache(),
             drafts={d.name: d.make_state() for d in self.drafters},
         )
 
@@ -132,40 +134,6 @@ def read_config(path: Path) -> Dict[str, Any]:
     if "model_type" not in config:
         raise MTPError(f"{config_file}: no model_type")
     return config
-
-
-def check_safetensors(path: Path) -> None:
-    """Read only the header: a truncated or corrupt file fails here, by name."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(f.read(n))
-        end = max(
-            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-            default=0,
-        )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise MTPError(
-            f"{path}: not a valid safetensors file ({first_line(e)})"
-        ) from None
-    if 8 + n + end > size:
-        raise MTPError(
-            f"{path}: truncated ({size} bytes, the header promises {8 + n + end})"
-        )
-
-
-def read_safetensors(files) -> Dict[str, mx.array]:
-    weights = {}
-    for f in sorted(files):
-        check_safetensors(Path(f))
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # mx.load raises bare RuntimeError/ValueError
-            raise MTPError(f"{f}: cannot read safetensors ({first_line(e)})") from None
-    return weights
 
 
 def is_assistant(folder: Path) -> bool:
@@ -246,6 +214,7 @@ def load_model(
     model_config: Optional[Dict[str, Any]] = None,
     adapter_path: Optional[Union[str, Path]] = None,
     draft: Optional[Union[str, Path]] = None,
+    target: Callable[..., Target] = Target,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
 
@@ -257,7 +226,8 @@ def load_model(
     ``config.json``'s entries and ``adapter_path`` applies LoRA adapters to the
     trunk, as in ``mlx_lm.load``. ``draft`` names a drafter checkpoint (a
     folder whose config says which kind it is, ``mlx_mtp.drafters``) to
-    draft with besides the head.
+    draft with besides the head. ``target(model, hidden_tap)`` wraps the
+    loaded module (a ``Target`` subclass: one that reads media, say).
     """
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
@@ -267,7 +237,7 @@ def load_model(
     model, config = _load_trunk(path, config, family, split, model_config)
     if adapter_path is not None:
         model = _load_adapters(model, Path(adapter_path))
-    trunk = Trunk(model, hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post"))
+    trunk = target(model, hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post"))
     # 2) the head: from ``mtp`` or the folder, built where the family has one
     head_dir, head_config, head_weights = _head_source(path, mtp, split)
     family = trained_head_family(head_config, head_dir) or family
@@ -303,7 +273,7 @@ def load_model(
     return loaded
 
 
-def rollable_trunk(model: nn.Module, trunk: Trunk, family) -> None:
+def rollable_trunk(model: nn.Module, trunk: Target, family) -> None:
     """Give the trunk caches that drop rejected drafts (as a head's family
     does, or sliding-window caches made plain), or a one-line error."""
     if can_rollback(trunk.make_cache()):
@@ -473,13 +443,14 @@ def load(
     hidden_tap: Optional[str] = None,
     shard: Optional[ShardHook] = None,
     draft: Optional[Union[str, Path]] = None,
+    target: Callable[..., Target] = Target,
 ) -> Union[Tuple[MTPModel, Any], Tuple[MTPModel, Any, Dict[str, Any]]]:
     """Load a model folder: ``(model, tokenizer)``, or with ``return_config``
     ``(model, tokenizer, config)``, like ``mlx_lm.load`` and with its keywords.
 
     The model drafts with its MTP head in ``mlx_mtp``'s functions and is
     also a model that mlx-lm's own functions take (see ``MTPModel``). ``mtp``,
-    ``hidden_tap``, ``shard`` and ``draft`` as in ``load_model``; a Hugging Face repo is
+    ``hidden_tap``, ``shard``, ``draft`` and ``target`` as in ``load_model``; a Hugging Face repo is
     converted first (``mlx-mtp convert``), never downloaded here.
     ``mlx_mtp.load`` (``default_model.load``) loads the default model when
     no path is given.
@@ -495,6 +466,7 @@ def load(
         model_config=model_config,
         adapter_path=adapter_path,
         draft=draft,
+        target=target,
     )
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise MTPError(

@@ -100,7 +100,7 @@ def measure(model) -> Optional[Dict[str, Any]]:
     own seconds; None where the caches cannot be brought back to time from
     one point."""
     tic = time.perf_counter()
-    vocab = model.trunk.embed_tokens.weight.shape[0]
+    vocab = model.target.embed_tokens.weight.shape[0]
     context = [(7 * i + 3) % min(vocab, 256) for i in range(CONTEXT)]
     stream = open_stream(model, context, verifier=ExactMatchVerifier(), max_tokens=2)
     view = Decoder(model, merge=False)

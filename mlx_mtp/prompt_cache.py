@@ -12,6 +12,10 @@ takes the entry that saves it the most tokens:
   of a chat extends it) besides the one at the end of its answer, as the
   chat session does between turns.
 
+Entries are keyed by ``Prompt.keys``: the tokens, with a media segment's
+positions keyed by its digest, so a prompt with other images never takes an
+entry past its first image, and a hit is never cut inside a segment.
+
 Entries are never written to: a hit is a copy whose arrays are new array
 objects (a write into an array shared by another copies it first).
 
@@ -25,12 +29,13 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from .cache import MTPCache
-from .chat import common_prefix, truncatable, truncate
+from .cache import truncatable, truncate
+from .prompt import as_prompt, common_prefix
 
 
 @dataclass
 class Entry:
-    tokens: List[int]
+    keys: List[int]  # the prompt's keys its trunk has read (``Prompt.keys``)
     cache: MTPCache
     nbytes: int
 
@@ -58,20 +63,25 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def fetch(self, model, tokens: List[int]) -> Tuple[MTPCache, int]:
-        """A cache for ``tokens`` and how many of them it holds already.
+    def fetch(self, model, prompt) -> Tuple[MTPCache, int]:
+        """A cache for ``prompt`` (a ``Prompt``, or token ids) and how many of
+        its positions it holds already.
 
-        At least the last token is left to read (generation starts there).
+        At least the last token is left to read (generation starts there),
+        and no media segment is cut.
         """
+        prompt = as_prompt(prompt)
+        keys = prompt.keys()
         best, keep = None, 0
         for e in self.entries:
-            n = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
-            if n < len(e.tokens) and not truncatable(e.cache):
+            n = prompt.cut(min(common_prefix(e.keys, keys), len(keys) - 1))
+            if n < len(e.keys) and not truncatable(e.cache):
                 continue
             if n > keep:
                 best, keep = e, n
         if self.disk is not None:
-            name, n = self.disk.best(tokens)
+            name, n = self.disk.best(keys)
+            n = prompt.cut(n)
             if n > keep:
                 found = self._from_disk(model, name, n)
                 if found is not None:
@@ -81,7 +91,7 @@ class PromptCache:
         self.entries.remove(best)
         self.entries.append(best)
         cache = best.cache.copy()
-        if keep < len(best.tokens):
+        if keep < len(best.keys):
             keep = truncate(model, cache, keep)
         return cache, keep
 
@@ -92,29 +102,32 @@ class PromptCache:
         if cached is None:
             return None
         cache = cached.cache
-        if keep < len(cached.tokens):
+        if keep < len(cached.keys):
             if not truncatable(cache):
                 return None
             keep = truncate(model, cache, keep)
         return cache, keep
 
-    def insert(self, tokens: List[int], cache: MTPCache) -> None:
-        """Keep ``cache``, which has read ``tokens``; older entries it covers go."""
-        if self.disk is not None and tokens:
-            self.disk.put(tokens, cache)
-        if not self.in_memory or not tokens:
+    def insert(self, prompt, cache: MTPCache) -> None:
+        """Keep ``cache``, which has read ``prompt`` (a ``Prompt``, or token
+        ids); older entries it covers go."""
+        prompt = as_prompt(prompt)
+        if self.disk is not None and len(prompt):
+            self.disk.put(prompt, cache)
+        if not self.in_memory or not len(prompt):
             return
+        keys = prompt.keys()
         cut = truncatable(cache)
         self.entries = [
             e
             for e in self.entries
             if not (
-                len(e.tokens) <= len(tokens)
-                and (cut or len(e.tokens) == len(tokens))
-                and tokens[: len(e.tokens)] == e.tokens
+                len(e.keys) <= len(keys)
+                and (cut or len(e.keys) == len(keys))
+                and keys[: len(e.keys)] == e.keys
             )
         ]
-        self.entries.append(Entry(list(tokens), cache, cache.nbytes))
+        self.entries.append(Entry(keys, cache, cache.nbytes))
         while self.entries and (
             len(self.entries) > self.max_entries or self.nbytes > self.max_bytes
         ):

@@ -37,15 +37,15 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from .cache import MTPCache, Pending
-from .chat import common_prefix, truncatable
+from .cache import MTPCache, Pending, truncatable
 from .config import cached_identity
 from .defaults import DEFAULT_PREFILL_STEP
 from .errors import MTPError, first_line
 from .kv import KVSettings, QuantizingKVCache, RollingKVCache
-from .loader import check_safetensors
+from .prompt import Prompt, Segment, as_prompt, common_prefix
 from .prompts import encode, has_chat_template, user_prompt
 from .speculative import prefill
+from .weights import check_safetensors
 
 FORMAT = "mlx-mtp prompt cache 1"
 _KEY = "mlx_mtp."
@@ -63,6 +63,19 @@ class PromptFile:
     system: Optional[str] = None
     chat_template: bool = False
     kv: KVSettings = field(default_factory=KVSettings)
+    segments: Tuple[Segment, ...] = ()  # the media read in the tokens' places
+
+    @property
+    def keys(self) -> List[int]:
+        """What prompt caches compare (``Prompt.keys``)."""
+        return Prompt(tuple(self.tokens), self.segments).keys()
+
+
+def _segments(meta: Dict[str, str]) -> Tuple[Segment, ...]:
+    """The media segments a file's metadata names (start, length, digest,
+    kind); their content is not kept, only what it is."""
+    found = json.loads(meta.get(_KEY + "segments", "[]"))
+    return tuple(Segment(int(a), int(n), str(d), str(k)) for a, n, d, k in found)
 
 
 SAMPLE = 1 << 16  # bytes read at each of three places of a weight file
@@ -92,7 +105,7 @@ def identity(model) -> str:
             {
                 **cached_identity(model),
                 "sample": _weights_sample(model),
-                "hidden_tap": model.trunk.hidden_tap,
+                "hidden_tap": model.target.hidden_tap,
                 "drafters": [d.name for d in model.drafters],
             },
             sort_keys=True,
@@ -174,16 +187,18 @@ def _is_prompt_cache(path: Path) -> bool:
 def prepare(
     model,
     cache: MTPCache,
-    tokens: List[int],
+    tokens,
     *,
     prompt: str = "",
     system: Optional[str] = None,
     chat_template: bool = False,
     kv: Optional[KVSettings] = None,
 ) -> Tuple[List[Any], Dict[str, str]]:
-    """What ``save`` writes of ``cache`` (which has read ``tokens``): the
-    file's caches, their arrays evaluated (another thread may write them:
+    """What ``save`` writes of ``cache`` (which has read ``tokens``: token
+    ids, or a ``Prompt`` with media, whose digests are kept): the file's
+    caches, their arrays evaluated (another thread may write them:
     ``write``), and its metadata."""
+    read = as_prompt(tokens)
     entries, layout = _entries(model, cache)
     mx.eval([c.state for c in entries])
     metadata = {
@@ -192,7 +207,10 @@ def prepare(
         "tokenizer_config": "{}",
         _KEY + "format": FORMAT,
         _KEY + "model": identity(model),
-        _KEY + "tokens": json.dumps(list(tokens)),
+        _KEY + "tokens": json.dumps(list(read.tokens)),
+        _KEY + "segments": json.dumps(
+            [[g.start, g.length, g.digest, g.kind] for g in read.segments]
+        ),
         _KEY + "prompt": prompt,
         _KEY + "system": json.dumps(system),
         _KEY + "chat_template": json.dumps(chat_template),
@@ -285,6 +303,12 @@ class Header:
     model: Dict[str, Any]  # ``identity``'s fields
     kv: Dict[str, str]  # ``KVSettings.metadata``
     tokens: List[int]
+    segments: Tuple[Segment, ...] = ()
+
+    @property
+    def keys(self) -> List[int]:
+        """What prompt caches compare (``Prompt.keys``)."""
+        return Prompt(tuple(self.tokens), self.segments).keys()
 
 
 def peek(path: Union[str, Path]) -> Header:
@@ -294,6 +318,7 @@ def peek(path: Union[str, Path]) -> Header:
         json.loads(meta[_KEY + "model"]),
         json.loads(meta[_KEY + "kv"]),
         json.loads(meta[_KEY + "tokens"]),
+        _segments(meta),
     )
 
 
@@ -414,6 +439,7 @@ def load(path: Union[str, Path], model) -> PromptFile:
         system=json.loads(meta.get(_KEY + "system", "null")),
         chat_template=json.loads(meta.get(_KEY + "chat_template", "false")),
         kv=kv,
+        segments=_segments(meta),
     )
 
 
@@ -479,7 +505,7 @@ def continue_from(
     else:
         full = whole
     tokens = encode(tokenizer, full)
-    keep = min(common_prefix(cached.tokens, tokens), len(tokens) - 1)
+    keep = min(common_prefix(cached.keys, tokens), len(tokens) - 1)
     cache = cached.cache
     if keep < len(cached.tokens):
         if truncatable(cache):

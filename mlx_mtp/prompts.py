@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .errors import MTPError
+from .prompt import Prompt
 
 # where a model's config gives the most tokens it reads, first found wins
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
@@ -28,6 +29,33 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
     if isinstance(prompt, mx.array):
         return prompt.tolist()
     return [int(t) for t in prompt]
+
+
+def encode_prompt(tokenizer, prompt) -> Prompt:
+    """``prompt`` as a ``Prompt``: one as it is (tokens with media), else the
+    token ids of text or ids (``encode``)."""
+    if isinstance(prompt, Prompt):
+        return prompt
+    return Prompt(tuple(encode(tokenizer, prompt)))
+
+
+def fit_prompt(
+    prompt: Prompt,
+    cached: int,
+    max_tokens: int,
+    context: Optional[int],
+    truncate: bool,
+    bos: Optional[int] = None,
+) -> tuple:
+    """``fit_context`` for a ``Prompt``: one with media is never truncated
+    (its oldest positions may be an image's)."""
+    tokens, limit = fit_context(
+        list(prompt.tokens), cached, max_tokens, context,
+        truncate and not prompt.segments, bos,
+    )  # fmt: skip
+    if len(tokens) != len(prompt):
+        prompt = Prompt(tuple(tokens))
+    return prompt, limit
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -23,6 +23,7 @@ from .drafts import (
 )
 from .errors import MTPError
 from .kv import KVSettings
+from .probe import machine_costs
 from .sampling import SamplingConfig, make_verifier
 from .thinking import Thinking
 
@@ -71,7 +72,7 @@ class DraftSettings:
             return make_source(model, "mtp", 0)
         return make_source(
             model, self.source, self.draft_max, self.adaptive, batched,
-            self.prediction, memory, history,
+            self.prediction, memory, history, machine_costs,
         )  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def verify(
         rows.append(mx.concatenate(row) if len(row) > 1 else row[0])
     if width > 1:
         start_verify(caches.trunk)
-    logits, taps = model.trunk.forward(mx.stack(rows), caches.trunk)
+    logits, taps = model.target.forward(mx.stack(rows), caches.trunk)
     # the round's one host sync
     emitted = [
         s.verifier.verify(logits[b, : len(d) + 1], d, s.history)

@@ -27,17 +27,22 @@ from typing import Deque, Dict, List, Optional, Tuple
 from .batch_policy import BatchDraftLength
 from .decoder import Decoder
 from .kv import KVSettings, quantizes_later
+from .prompt import Prompt, as_prompt
 from .stream import Stream
 
 
 @dataclass
 class Job:
-    """One request in the scheduler: its prompt and, once started, its stream."""
+    """One request in the scheduler: its prompt (``prompt.Prompt``: tokens
+    with media) and, once started, its stream."""
 
-    prompt: List[int]
+    prompt: Prompt
     stream: Optional[Stream] = None
     read: int = 0  # prompt tokens its stream's caches hold
     reused: int = 0  # of those, the ones a prompt cache held
+
+    def __post_init__(self):
+        self.prompt = as_prompt(self.prompt)
 
 
 class Scheduler:
@@ -144,7 +149,9 @@ class Scheduler:
         for reader in self.readers():
             jobs = [self.reading[id(s)] for s in reader.streams]
             left = [len(j.prompt) - 1 - j.read for j in jobs]
-            takes = reader.chunks(left, self.prefill_step)
+            takes = reader.chunks(
+                left, self.prefill_step, [j.prompt for j in jobs], [j.read for j in jobs]
+            )
             out += [j.stream for j, m, n in zip(jobs, left, takes) if m == n]
         return out
 

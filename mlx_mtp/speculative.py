@@ -11,7 +11,7 @@ chunks first.
 """
 
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -20,6 +20,7 @@ from .decoder import Decoder
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import NoDrafts, as_source
 from .kv import KVSettings
+from .prompt import as_prompt
 from .sampling import ExactMatchVerifier
 from .stats import MTPStats
 from .stream import Stream, open_stream
@@ -36,7 +37,7 @@ def read_prompt(
     while done < total:
         if progress is not None:
             progress(done, total)
-        takes, _, _ = decoder.read_chunk([stream.history], [read + done], step)
+        takes, _, _ = decoder.read_chunk([stream.prompt], [read + done], step)
         done += takes[0]
     if progress is not None:
         progress(total, total)
@@ -45,13 +46,14 @@ def read_prompt(
 def prefill(
     model,
     cache: MTPCache,
-    prompt: List[int],
+    prompt,
     step: int = DEFAULT_PREFILL_STEP,
     use_mtp: bool = True,
     progress=None,
 ) -> None:
-    """The trunk over ``prompt[:-1]`` in chunks of ``step`` and, with
-    ``use_mtp``, every drafter over the features it makes."""
+    """The trunk over ``prompt[:-1]`` (token ids or a ``prompt.Prompt``) in
+    chunks of ``step`` and, with ``use_mtp``, every drafter over the
+    features it makes."""
     source = None if use_mtp else NoDrafts()
     stream = open_stream(model, prompt, cache=cache, source=source, max_tokens=0)
     decoder = Decoder(model, merge=False)
@@ -80,7 +82,8 @@ def speculative_generate_step(
     """Yield ``(token, from_draft)`` until ``max_tokens`` or a stop token.
 
     ``prompt`` holds the tokens not yet in ``prompt_cache`` (the whole prompt
-    when the cache is new). ``stats`` is updated in place as tokens are yielded.
+    when the cache is new): token ids, or a ``prompt.Prompt`` (tokens with
+    media segments). ``stats`` is updated in place as tokens are yielded.
     ``drafts`` is the stream's draft source (``drafts.make_source``; a bare
     count policy, ``FixedDraft(k)`` or ``CostAwareDraft``, means the head's
     drafts it counts; None: ``DEFAULT_DRAFT_MAX`` head drafts a round). Each
@@ -92,7 +95,7 @@ def speculative_generate_step(
     each token's log-probability before the token is yielded. ``kv``: the
     caches' policy (quantized, bounded; ``kv.KVSettings``).
     """
-    prompt = [int(t) for t in prompt]
+    prompt = as_prompt(prompt)
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     stream = open_stream(

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .cache import MTPCache
 from .kv import KVSettings
+from .prompt import Prompt, Segment, as_prompt
 from .stats import MTPStats
 
 
@@ -52,7 +53,8 @@ class Stream:
     it stands.
 
     ``history`` is every token so far, prompt included; the trunk has read all
-    but the last.
+    but the last. ``segments``: the prompt's media (``prompt.Segment``), at
+    their positions in ``history``.
     """
 
     history: List[int]
@@ -68,15 +70,25 @@ class Stream:
     accepted: int = 0  # drafts kept in its last round
     # the context class (``timing.context_bucket``) whose costs its source has
     costed_at: Optional[int] = None
+    segments: Tuple[Segment, ...] = ()
 
     @property
     def remaining(self) -> int:
         return self.max_tokens - self.generated
 
+    @property
+    def prompt(self) -> Prompt:
+        """Its history as a prompt: the tokens with their media."""
+        return Prompt(tuple(self.history), self.segments)
+
+    def keys(self, n: Optional[int] = None) -> List[int]:
+        """What prompt caches key its first ``n`` positions by (all: None)."""
+        return self.prompt.keys()[:n]
+
 
 def open_stream(
     model,
-    prompt: Sequence[int],
+    prompt,
     *,
     request=None,
     cache: Optional[MTPCache] = None,
@@ -109,7 +121,8 @@ def open_stream(
     drafts were worth there (``adaptive.AcceptanceHistory``), where the
     source's acceptance starts. The caches follow ``kv`` (else the
     request's): the one place a cache policy (quantized, bounded) enters a
-    stream.
+    stream. ``prompt`` and ``cached_tokens`` are token ids or
+    ``prompt.Prompt`` s (tokens with media).
     """
     if request is not None:
         sampling = request.sampling
@@ -127,8 +140,11 @@ def open_stream(
     cache = cache if cache is not None else model.make_cache()
     if kv is not None:
         kv.apply(cache)
+    cached, prompt = as_prompt(cached_tokens), as_prompt(prompt)
     stream = Stream(
-        history=[int(t) for t in cached_tokens] + [int(t) for t in prompt],
+        history=list(cached.tokens) + list(prompt.tokens),
+        segments=cached.segments
+        + tuple(s.shifted(len(cached)) for s in prompt.segments),
         cache=cache,
         verifier=verifier,
         max_tokens=max_tokens,
@@ -137,6 +153,7 @@ def open_stream(
         logprobs=logprobs,
         source=source,
     )
+    stream.prompt.check_ends_in_text()
     # what the run could draft: as asked (a drafter that cannot pay here is
     # left out of the source, and the stats say no drafts were made)
     drafted = (

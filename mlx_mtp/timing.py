@@ -137,10 +137,10 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
         return None
 
     def plain():  # two steps, the second started before the first is read
-        logits, _ = model.trunk(mx.array([[y]]), cache.trunk)
+        logits, _ = model.target(mx.array([[y]]), cache.trunk)
         token = mx.argmax(logits[0, -1:], axis=-1)
         mx.async_eval(token)
-        logits, _ = model.trunk(token.reshape(1, 1), cache.trunk)
+        logits, _ = model.target(token.reshape(1, 1), cache.trunk)
         last = mx.argmax(logits[0, -1:], axis=-1)
         mx.async_eval(last)
         token.item()
@@ -148,7 +148,7 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
 
     def verify():
         start_verify(cache.trunk)
-        logits, _ = model.trunk(mx.array([[y, y]]), cache.trunk)
+        logits, _ = model.target(mx.array([[y, y]]), cache.trunk)
         mx.eval(mx.argmax(logits, axis=-1))
 
     def draft(d, k):

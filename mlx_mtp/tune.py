@@ -130,7 +130,7 @@ def _verify(state: _State, t: int) -> None:
     tokens = [state.y] + state.history[-t:-1] if t > 1 else [state.y]
     if t > 1:
         start_verify(trunk)
-    logits, hidden = state.model.trunk(mx.array(tokens)[None], trunk)
+    logits, hidden = state.model.target(mx.array(tokens)[None], trunk)
     mx.eval(mx.argmax(logits, axis=-1), hidden)
 
 
@@ -293,7 +293,7 @@ def rank_tokens(model: MTPModel, prompts: Sequence[List[int]]) -> mx.array:
     so that the acceptance measured on them is not flattered)."""
     total = 0
     for prompt in prompts:
-        logits, _ = model.trunk(mx.array(prompt)[None], model.trunk.make_cache())
+        logits, _ = model.target(mx.array(prompt)[None], model.target.make_cache())
         total = total + mx.softmax(logits[0].astype(mx.float32), axis=-1).sum(axis=0)
     return mx.argsort(-total).astype(mx.int32)
 
@@ -306,7 +306,7 @@ def depth1_hits(
     out = []
     for seq, n in zip(sequences, prompt_lens):
         tokens = mx.array(seq)[None]
-        _, hidden = model.trunk(tokens, model.trunk.make_cache())
+        _, hidden = model.target(tokens, model.target.make_cache())
         logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
         first = max(n - 2, 0)  # row i predicts token i + 2
         out.append((logits[0, first:-1], mx.array(seq[first + 2 :])))
@@ -477,7 +477,7 @@ def tune(
     }
     entry["speedups"] = _predicted(acceptance, entry["costs"], draft_max)
     _drafter_entries(entry, first_drafter, acceptance, costs, others)
-    vocab = model.trunk.embed_tokens.weight.shape[0]
+    vocab = model.target.embed_tokens.weight.shape[0]
     if vocab_sizes is None:
         vocab_sizes = [n for n in DRAFT_VOCAB_SIZES if 2 * n <= vocab]
     takes_vocab = getattr(model.head, "takes_draft_vocab", model.head is not None)

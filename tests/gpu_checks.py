@@ -157,9 +157,9 @@ def _mild(model):
 
 def _attach(trunk, reference, head, family, config, fuse):
     from mlx_mtp.loader import MTPModel
-    from mlx_mtp.trunk import Trunk, output_head
+    from mlx_mtp.target import Target, output_head
 
-    wrapped = Trunk(trunk)
+    wrapped = Target(trunk)
     reference.update(trunk.parameters())
     d = config["hidden_size"]
     fuse.weight = mx.concatenate([mx.eye(d), 0.3 * mx.eye(d)], axis=1)
@@ -168,7 +168,7 @@ def _attach(trunk, reference, head, family, config, fuse):
     for m in (trunk, reference, head):
         m.eval()  # as mlx-lm's load leaves them: the kernel serves inference
     mx.eval(trunk.parameters(), reference.parameters(), head.parameters())
-    return MTPModel(trunk=wrapped, head=head, config=config), reference
+    return MTPModel(target=wrapped, head=head, config=config), reference
 
 
 def tiny_nemotron_h():
@@ -177,7 +177,7 @@ def tiny_nemotron_h():
     from mlx_lm.models import nemotron_h
 
     from mlx_mtp.heads import nemotron_h as family
-    from mlx_mtp.trunk import find_backbone
+    from mlx_mtp.target import find_backbone
 
     config = dict(
         model_type="nemotron_h", vocab_size=288, hidden_size=64,
@@ -210,7 +210,7 @@ def tiny_qwen3_next():
     from mlx_lm.models import qwen3_next
 
     from mlx_mtp.heads import qwen3_next as family
-    from mlx_mtp.trunk import find_backbone
+    from mlx_mtp.target import find_backbone
 
     config = dict(
         model_type="qwen3_next", vocab_size=288, hidden_size=64,

@@ -18,7 +18,8 @@ import mlx_mtp
 import mlx_mtp.chat
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import cache_offset
-from mlx_mtp.chat import ChatSession, truncate
+from mlx_mtp.cache import truncate
+from mlx_mtp.chat import ChatSession
 from mlx_mtp.generate import stream_generate
 
 MAX_TOKENS = 10
@@ -59,7 +60,7 @@ def assert_cache_holds(model, cache, tokens, successor=None):
         assert cache.head_offset == 0 and cache.pending_hidden is None
         return
     fresh = model.make_cache()
-    _, hidden = model.trunk(mx.array(tokens)[None], fresh.trunk)
+    _, hidden = model.target(mx.array(tokens)[None], fresh.trunk)
     assert_kv_close(cache.trunk, fresh.trunk)
     if model.head is None:
         return
@@ -293,7 +294,7 @@ def test_hybrid_model_keeps_its_recurrent_state_consistent(tmp_path, monkeypatch
     # the recurrent states of the turn boundary are back
     assert session.cached_tokens == boundary and session.cache.offset == len(boundary)
     fresh = model.make_cache()
-    model.trunk(mx.array(boundary)[None], fresh.trunk)
+    model.target(mx.array(boundary)[None], fresh.trunk)
     pairs = zip(session.cache.trunk, fresh.trunk)
     recurrent = [(c, f) for c, f in pairs if not hasattr(c, "offset")]
     assert recurrent
@@ -380,7 +381,7 @@ def test_a_head_left_behind_starts_again_where_the_trunk_stands(loaded, before, 
     # the head's caches: a head that read the pairs from ``start`` on
     n = cache.offset
     fresh = model.make_cache()
-    _, hidden = model.trunk(mx.array(history[:n])[None], fresh.trunk)
+    _, hidden = model.target(mx.array(history[:n])[None], fresh.trunk)
     m = cache.head_offset
     head_fresh = model.head.make_cache()
     model.head(

@@ -59,7 +59,7 @@ def converted(sources, tmp_path_factory):
 
 
 def trunk_logits(model, tokens=TOKENS):
-    logits, _ = model.trunk(mx.array(tokens)[None], model.trunk.make_cache())
+    logits, _ = model.target(mx.array(tokens)[None], model.target.make_cache())
     return np.array(logits[0].astype(mx.float32))
 
 
@@ -80,7 +80,7 @@ def test_float_round_trip_is_exact(sources, converted, family):
         assert out.head.num_layers == src.head.num_layers
         for j in range(1, src.head.num_layers):  # every later layer came along
             a, b = src.head.layer(j), out.head.layer(j)
-            h = mx.random.normal((1, 8, src.trunk.embed_tokens.weight.shape[-1]))
+            h = mx.random.normal((1, 8, src.target.embed_tokens.weight.shape[-1]))
             t = mx.array(TOKENS[:8])[None]
             np.testing.assert_array_equal(
                 np.array(a(h, t, a.make_cache())[0]), np.array(b(h, t, b.make_cache())[0])
@@ -94,7 +94,7 @@ def test_bfloat16_round_trip_is_exact(sources, converted, family):
     from mlx_mtp.convert.precision import cast
 
     src = mlx_mtp.load_model(sources(family))
-    cast(src.trunk.model, "bfloat16")
+    cast(src.target.model, "bfloat16")
     out = mlx_mtp.load_model(converted(family, dtype="bfloat16"))
     np.testing.assert_array_equal(trunk_logits(src), trunk_logits(out))
     if family not in HEADS:

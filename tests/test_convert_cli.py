@@ -79,7 +79,7 @@ def test_separate_mtp_gguf(tiny_folders, tmp_path, capsys):
 
     full = mlx_mtp.load_model(tiny_folders("glm4_moe")[0])
     config = dict(tiny.CONFIGS["glm4_moe"], model_type="glm4_moe")
-    trunk_w = dict(tree_flatten(full.trunk.model.parameters()))
+    trunk_w = dict(tree_flatten(full.target.model.parameters()))
     head_w = head_tensors("model.layers.2.", full.head)
     trunk_cfg = {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
     tiny_plain.write_gguf(tmp_path / "t.gguf", "glm4moe", trunk_cfg, trunk_w)

@@ -50,7 +50,7 @@ def roundtrip_weights(weights, qtype):
 
 def logits_of(path, tokens=TOKENS):
     model = mlx_mtp.load_model(path)
-    logits, _ = model.trunk(mx.array(tokens)[None], model.trunk.make_cache())
+    logits, _ = model.target(mx.array(tokens)[None], model.target.make_cache())
     return model, logits[0]
 
 
@@ -174,7 +174,7 @@ def test_moe_gguf_with_nextn_head(tmp_path, tiny_folders, family, arch, joined_k
     config = dict(tiny.CONFIGS[family], model_type=family)
     # the GGUF holds mlx-lm names (stacked experts, split MLA), as llama.cpp stores them
     ref_model = mlx_mtp.load_model(convert(tiny_folders(family)[0], tmp_path / "hf"))
-    weights = dict(tree_flatten(ref_model.trunk.model.parameters()))
+    weights = dict(tree_flatten(ref_model.target.model.parameters()))
     weights.update(head_tensors("model.layers.2.", ref_model.head))
     if joined_kv_b:
         attn = {k: v for k, v in weights.items() if ".self_attn." in k}

@@ -38,7 +38,7 @@ def rel_error(a, b):
 
 
 def trunk_logits(model):
-    logits, _ = model.trunk(mx.array(TOKENS)[None], model.trunk.make_cache())
+    logits, _ = model.target(mx.array(TOKENS)[None], model.target.make_cache())
     return logits[0]
 
 

@@ -147,7 +147,7 @@ def test_head_from_a_gguf(tiny_folders, tmp_path):
 
     full = convert(tiny_folders("glm4_moe")[0], tmp_path / "full")
     model = mlx_mtp.load_model(full)
-    weights = dict(tree_flatten(model.trunk.model.parameters()))
+    weights = dict(tree_flatten(model.target.model.parameters()))
     weights.update(head_tensors("model.layers.2.", model.head))
     config = dict(tiny.CONFIGS["glm4_moe"], model_type="glm4_moe")
     gguf_path = tiny_plain.write_gguf(tmp_path / "glm.gguf", "glm4moe", config, weights)

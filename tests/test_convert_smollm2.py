@@ -80,7 +80,7 @@ def test_greedy_matches_transformers(converted, reference):
         int(t)
         for t, _ in generate_step(
             mx.array(ids),
-            model.trunk.model,
+            model.target.model,
             max_tokens=N_TOKENS,
             sampler=lambda x: mx.argmax(x, axis=-1),
         )

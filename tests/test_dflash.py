@@ -16,7 +16,7 @@ import mlx_mtp
 from mlx_mtp.drafters import is_drafter, kinds
 from mlx_mtp.drafters.dflash import DFlashArgs, default_layer_ids
 from mlx_mtp.errors import MTPError
-from mlx_mtp.trunk import output_head
+from mlx_mtp.target import output_head
 
 TARGET_LAYERS = {"qwen3": 6, "qwen3_5": 4}
 
@@ -32,13 +32,13 @@ def reference_logits(model, folder, tokens):
     outputs over ``tokens[:-1]`` from the loaded trunk)."""
     ref = NumpyDFlash(
         folder,
-        np.array(model.trunk.embed_tokens.weight),
-        np.array(output_head(model.trunk.model).weight),
+        np.array(model.target.embed_tokens.weight),
+        np.array(output_head(model.target.model).weight),
     )
     features = np.zeros((0, 64 * len(ref.layer_ids)))
     if len(tokens) > 1:
         context = mx.array([tokens[:-1]])
-        _, taps = model.trunk.forward(context, model.trunk.make_cache())
+        _, taps = model.target.forward(context, model.target.make_cache())
         layers = [np.array(taps.layers[i][0]) for i in ref.layer_ids]
         features = np.concatenate(layers, -1)
     block = [tokens[-1]] + [ref.mask_token_id] * (json_block(folder) - 1)
@@ -136,7 +136,7 @@ def test_the_drafter_reads_the_target_and_drafts_per_block(targets, tmp_path):
     assert drafter.name == "dflash" and drafter.reads.layers == (4, 1)
     assert drafter.max_drafts == 5 and drafter.flat_cost
     assert drafter.prior_cost(1) == drafter.prior_cost(5) > 0
-    assert model.trunk.tapped == (1, 4)
+    assert model.target.tapped == (1, 4)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.drafts import ModelDrafts
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.trunk import output_head
+from mlx_mtp.target import output_head
 
 FAMILIES = {"qwen3": 6, "qwen3_5": 4}
 
@@ -34,13 +34,13 @@ def targets(tmp_path_factory):
 def numpy_drafter(model, folder):
     return NumpyDFlash(
         folder,
-        np.array(model.trunk.embed_tokens.weight),
-        np.array(output_head(model.trunk.model).weight),
+        np.array(model.target.embed_tokens.weight),
+        np.array(output_head(model.target.model).weight),
     )
 
 
 def features(model, ref, tokens):
-    _, taps = model.trunk.forward(mx.array([tokens]), model.trunk.make_cache())
+    _, taps = model.target.forward(mx.array([tokens]), model.target.make_cache())
     return np.concatenate([np.array(taps.layers[i][0]) for i in ref.layer_ids], -1)
 
 

@@ -27,7 +27,7 @@ from mlx_mtp.drafts import ModelDrafts
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.trunk import output_head
+from mlx_mtp.target import output_head
 
 FAMILIES = {"qwen3": 6, "qwen3_5": 4}
 PROMPTS = [
@@ -212,11 +212,11 @@ def simulate(model, folder, prompt, generated, k, max_tokens):
     the tokens that follow."""
     ref = NumpyDFlash(
         folder,
-        np.array(model.trunk.embed_tokens.weight),
-        np.array(output_head(model.trunk.model).weight),
+        np.array(model.target.embed_tokens.weight),
+        np.array(output_head(model.target.model).weight),
     )
     seq = prompt + generated
-    _, taps = model.trunk.forward(mx.array([seq]), model.trunk.make_cache())
+    _, taps = model.target.forward(mx.array([seq]), model.target.make_cache())
     features = np.concatenate([np.array(taps.layers[i][0]) for i in ref.layer_ids], -1)
     p, done, counts = len(prompt) - 1, 0, []
     while done < max_tokens:

@@ -25,7 +25,7 @@ from mlx_mtp.drafts import ModelDrafts
 from mlx_mtp.errors import MTPError
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.trunk import output_head
+from mlx_mtp.target import output_head
 
 PROMPTS = [
     tiny.random_prompt(n, seed=i) for i, n in enumerate([9, 23, 5, 17, 31, 12, 8, 40])
@@ -44,8 +44,8 @@ class ToyDrafter(Drafter):
 
     def __init__(self, model, layers=(0, 1), mix=0.1):
         self.reads = Reads(layers=tuple(layers))
-        self.embed = model.trunk.embed_tokens
-        self.lm_head = output_head(model.trunk.model)
+        self.embed = model.target.embed_tokens
+        self.lm_head = output_head(model.target.model)
         dims = self.embed.weight.shape[1]
         rng = np.random.default_rng(7)
         scale = 1 / np.sqrt(dims)
@@ -230,8 +230,8 @@ def test_the_toy_drafts_in_the_servers_batched_rounds(pair):
 
 def test_a_drafter_that_reads_past_the_target_is_refused(pair):
     model = pair[0]
-    with pytest.raises(ValueError, match="past the trunk's 2 layers"):
-        model.trunk.tap_layers([5])
+    with pytest.raises(ValueError, match="past the target's 2 layers"):
+        model.target.tap_layers([5])
 
 
 BUILDERS = {
@@ -253,18 +253,18 @@ def test_tapped_layer_outputs_are_the_layers_outputs(tmp_path, family):
         builder = __import__(BUILDERS[family])
         folder = builder.build_folder(tmp_path / family, family)[1]
     model = mlx_mtp.load_model(folder)
-    n = model.trunk.num_layers
-    model.trunk.tap_layers([0, n - 1])
+    n = model.target.num_layers
+    model.target.tap_layers([0, n - 1])
     tokens = mx.array([tiny.random_prompt(11)])
-    _, taps = model.trunk.forward(tokens, model.trunk.make_cache())
+    _, taps = model.target.forward(tokens, model.target.make_cache())
     assert set(taps.layers) == {0, n - 1}
-    from mlx_mtp.trunk import final_norm
+    from mlx_mtp.target import final_norm
 
-    normed = final_norm(model.trunk.backbone)(taps.layers[n - 1])
+    normed = final_norm(model.target.backbone)(taps.layers[n - 1])
     np.testing.assert_allclose(np.array(normed), np.array(taps.hidden), atol=1e-5)
     assert taps.layers[0].shape == taps.hidden.shape
     # nothing is kept between forwards
-    _, again = model.trunk.forward(tokens[:, :3], model.trunk.make_cache())
+    _, again = model.target.forward(tokens[:, :3], model.target.make_cache())
     assert again.layers[0].shape[1] == 3
 
 

@@ -192,13 +192,13 @@ def test_the_heads_logits_match_numpy(target, layout):
     drafter = model.drafters[-1]
     assert drafter.name == "eagle3" and drafter.reads.layers == (0, 2, 4)
     tokens = tiny.random_prompt(13, seed=2)
-    _, taps = model.trunk.forward(mx.array([tokens]), model.trunk.make_cache())
+    _, taps = model.target.forward(mx.array([tokens]), model.target.make_cache())
     aux = np.concatenate([np.array(taps.layers[i][0]) for i in (0, 2, 4)], -1)
     hidden = drafter.features(taps)[:, :-1]
     layer = drafter.head.layer(0)
     states, _ = layer.states(hidden, mx.array([tokens[1:]]), drafter.make_caches())
     got = np.array(layer.logits(states)[0])
-    embed = np.array(model.trunk.embed_tokens.weight)
+    embed = np.array(model.target.embed_tokens.weight)
     want = numpy_logits(folder, embed, aux[:-1], tokens[1:])
     inside = np.isfinite(want)
     assert (np.isfinite(got) == inside).all()

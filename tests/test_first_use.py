@@ -47,18 +47,18 @@ def timed(f):
     mx.eval(f())
     return time.perf_counter() - tic
 
-_, hidden = model.trunk(mx.array([list(range(2, 18))]), cache.trunk)
+_, hidden = model.target(mx.array([list(range(2, 18))]), cache.trunk)
 mx.eval(hidden)
-steps = [timed(lambda: model.trunk(mx.array([[5]]), cache.trunk)) for _ in range(5)]
+steps = [timed(lambda: model.target(mx.array([[5]]), cache.trunk)) for _ in range(5)]
 heads = [
     timed(lambda: model.head(hidden[:, -1:], mx.array([[7]]), cache.head))
     for _ in range(5)
 ]
 # the rows taken are the output head's own: same logits on the subset
-from mlx_mtp.trunk import output_head
+from mlx_mtp.target import output_head
 logits, h = model.head(hidden[:, -1:], mx.array([[7]]), cache.head)
 vocab = model.head.draft_vocab
-ref = output_head(model.trunk.model)(h)[..., vocab]
+ref = output_head(model.target.model)(h)[..., vocab]
 same = mx.allclose(logits[..., vocab], ref, atol=1e-4).item()
 outside = (mx.isinf(logits).sum() == logits.size - vocab.size).item()
 print(json.dumps({"steps": steps, "heads": heads, "same": same and outside}))

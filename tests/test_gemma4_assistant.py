@@ -178,8 +178,8 @@ def test_a_draft_step_matches_the_reference(folders):
     model = mlx_mtp.load_model(folders["target"], mtp=folders["random"])
     head, cache = model.head, model.make_cache()
     n = len(PROMPT) - 1  # the trunk reads all but the last token
-    logits, hidden = model.trunk(mx.array(PROMPT[:n])[None], cache.trunk)
-    kinds = kv_layers(model.trunk.backbone)
+    logits, hidden = model.target(mx.array(PROMPT[:n])[None], cache.trunk)
+    kinds = kv_layers(model.target.backbone)
     # plain caches: every key of every layer, in order (the trunk's are swapped)
     assert all(type(cache.trunk[i]) is KVCache for i in kinds.values())
     kv = {
@@ -187,7 +187,7 @@ def test_a_draft_step_matches_the_reference(folders):
         for t, i in kinds.items()
     }
     got_logits, got_hidden = head(hidden[:, -1:], mx.array([[PROMPT[n]]]), cache.head)
-    embed = model.trunk.embed_tokens.weight[PROMPT[n]]
+    embed = model.target.embed_tokens.weight[PROMPT[n]]
     want_logits, want_hidden = reference_step(head, kv, embed, hidden[0, -1], n)
     got = np.array(got_logits[0, 0])
     assert np.array_equal(np.isinf(got), np.isinf(want_logits))

@@ -80,7 +80,7 @@ def test_head_matches_numpy(tiny_folders, family):
     hidden = rng.standard_normal((6, config["hidden_size"])).astype(np.float32)
     tokens = rng.integers(0, 256, 6)
     # a fresh cache of the trunk's kind for one layer (DSA: [latent, indexer keys])
-    cache = model.trunk.make_cache()[0]
+    cache = model.target.make_cache()[0]
     expected = numpy_head(
         family, weights, prefix, config["rms_norm_eps"], hidden, tokens, block, True, cache
     )
@@ -91,7 +91,7 @@ def test_head_matches_numpy(tiny_folders, family):
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_moe_where_the_trunk_has_moe(tiny_folders, family):
     model = mlx_mtp.load_model(tiny_folders(family)[0])
-    trunk_moe = type(model.trunk.backbone.layers[-1].mlp)
+    trunk_moe = type(model.target.backbone.layers[-1].mlp)
     assert type(model.head.block.mlp) is trunk_moe
     assert any("switch_mlp" in k for k, _ in tree_flatten(model.head.parameters()))
 
@@ -125,7 +125,7 @@ def test_teacher_forced_logits_match_step_by_step(tiny_folders, family):
     tokens = list(range(20, 45))
     batched = mlx_mtp.mtp_logits(model, tokens)
     assert batched.shape == (len(tokens) - 1, model.config["vocab_size"])
-    _, hidden = model.trunk(mx.array(tokens)[None], model.trunk.make_cache())
+    _, hidden = model.target(mx.array(tokens)[None], model.target.make_cache())
     cache = model.head.make_cache()
     for i in range(len(tokens) - 1):
         row, _ = model.head(hidden[:, i : i + 1], mx.array([[tokens[i + 1]]]), cache)
@@ -136,11 +136,11 @@ def test_pre_norm_tap_feeds_a_different_hidden_state(tiny_folders):
     full, _ = tiny_folders("deepseek_v3")
     post = mlx_mtp.load_model(full)
     pre = mlx_mtp.load_model(full, hidden_tap="pre")
-    assert post.trunk.hidden_tap == "post" and pre.trunk.hidden_tap == "pre"
+    assert post.target.hidden_tap == "post" and pre.target.hidden_tap == "pre"
     tokens = list(range(10, 30))
     a, b = mlx_mtp.mtp_logits(post, tokens), mlx_mtp.mtp_logits(pre, tokens)
     assert not np.allclose(np.array(a), np.array(b))
     # the tap changes drafts only, never the trunk's logits
-    la, _ = post.trunk(mx.array(tokens)[None], post.trunk.make_cache())
-    lb, _ = pre.trunk(mx.array(tokens)[None], pre.trunk.make_cache())
+    la, _ = post.target(mx.array(tokens)[None], post.target.make_cache())
+    lb, _ = pre.target(mx.array(tokens)[None], pre.target.make_cache())
     np.testing.assert_array_equal(np.array(la), np.array(lb))

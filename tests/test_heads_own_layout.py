@@ -39,7 +39,7 @@ def load(module, weights, prefix):
 
 
 def ernie(model, w, hidden, tokens):
-    args, g = model.trunk.model.args, lambda k: np.array(w[k])  # noqa: E731
+    args, g = model.target.model.args, lambda k: np.array(w[k])  # noqa: E731
     eps = args.rms_norm_eps
     e = g("model.embed_tokens.weight")[tokens]  # position 0 kept
     x = (
@@ -52,7 +52,7 @@ def ernie(model, w, hidden, tokens):
         )
         @ g("model.mtp_linear_proj.0.weight").T
     )
-    layer_class = type(model.trunk.backbone.layers[0])
+    layer_class = type(model.target.backbone.layers[0])
     dense = replace(args, moe_layer_start_index=args.num_hidden_layers + 1)
     y = run(load(layer_class(dense, 0), w, "model.mtp_block.0."), x)
     # the trunk's own final norm, then the trunk's output head
@@ -60,7 +60,7 @@ def ernie(model, w, hidden, tokens):
 
 
 def exaone(model, w, hidden, tokens):
-    args, g = model.trunk.model.args, lambda k: np.array(w[k])  # noqa: E731
+    args, g = model.target.model.args, lambda k: np.array(w[k])  # noqa: E731
     eps = args.rms_norm_eps
     e = g("model.embed_tokens.weight")[tokens]
     x = (
@@ -79,7 +79,7 @@ def exaone(model, w, hidden, tokens):
         layer_types=list(args.layer_types) + ["full_attention"],
         is_moe_layer=list(args.is_moe_layer) + [False],
     )
-    layer_class = type(model.trunk.backbone.layers[0])
+    layer_class = type(model.target.backbone.layers[0])
     y = run(load(layer_class(ext, n), w, "mtp.layers.0."), x)
     return rms(y, g("mtp.norm.weight"), eps) @ g("lm_head.weight").T
 
@@ -87,7 +87,7 @@ def exaone(model, w, hidden, tokens):
 def longcat(model, w, hidden, tokens):
     from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
 
-    args, g = model.trunk.model.args, lambda k: np.array(w[k])  # noqa: E731
+    args, g = model.target.model.args, lambda k: np.array(w[k])  # noqa: E731
     eps, pre = args.rms_norm_eps, "model.mtp.layers.0."
     e = g("model.mtp.embed_tokens.weight")[tokens]  # the head's own embedding
     x = (

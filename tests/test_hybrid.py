@@ -65,9 +65,9 @@ class CountingTrunk:
         logits, taps = self.forward(tokens, cache)
         return logits, taps.hidden
 
-    def forward(self, tokens, cache):
+    def forward(self, tokens, cache, **kwargs):
         self.calls += 1
-        return self.trunk.forward(tokens, cache)
+        return self.trunk.forward(tokens, cache, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.trunk, name)
@@ -75,8 +75,8 @@ class CountingTrunk:
 
 def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
     """Greedy MTP run that records the GDN caches after every round's rollback."""
-    counting = CountingTrunk(model.trunk)
-    model = dataclasses.replace(model, trunk=counting)
+    counting = CountingTrunk(model.target)
+    model = dataclasses.replace(model, target=counting)
     cache = model.make_cache()
     snapshots, offset = [], 0
     out = []
@@ -187,12 +187,12 @@ def test_rollback_of_every_length(models, family):
     prompt, verified = list(range(50, 70)), [7, 8, 9, 10]
     for n, split in [(0, 4), (1, 4), (2, 4), (3, 4), (1, 2), (3, 1)]:
         cache = model.make_cache().trunk
-        model.trunk(mx.array(prompt)[None], cache)
+        model.target(mx.array(prompt)[None], cache)
         start_verify(cache)
         # one forward, or two (a pass may come in pieces)
-        model.trunk(mx.array(verified[:split])[None], cache)
+        model.target(mx.array(verified[:split])[None], cache)
         if split < len(verified):
-            model.trunk(mx.array(verified[split:])[None], cache)
+            model.target(mx.array(verified[split:])[None], cache)
         rollback(cache, n)
         ref = make_prompt_cache(reference)
         reference(mx.array(prompt)[None], cache=ref)
@@ -209,7 +209,7 @@ def test_rollback_of_every_length(models, family):
                 assert c.offset == r.offset
     cache = model.make_cache().trunk
     start_verify(cache)
-    model.trunk(mx.array(verified)[None], cache)
+    model.target(mx.array(verified)[None], cache)
     with pytest.raises(ValueError, match="cannot roll back 4 of 4"):
         rollback(cache, 4)
 
@@ -271,7 +271,7 @@ def test_head_block_reads_checkpoint_like_mlx_lm(tmp_path, family):
             swapped[slot + k[len("mtp.layers.0.") :]] = v
     folder = tiny_hybrid.save_folder(tmp_path / "s", config, swapped, mtp_w, False)
     model = mlx_mtp.load_model(folder)
-    layer = model.trunk.backbone.layers[3]
+    layer = model.target.backbone.layers[3]
     assert not layer.is_linear
     x = mx.random.normal((1, 5, config.get("hidden_size", 64)))
     mask = "causal"

@@ -21,7 +21,7 @@ from test_speculative import (
 
 import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
-from mlx_mtp.chat import truncate
+from mlx_mtp.cache import truncate
 from mlx_mtp.heads import MultiLayerHead
 
 LAYERS = 3
@@ -58,7 +58,7 @@ def multi(tmp_path_factory):
 def fresh_layer_states(model, processed, cache):
     """Per layer, a fresh cache over the pairs it should have read, and its outputs."""
     head = model.head
-    _, x = model.trunk(mx.array(processed)[None], model.trunk.make_cache())
+    _, x = model.target(mx.array(processed)[None], model.target.make_cache())
     fresh = []
     for j in range(head.num_layers):
         first = cache.start[j]

@@ -78,7 +78,7 @@ def test_every_layer_loads_its_own_tensors(models, family):
     assert not any(np.allclose(w[2 + i], w[3 + i]) for i in range(LAYERS - 1))
     # Step-3.5 hands over the trunk's pre-norm state and chains pre-norm outputs
     expected = ("pre", "pre") if family == "step3p5" else ("post", "post")
-    assert (model.trunk.hidden_tap, head.layer(1).chain_hidden) == expected
+    assert (model.target.hidden_tap, head.layer(1).chain_hidden) == expected
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -143,7 +143,7 @@ def run(block, x, window):
 
 def step3p5_layer(model, w, j, hidden, tokens):
     """vLLM: GemmaRMSNorm (x * (1 + w)) everywhere, cat[enorm(e), hnorm(h)], own head."""
-    args = model.trunk.model.args
+    args = model.target.model.args
     g, eps, n = (lambda k: np.array(w[k])), args.rms_norm_eps, args.num_hidden_layers
     pre = f"model.layers.{n + j}."
     e = g("model.embed_tokens.weight")[tokens]
@@ -160,14 +160,14 @@ def step3p5_layer(model, w, j, hidden, tokens):
     # mlx-lm's decoder layer at index N + j; its sanitize maps the MoE names,
     # and its norms take 1 + w (what its sanitize adds to a Hugging Face file)
     ext = replace(args, rope_theta=list(args.rope_theta) + [args.rope_theta[-1]] * 3)
-    layer = type(model.trunk.backbone.layers[0])(ext, n + j)
+    layer = type(model.target.backbone.layers[0])(ext, n + j)
     block = {k[len(pre) :]: v for k, v in w.items() if k.startswith(pre)}
     block = {
         k: v
         for k, v in block.items()
         if k.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head")
     }
-    clean = model.trunk.model.sanitize(
+    clean = model.target.model.sanitize(
         {f"model.layers.0.{k}": v for k, v in block.items()}
     )
     clean = {k[len("model.layers.0.") :]: v for k, v in clean.items()}
@@ -189,7 +189,7 @@ def block_is_moe(block):
 
 def mimo_v2_layer(model, w, j, hidden, tokens):
     """vLLM: plain RMSNorm, cat[enorm(e), hnorm(h)], SWA block, final_layernorm, lm_head."""
-    args = model.trunk.model.args
+    args = model.target.model.args
     g, eps = (lambda k: np.array(w[k])), args.layernorm_epsilon
     pre = f"model.mtp.layers.{j}."
     e = g("model.embed_tokens.weight")[tokens]
@@ -203,7 +203,7 @@ def mimo_v2_layer(model, w, j, hidden, tokens):
         )
         @ g(pre + "eh_proj.weight").T
     )
-    layer = type(model.trunk.backbone.layers[0])(
+    layer = type(model.target.backbone.layers[0])(
         args, is_moe=False, is_sliding_window=True
     )
     # vLLM's pre_mlp_layernorm is the norm mlx-lm's layer calls post_attention_layernorm

@@ -34,6 +34,7 @@ from mlx_mtp.adaptive import (
 from mlx_mtp.config import HEAD_CONFIG_FILE, machine, store_tuned, tuned_entry
 from mlx_mtp.defaults import MAX_DRAFT_MAX
 from mlx_mtp.drafts import ModelDrafts, make_policy
+from mlx_mtp.probe import machine_costs
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.tune import tune
@@ -265,7 +266,7 @@ def test_a_stop_token_on_a_plain_step_undoes_the_step_run_ahead(models, draft_ma
     else:  # the head never ran: the trunk holds what it read
         processed = prompt + got[:-1]
         fresh = model.make_cache()
-        model.trunk(mx.array(processed)[None], fresh.trunk)
+        model.target(mx.array(processed)[None], fresh.trunk)
         assert_states_close(cache.trunk, fresh.trunk)
 
 
@@ -307,7 +308,7 @@ def test_tune_writes_a_config_the_runtime_reads(tiny_folders, tmp_path):
 
     reloaded, _ = mlx_mtp.load(folder)
     assert tuned_entry(reloaded)["costs"] == entry["costs"]
-    policy = make_policy(reloaded, 2)
+    policy = make_policy(reloaded, 2, costs=machine_costs)
     assert list(policy.costs.verify) == entry["costs"]["verify"]
     assert list(policy.costs.rounds) == entry["costs"]["round"]
     assert policy.prior == entry["acceptance_by_depth"]

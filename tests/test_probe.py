@@ -9,6 +9,7 @@ import tiny
 
 import mlx_mtp
 from mlx_mtp import drafts, probe, timing
+from mlx_mtp import request as requests
 from mlx_mtp.adaptive import CostAwareDraft, Costs, prior_costs
 from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.speculative import speculative_generate_step
@@ -90,13 +91,20 @@ def test_a_tuned_entry_wins(folder, measuring, monkeypatch):
     assert not measuring.exists()
 
 
+def costs_are(monkeypatch, costs):
+    """Every source's costs are ``costs``: those a request passes in
+    (``probe.machine_costs``) and those assumed where none are passed."""
+    monkeypatch.setattr(drafts, "assumed_costs", lambda m, d=None: costs)
+    monkeypatch.setattr(requests, "machine_costs", lambda m, d=None: costs)
+
+
 def test_a_head_that_cannot_pay_is_left_out(folder, monkeypatch):
     """Where a verify over 2 tokens costs 1.8 steps (MLX's reference BLAS),
     a head kept 29% of the time cannot pay: the default source drafts
     nothing and feeds the head nothing; ``--fixed-draft`` still drafts."""
     model = mlx_mtp.load_model(folder)
     dear = Costs([1.0, 1.8, 2.7, 3.6], [0.08, 0.16, 0.24])
-    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: dear)
+    costs_are(monkeypatch, dear)
     monkeypatch.setattr(drafts, "acceptance_prior", lambda m, name="mtp": [0.29])
     assert isinstance(make_source(model, "mtp", 3), NoDrafts)
     assert isinstance(make_source(model, "mtp", 3, adaptive=False), ModelDrafts)
@@ -116,7 +124,7 @@ def test_a_head_that_cannot_pay_is_left_out(folder, monkeypatch):
     assert last.stats.summary("why").startswith("no drafts this run (why)")
     # where a verify is nearly free, the same head pays
     cheap = Costs([1.0, 1.1, 1.2], [0.08, 0.16])
-    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
+    costs_are(monkeypatch, cheap)
     assert isinstance(make_source(model, "mtp", 3), ModelDrafts)
 
 
@@ -136,7 +144,7 @@ def long_context(monkeypatch, measuring):
     that the head drafts and its rounds follow costs."""
     monkeypatch.setattr(timing, "LONG_CONTEXT", 32)
     cheap = Costs([1.0, 1.1, 1.2, 1.3, 1.4], [0.05, 0.1, 0.15, 0.2])
-    monkeypatch.setattr(drafts, "machine_costs", lambda m, d=None: cheap)
+    costs_are(monkeypatch, cheap)
     return measuring
 
 

@@ -70,8 +70,8 @@ def _recurrent_state(c):
 
 def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
     """Greedy MTP run that records the recurrent caches after every round."""
-    counting = CountingTrunk(model.trunk)
-    model = dataclasses.replace(model, trunk=counting)
+    counting = CountingTrunk(model.target)
+    model = dataclasses.replace(model, target=counting)
     cache = model.make_cache()
     snapshots, offset, out = [], 0, []
     stats = MTPStats(trace=[])
@@ -163,11 +163,11 @@ def check_rollback(model, reference, n, split):
     """Verify 4 tokens (in one forward or two), roll back n: the caches hold 4 - n."""
     prompt, verified = list(range(50, 70)), [7, 8, 9, 10]
     cache = model.make_cache().trunk
-    model.trunk(mx.array(prompt)[None], cache)
+    model.target(mx.array(prompt)[None], cache)
     start_verify(cache)
-    model.trunk(mx.array(verified[:split])[None], cache)
+    model.target(mx.array(verified[:split])[None], cache)
     if split < len(verified):
-        model.trunk(mx.array(verified[split:])[None], cache)
+        model.target(mx.array(verified[split:])[None], cache)
     rollback(cache, n)
     ref = make_prompt_cache(reference)
     reference(mx.array(prompt)[None], cache=ref)
@@ -191,7 +191,7 @@ def test_rollback_of_every_length(models, family):
         check_rollback(model, reference, n, split)
     cache = model.make_cache().trunk
     start_verify(cache)
-    model.trunk(mx.array([7, 8, 9, 10])[None], cache)
+    model.target(mx.array([7, 8, 9, 10])[None], cache)
     with pytest.raises(ValueError, match="cannot roll back 4 of 4"):
         rollback(cache, 4)
 
@@ -200,7 +200,7 @@ def test_no_rollback_outside_a_verify_pass(models):
     """A recurrent cache kept no states to drop tokens with: it says so."""
     model, _, _ = models("kimi_k3")
     cache = model.make_cache().trunk
-    model.trunk(mx.array([list(range(10, 20))]), cache)
+    model.target(mx.array([list(range(10, 20))]), cache)
     with pytest.raises(RuntimeError, match="cannot roll back 1 tokens outside"):
         rollback(cache, 1)
     rollback(cache, 0)  # releasing what nothing kept is fine
@@ -388,7 +388,7 @@ def test_head_logits_match_numpy(models, family):
 def test_the_trunk_hands_over_the_hidden_state_vllm_does(models, family):
     """Before or after the final norm, as vLLM's model returns it to its drafter."""
     model, reference, _ = models(family)
-    from mlx_mtp.trunk import final_norm, find_backbone
+    from mlx_mtp.target import final_norm, find_backbone
 
     norm = final_norm(find_backbone(reference))
     seen = {}
@@ -405,7 +405,7 @@ def test_the_trunk_hands_over_the_hidden_state_vllm_does(models, family):
         reference(tokens)
     finally:
         norm.__class__ = base
-    _, hidden = model.trunk(tokens, model.trunk.make_cache())
+    _, hidden = model.target(tokens, model.target.make_cache())
     want = seen[HIDDEN[family][0]]
     np.testing.assert_allclose(np.array(hidden), np.array(want), atol=1e-5, rtol=1e-5)
 

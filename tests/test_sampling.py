@@ -91,7 +91,7 @@ def fixed_logits(models):
     model, _ = models
     tokens = list(range(40, 64))
     n = len(tokens)
-    logits, _ = model.trunk(mx.array(tokens)[None], model.trunk.make_cache())
+    logits, _ = model.target(mx.array(tokens)[None], model.target.make_cache())
     head = mlx_mtp.mtp_logits(model, tokens)  # row i predicts tokens[i + 2]
     return logits[0, n - K - 1 :], head[n - K - 2 : n - 2]
 

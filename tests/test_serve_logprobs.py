@@ -22,7 +22,7 @@ N = 16
 def reference(model, prompt, tokens):
     """Log-probabilities of ``tokens`` after ``prompt`` by one plain forward."""
     cache = model.make_cache()
-    logits, _ = model.trunk(mx.array(prompt + tokens)[None], cache.trunk)
+    logits, _ = model.target(mx.array(prompt + tokens)[None], cache.trunk)
     logits = logits[0, len(prompt) - 1 : -1].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return np.array(lp), [int(t) for t in tokens]

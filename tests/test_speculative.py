@@ -101,7 +101,7 @@ def assert_cache_exact(model, cache, prompt, out):
     processed = prompt + out[:-1]
     assert cache.offset == len(processed)
     fresh = model.make_cache()
-    _, hidden = model.trunk(mx.array(processed)[None], fresh.trunk)
+    _, hidden = model.target(mx.array(processed)[None], fresh.trunk)
     assert_states_close(cache.trunk, fresh.trunk)
     n_head = cache.head_offset
     pending = 0 if cache.pending_hidden is None else cache.pending_hidden.shape[1]

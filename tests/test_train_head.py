@@ -71,7 +71,7 @@ def data_file(tmp_path_factory):
 def _shards(model, tokenizer, folder, n=6, length=48):
     ids = tokenizer.encode(TEXT)
     windows = [(ids[i * length : (i + 1) * length], 0) for i in range(n)]
-    write_shards(model.trunk, windows, length, folder, batch=4)
+    write_shards(model.target, windows, length, folder, batch=4)
     return windows, ShardSet(folder)
 
 
@@ -128,7 +128,7 @@ def test_chain_forward_is_the_runtime_chain(llama_folder):
     3 (head KV cache of true entries, then its own output fed back)."""
     model, tokenizer = load(llama_folder)
     ids = tokenizer.encode(TEXT)[:40]
-    hidden = model.trunk(mx.array([ids]), model.trunk.make_cache())[1]
+    hidden = model.target(mx.array([ids]), model.target.make_cache())[1]
     head = init_head(model, sample=ids)
     head.eh_proj.weight = head.eh_proj.weight + 0.05 * mx.random.normal(
         head.eh_proj.weight.shape
@@ -163,18 +163,18 @@ def test_shards_read_back_equal_to_memory(llama_folder, tmp_path):
     ids = tokenizer.encode(TEXT * 12)
     windows = chunk_sequences([(ids, 5)], 32)
     assert 2 * SHARD_WINDOWS < len(windows) < 3 * SHARD_WINDOWS
-    assert write_shards(model.trunk, windows, 32, tmp_path, batch=16)
+    assert write_shards(model.target, windows, 32, tmp_path, batch=16)
     shards = ShardSet(tmp_path)
     assert shards.rows == len(windows) and len(shards.shards) == 3
     pick = [0, 3, SHARD_WINDOWS + 1, len(windows) - 1]
-    direct = trunk_view(model.trunk, [windows[i] for i in pick], 32)
+    direct = trunk_view(model.target, [windows[i] for i in pick], 32)
     back = shards.batch(pick)
     for name, value in direct.items():
         assert back[name].dtype == value.dtype
         assert np.array_equal(back[name], value), name
     # and the hidden states are the trunk's own, unpadded
     w = windows[SHARD_WINDOWS + 1][0]
-    _, hidden = model.trunk(mx.array([w]), model.trunk.make_cache())
+    _, hidden = model.target(mx.array([w]), model.target.make_cache())
     got = back["hidden"][2, : len(w)].astype(np.float32)
     assert np.allclose(got, np.array(hidden[0]), atol=2e-2)
     assert isinstance(shards.shards[0]["hidden"], np.memmap)
@@ -287,7 +287,7 @@ def test_hidden_states_resume_from_the_last_whole_shard(llama_folder, tmp_path):
     windows = chunk_sequences([(ids, 0)], 32)
     calls = []
     assert not write_shards(
-        model.trunk,
+        model.target,
         windows,
         32,
         tmp_path,
@@ -297,7 +297,7 @@ def test_hidden_states_resume_from_the_last_whole_shard(llama_folder, tmp_path):
     )
     assert (tmp_path / "00000.json").exists() and not (tmp_path / "00001.json").exists()
     stamp = (tmp_path / "00000.hidden.npy").stat().st_mtime_ns
-    assert write_shards(model.trunk, windows, 32, tmp_path, batch=16)
+    assert write_shards(model.target, windows, 32, tmp_path, batch=16)
     assert (tmp_path / "00000.hidden.npy").stat().st_mtime_ns == stamp
     assert ShardSet(tmp_path).rows == len(windows)
 

@@ -262,9 +262,9 @@ def test_trunk_view_keeps_the_argmax_and_the_top8_distribution(llama_folder):
     model, tokenizer = load(llama_folder)
     ids = tokenizer.encode(CODE)[:96]
     windows = [(ids[:48], 0), (ids[48:90], 0)]
-    view = trunk_view(model.trunk, windows, 48)
+    view = trunk_view(model.target, windows, 48)
     tokens = mx.array([w + [0] * (48 - len(w)) for w, _ in windows])
-    logits, _ = model.trunk(tokens, model.trunk.make_cache())
+    logits, _ = model.target(tokens, model.target.make_cache())
     assert (view["greedy"] == np.array(mx.argmax(logits, axis=-1))).all()
     probs = np.array(mx.softmax(logits, axis=-1))
     top = np.take_along_axis(probs, view["soft_ids"], axis=-1)

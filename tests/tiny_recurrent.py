@@ -281,7 +281,7 @@ def _head_params(model_type: str, model, config: dict, agreeable: bool):
     import importlib
 
     family = importlib.import_module(f"mlx_mtp.heads.{model_type}")
-    from mlx_mtp.trunk import find_backbone
+    from mlx_mtp.target import find_backbone
 
     head = family.build(model.args, config, find_backbone(model), {})
     params = {k[len("block.") :] if k.startswith("block.") else k: v

@@ -32,9 +32,9 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..drafter import Drafter, DraftView, Reads
-from ..loader import read_safetensors
+from ..weights import read_safetensors
 from ..sampling import Draft
-from ..trunk import output_head
+from ..target import output_head
 
 KINDS = {"DFlashDraftModel": "a DFlash block drafter (z-lab)"}
 
@@ -419,12 +419,12 @@ def read_weights(
 
 def target_shape(target) -> Tuple[int, int, int]:
     """(hidden size, vocabulary, decoder layers) of the loaded ``target``."""
-    embed = target.trunk.embed_tokens
+    embed = target.target.embed_tokens
     if isinstance(embed, nn.QuantizedEmbedding):
         vocab, dims = embed.num_embeddings, embed.dims
     else:
         vocab, dims = embed.weight.shape
-    return dims, vocab, target.trunk.num_layers
+    return dims, vocab, target.target.num_layers
 
 
 def check_fits(args: DFlashArgs, target) -> None:
@@ -480,15 +480,15 @@ def relative_cost(model: nn.Module, target) -> float:
     def nbytes(m):
         return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
 
-    trunk = nbytes(target.trunk.model)
-    head = output_head(target.trunk.model)
+    trunk = nbytes(target.target.model)
+    head = output_head(target.target.model)
     head_bytes = nbytes(head) if isinstance(head, nn.Module) else 0
     return min(1.0, max(0.02, (nbytes(model) + head_bytes) / max(trunk, 1)))
 
 
 def attach_parts(model: nn.Module, target):
     """The target's embedding and output head, and the prior block cost."""
-    trunk = target.trunk
+    trunk = target.target
     return trunk.embed_tokens, output_head(trunk.model), relative_cost(model, target)
 
 

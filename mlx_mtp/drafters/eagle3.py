@@ -239,7 +239,7 @@ def load(folder, config: Dict[str, Any], target) -> Eagle3Drafter:
         raise ValueError(
             "no embed_tokens of its own, and the target's is another width"
         )
-    model._shared.embed = target.trunk.embed_tokens
+    model._shared.embed = target.target.embed_tokens
     d2t = model.d2t + mx.arange(model.d2t.shape[0])
     if d2t.size and (int(d2t.max().item()) >= vocab or int(d2t.min().item()) < 0):
         raise ValueError("d2t maps draft tokens past the model's vocabulary")

@@ -30,15 +30,16 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 
 from ..adaptive import AcceptanceHistory
 from ..batch_policy import BatchDraftLength
-from ..chat import truncatable
+from ..cache import truncatable
 from ..ngram import LookupMemory
 from ..disk_cache import DiskCache
+from ..prompt import Prompt
 from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
@@ -68,10 +69,11 @@ class Event:
 
 @dataclass
 class Request:
-    """A generation as the engine sees it: tokens in, events out; what to
-    generate is the API's ``GenerationRequest``, as it was built."""
+    """A generation as the engine sees it: a prompt in (token ids, or a
+    ``prompt.Prompt`` with media), events out; what to generate is the API's
+    ``GenerationRequest``, as it was built."""
 
-    prompt: List[int]
+    prompt: Union[List[int], Prompt]
     params: GenerationRequest
     emit: Callable[[Event], None]
     cancelled: bool = False
@@ -447,7 +449,9 @@ class Engine(Scheduler):
         for job in jobs:
             s = job.stream
             if self.prompt_cache.enabled and not truncatable(s.cache):
-                self.prompt_cache.insert(job.prompt[:-1], s.cache.copy())
+                self.prompt_cache.insert(
+                    job.prompt.prefix(len(job.prompt) - 1), s.cache.copy()
+                )
 
     def _round(self) -> None:
         finished, last = [], []
@@ -468,7 +472,7 @@ class Engine(Scheduler):
         for i, job in enumerate(jobs):
             s = job.stream
             if keep:  # the trunk has read all of the history but its last token
-                self.prompt_cache.insert(s.history[:-1], s.cache)
+                self.prompt_cache.insert(s.prompt.prefix(len(s.history) - 1), s.cache)
             if texts is None:
                 self._report(job)  # counted, not answered: its client went away
                 continue

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import __version__
+from ..defaults import VERSION as __version__
 from ..distributed import PeerLost, gather
 from ..errors import MTPError
 

@@ -97,7 +97,7 @@ def table(results: dict[str, dict[int, MTPStats]]) -> str:
 def measure_costs(mtp_model: Any, prompt: list[int], k_max: int, repeats: int = 15):
     """Median times, relative to a plain one-token step, of a verify forward
     over ``T = 1..k_max + 1`` tokens and of one chained head call."""
-    trunk, head = mtp_model.trunk, mtp_model.head
+    trunk, head = mtp_model.target, mtp_model.head
     cache = mtp_model.make_cache()
     _, hidden = trunk(mx.array(prompt)[None], cache.trunk)
     mx.eval(hidden, [c.state for c in cache.trunk])

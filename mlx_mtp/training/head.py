@@ -18,7 +18,7 @@ from ..errors import MTPError
 from ..heads import deepseek
 from ..heads.base import MTPHead
 from ..loader import MTPModel
-from ..trunk import find_backbone, output_head
+from ..target import find_backbone, output_head
 
 HEAD_FILE = "mtp.safetensors"
 EH_INITS = ("hidden", "embedding")
@@ -38,7 +38,7 @@ def init_head(
     """
     if eh_init not in EH_INITS:
         raise MTPError(f"eh_proj init must be one of {EH_INITS}, not {eh_init!r}")
-    model = mtp_model.trunk.model
+    model = mtp_model.target.model
     backbone = find_backbone(model)
     args = model.args
     block = deepseek.make_block(backbone, args, args.num_hidden_layers)
@@ -75,7 +75,7 @@ def float_parameters(layer: nn.Module) -> dict[str, Any]:
 
 def residual_rms(mtp_model: MTPModel, tokens: list[int]) -> float:
     """Mean RMS of the trunk's last residual state (before its final norm)."""
-    trunk = mtp_model.trunk
+    trunk = mtp_model.target
     where, trunk.hidden_tap = trunk.hidden_tap, "pre"
     try:
         _, pre = trunk(mx.array([tokens]), trunk.make_cache())

@@ -249,7 +249,7 @@ class _Phases:
             what.append(f"measure acceptance in {generations} generations")
         # 1) self-distillation, 2) the trunk's pass, 3) training, 4) evaluation
         batch = max(1, min(data.distill_batch, answers))
-        step, one, window = _speeds(self.mtp_model.trunk, batch, cfg.seq_len)
+        step, one, window = _speeds(self.mtp_model.target, batch, cfg.seq_len)
         rounds = sum(math.ceil(n / batch) for n in (data.validation, data.self_distill))
         seconds = rounds * data.distill_tokens * step
         seconds += (answers * data.distill_tokens + text) / cfg.seq_len * window
@@ -261,7 +261,7 @@ class _Phases:
         tokens = len(prompts) * self.data.distill_tokens
         self.hooks.phase(f"self-distillation, {name} (tokens)", tokens)
         seqs = self_distill(
-            self.mtp_model.trunk.model,
+            self.mtp_model.target.model,
             self.tokenizer,
             prompts,
             self.data.distill_tokens,
@@ -329,7 +329,7 @@ class _Phases:
             self.hooks.phase(f"trunk hidden states, {name} (tokens)", total)
             folder = self.work / f"shards-{name}"
             if not write_shards(
-                self.mtp_model.trunk,
+                self.mtp_model.target,
                 wins,
                 self.cfg.seq_len,
                 folder,

@@ -121,12 +121,12 @@ def main():
     K = args.draft_max
 
     model = mlx_mtp.load_model(args.model)
-    vocab = model.trunk.embed_tokens.weight.shape[0]
+    vocab = model.target.embed_tokens.weight.shape[0]
     context = [(7 * i + 3) % min(vocab, 256) for i in range(args.context)]
     cache = model.make_cache()
     prefill(model, cache, context[:-1], 2048, True)
     y = context[-2]  # one plain step: the next draft catches up over two
-    _, hidden = model.trunk(mx.array([[y]]), cache.trunk)
+    _, hidden = model.target(mx.array([[y]]), cache.trunk)
     cache.pending[0].push(hidden, [y])
     mx.eval(hidden, [c.state for c in cache.trunk + cache.head])
     y = context[-1]
@@ -134,11 +134,11 @@ def main():
 
     def plain_steps():  # mlx-lm's generate_step: step n+1 built while n computes
         token = mx.array([y])
-        logits = model.trunk.model(token[None], cache=cache.trunk)
+        logits = model.target.model(token[None], cache=cache.trunk)
         token = mx.argmax(logits[0, -1:], axis=-1)
         mx.async_eval(token)
         for _ in range(args.steps - 1):
-            logits = model.trunk.model(token.reshape(1, 1), cache=cache.trunk)
+            logits = model.target.model(token.reshape(1, 1), cache=cache.trunk)
             nxt = mx.argmax(logits[0, -1:], axis=-1)
             mx.async_eval(nxt)
             token.item()
@@ -149,7 +149,7 @@ def main():
         if keep:
             start_verify(cache.trunk)
         tokens = mx.array([y] + context[-t:-1] if t > 1 else [y])
-        logits, hidden = model.trunk(tokens[None], cache.trunk)
+        logits, hidden = model.target(tokens[None], cache.trunk)
         mx.eval(mx.argmax(logits, axis=-1), hidden)
 
     def drafts(k):
@@ -170,7 +170,7 @@ def main():
 
         def mlx_lm(p):
             return generate_step(
-                mx.array(p), model.trunk.model, max_tokens=args.tokens, sampler=argmax
+                mx.array(p), model.target.model, max_tokens=args.tokens, sampler=argmax
             )
 
         def ours(p, k, stats, policy=None):  # with the verifier users get
@@ -197,12 +197,20 @@ def main():
     lstats = {name: MTPStats() for name, _ in loops}
     ltokens = {}
 
+    def auto_policy():
+        from mlx_mtp.probe import machine_costs
+
+        try:  # checkouts since the costs are passed in
+            return make_policy(model, K, costs=machine_costs)
+        except TypeError:
+            return make_policy(model, K)
+
     def run_loop(name, k, i):
         stats = MTPStats()
         if k is None:
             steps = mlx_lm(prompts[i])
         elif k == "auto":
-            steps = ours(prompts[i], K, stats, make_policy(model, K))
+            steps = ours(prompts[i], K, stats, auto_policy())
         else:
             steps = ours(prompts[i], k, stats)
         t, tokens = per_token(steps)

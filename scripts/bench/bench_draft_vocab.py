@@ -43,7 +43,7 @@ def main():
     head = model.head.layer(0)
     own = head.draft_vocab if "draft_vocab" in head else None
     model.head.set_draft_vocab(None)
-    vocab = model.trunk.embed_tokens.weight.shape[0]
+    vocab = model.target.embed_tokens.weight.shape[0]
     prompts = encoded_prompts(tokenizer, load_prompts())
     if args.cost_only:
         prompts = [[(7 * i + 3) % 256 for i in range(64)]]

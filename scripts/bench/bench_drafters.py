@@ -109,7 +109,7 @@ def save(folder: Path, config: dict, model) -> Path:
 
 def build_drafters(model, root: Path) -> list:
     """Random drafters of the published shapes for ``model``: their folders."""
-    dims, n = target_dims(model), model.trunk.num_layers
+    dims, n = target_dims(model), model.target.num_layers
     out = []
     for kind, block, extra in [
         ("DFlashDraftModel", 16, {}),

@@ -77,7 +77,7 @@ def main():
         model = mlx_mtp.load_model(args.model)
         what = str(args.model)
         prompt = [(7 * i + 3) % 256 for i in range(32)]
-    reference = model.trunk.model
+    reference = model.target.model
     argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
 
     def plain():

@@ -52,7 +52,7 @@ def main():
         prompt = (ids * (n // len(ids) + 1))[:n]
         configs = {
             "mlx-lm": lambda: generate_step(
-                mx.array(prompt), model.trunk.model, max_tokens=1, sampler=argmax
+                mx.array(prompt), model.target.model, max_tokens=1, sampler=argmax
             ),
             # MTP on: the head catches up in prefill; the first step drafts
             # nothing, so that both sides time the prefill and one plain step

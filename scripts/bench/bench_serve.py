@@ -160,7 +160,7 @@ def main():
 
     path = args.model or default_model_path(print)
     loaded, tokenizer = mlx_mtp.load(path)
-    model = loaded.trunk.model  # mlx-lm's own model object
+    model = loaded.target.model  # mlx-lm's own model object
     templated = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True

@@ -77,7 +77,7 @@ def main():
     group = distributed.world()
     model, tokenizer = distributed.load(args.model, sharding=args.sharding)
     count_collectives()
-    model.trunk.__class__.__call__ = in_phase("trunk", model.trunk.__class__.__call__)
+    model.target.__class__.__call__ = in_phase("trunk", model.target.__class__.__call__)
     head_cls = type(model.head.layer(0))  # the loop calls the head's layers
     prefill = speculative.prefill
     speculative.prefill = in_phase("prefill", prefill)
@@ -91,7 +91,7 @@ def main():
         for k in rows:
             counts.clear()
             trunk_calls, head_calls = [0], [0]
-            trunk_call, head_call = model.trunk.__class__.__call__, head_cls.__call__
+            trunk_call, head_call = model.target.__class__.__call__, head_cls.__call__
 
             def tc(*a, **kw):
                 trunk_calls[0] += phase[0] != "prefill"
@@ -101,12 +101,12 @@ def main():
                 head_calls[0] += phase[0] != "prefill"
                 return head_call(*a, **kw)
 
-            model.trunk.__class__.__call__, head_cls.__call__ = tc, hc
+            model.target.__class__.__call__, head_cls.__call__ = tc, hc
             for r in stream_generate(
                 model, tokenizer, prompt, args.n, draft_max=k, mtp=k > 0
             ):
                 pass
-            model.trunk.__class__.__call__, head_cls.__call__ = trunk_call, head_call
+            model.target.__class__.__call__, head_cls.__call__ = trunk_call, head_call
             s = r.stats
             rows[k].append(
                 (s.generation_time / s.rounds, s.sync_time / max(s.syncs, 1), s)

@@ -47,13 +47,13 @@ def trunk_rates(model, windows, batches, repeats, seq_len):
     rates = {(v, b): [] for v in variants for b in batches}
     for b in batches:  # warm-up: compile and allocate once per shape
         for f in variants.values():
-            f(model.trunk, windows[:b], seq_len)
+            f(model.target, windows[:b], seq_len)
     for r in range(repeats):
         for b in batches:
             part = windows[(r + 1) * b : (r + 2) * b]
             for v, f in variants.items():
                 tic = time.perf_counter()
-                f(model.trunk, part, seq_len)
+                f(model.target, part, seq_len)
                 rates[(v, b)].append(
                     sum(len(w) for w, _ in part) / (time.perf_counter() - tic)
                 )
@@ -64,7 +64,7 @@ def train_rates(model, windows, batches, steps, seq_len):
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "shards"
-        write_shards(model.trunk, windows[:16], seq_len, folder, 8)
+        write_shards(model.target, windows[:16], seq_len, folder, 8)
         shards = ShardSet(folder)
         for b in batches:
             head = init_head(model, sample=windows[0][0])

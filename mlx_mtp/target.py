@@ -1,6 +1,17 @@
-"""The main model ("trunk"): mlx-lm's own model class, with its hidden states tapped.
+"""The target: what the runtime needs of the main model, as one object.
 
-Drafters read the trunk's hidden states. mlx-lm models return only logits,
+The loop, the scheduler, the drafters, the heads, the cache policies and the
+prompt-cache files see the main model only through a ``Target``: a forward
+over a chunk of tokens, some of its positions read as input embeddings (a
+prompt's media segments, ``prompt.Segment``), that returns the logits and the
+taps drafters read (``Taps``); its caches; its token embedding and output
+head; its layers. ``Target`` runs any model built like mlx-lm's (a backbone
+owning the token embedding, ``layers`` and a final norm; mlx-vlm's language
+models are too) with no change in behaviour; a target for another kind of
+model, or one that reads a new medium (``embed_segment``), is a subclass
+(``loader.load_model(..., target=CLASS)``).
+
+Drafters read the target's hidden states. mlx-lm models return only logits,
 so we tap modules of the backbone, one mechanism for every family mlx-lm
 loads: the final norm (its output, post-norm, the default; or its input,
 pre-norm), which the MTP heads read, and the decoder layers a drafter asks
@@ -12,10 +23,13 @@ save unchanged.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .errors import MTPError
+from .prompt import Piece, Segment
 
 HIDDEN_TAPS = ("post", "pre")
 
@@ -124,8 +138,44 @@ def _install_layer_tap(layer: nn.Module, i: int, taken: Dict[int, mx.array]) -> 
     layer.__class__ = TappedLayer
 
 
-class Trunk:
-    """Runs the main model and returns logits together with the tapped hidden state."""
+class _Feed:
+    """Input embeddings the token embedding hands on in place of its own, for
+    one forward (media read as embeddings: ``Target.forward``)."""
+
+    def __init__(self):
+        self.value: Optional[mx.array] = None
+        self.plain: Any = None  # the embedding's own lookup
+
+
+def _install_feed(embed: nn.Module, feed: _Feed) -> None:
+    base = type(embed)
+    if getattr(base, "_mtp_fed", False):
+        base = base.__mro__[1]
+
+    class Fed(base):
+        _mtp_fed = True
+
+        def __call__(self, x, *args, **kwargs):
+            if feed.value is not None and feed.value.shape[:2] == x.shape[:2]:
+                return feed.value
+            return base.__call__(self, x, *args, **kwargs)
+
+    Fed.__name__ = base.__name__
+    embed.__class__ = Fed
+    feed.plain = lambda x: base.__call__(embed, x)
+
+
+class Target:
+    """The main model as the runtime sees it: ``forward`` over a chunk, its
+    caches (``make_cache``), ``embed_tokens``, ``output_head``, its layers.
+
+    ``model`` is the module itself (mlx-lm's model), which mlx-lm's own
+    functions take; ``embed_segment`` turns a media segment into the input
+    embeddings read at its positions (none here: a text model)."""
+
+    # segments' embeddings kept for the chunks that read them (a segment split
+    # over chunks is embedded once)
+    KEPT_SEGMENTS = 4
 
     def __init__(self, model: nn.Module, hidden_tap: str = "post"):
         self.model = model
@@ -134,6 +184,9 @@ class Trunk:
         _install_tap(final_norm(self.backbone), self._tap)
         self.tapped: Tuple[int, ...] = ()  # decoder layers whose outputs are kept
         self._taken: Dict[int, mx.array] = {}
+        self._feed = _Feed()
+        _install_feed(getattr(self.backbone, _first(self.backbone, _EMBEDDINGS)), self._feed)
+        self._segments: Dict[str, mx.array] = {}
 
     @property
     def num_layers(self) -> int:
@@ -145,7 +198,7 @@ class Trunk:
         for i in ids:
             if not 0 <= i < self.num_layers:
                 raise ValueError(
-                    f"layer {i} is past the trunk's {self.num_layers} layers"
+                    f"layer {i} is past the target's {self.num_layers} layers"
                 )
             if i not in self.tapped:
                 _install_layer_tap(self.backbone.layers[i], i, self._taken)
@@ -175,10 +228,59 @@ class Trunk:
         logits, taps = self.forward(tokens, cache, **kwargs)
         return logits, taps.hidden
 
-    def forward(self, tokens: mx.array, cache: List[Any], **kwargs):
-        """The logits and every tap (``drafter.Taps``: the final hidden state,
-        the tapped layers' outputs) over ``tokens``."""
-        logits = self.model(tokens, cache=cache, **kwargs)
+    @property
+    def output_head(self):
+        """The output projection, from hidden states to logits."""
+        return output_head(self.model)
+
+    def embed_segment(self, segment: Segment) -> mx.array:
+        """The input embeddings ``[segment.length, D]`` read at ``segment``'s
+        positions. A text model reads no media: a one-line error."""
+        name = getattr(self.model, "model_type", type(self.model).__name__)
+        raise MTPError(
+            f"the model ({name}) reads text only: it cannot read a prompt's "
+            f"{segment.kind}"
+        )
+
+    def _embedded(self, segment: Segment) -> mx.array:
+        found = self._segments.get(segment.digest)
+        if found is None:
+            found = self.embed_segment(segment)
+            if found.shape[0] != segment.length:
+                raise MTPError(
+                    f"a {segment.kind} of {segment.length} positions was embedded "
+                    f"as {found.shape[0]}"
+                )
+            while len(self._segments) >= self.KEPT_SEGMENTS:
+                self._segments.pop(next(iter(self._segments)))
+            self._segments[segment.digest] = found
+        return found
+
+    def input_embeddings(
+        self, tokens: mx.array, pieces: Sequence[Sequence[Piece]]
+    ) -> mx.array:
+        """The embeddings the backbone reads over ``tokens`` (``[B, T]``):
+        the tokens', with row ``b``'s media ``pieces[b]`` in their places."""
+        rows = []
+        for b, row in enumerate(pieces):
+            e = self._feed.plain(tokens[b : b + 1])
+            for p in row:
+                part = self._embedded(p.segment)[p.lo : p.hi].astype(e.dtype)
+                e[0, p.at : p.at + p.hi - p.lo] = part
+            rows.append(e)
+        return mx.concatenate(rows)
+
+    def forward(self, tokens: mx.array, cache: List[Any], pieces=None, **kwargs):
+        """The logits and every tap (``Taps``: the final hidden state, the
+        tapped layers' outputs) over ``tokens`` (``[B, T]``); ``pieces[b]``:
+        the media row ``b`` reads in place of its placeholder tokens
+        (``prompt.Piece``, at positions within the chunk)."""
+        if pieces is not None and any(pieces):
+            self._feed.value = self.input_embeddings(tokens, pieces)
+        try:
+            logits = self.model(tokens, cache=cache, **kwargs)
+        finally:
+            self._feed.value = None
         hidden, self._tap.value = self._tap.value, None
         layers = {i: self._taken.pop(i) for i in self.tapped if i in self._taken}
         return logits, Taps(hidden, layers)
