@@ -36,10 +36,15 @@ SCHEMA = {
     "additionalProperties": False,
 }
 # the Responses API's flat function tool
-FORECAST = {"type": "function", "name": "get_forecast", "strict": True,
-            "description": "The forecast for a city.", "parameters": SCHEMA}  # fmt: skip
-CHAT_FORECAST = {"type": "function", "function": {
-    k: FORECAST[k] for k in ("name", "description", "parameters", "strict")}}  # fmt: skip
+FORECAST = {
+    "type": "function",
+    "name": "get_forecast",
+    "strict": True,
+    "description": "The forecast for a city.",
+    "parameters": SCHEMA,
+}
+FIELDS = ("name", "description", "parameters", "strict")
+CHAT_FORECAST = {"type": "function", "function": {k: FORECAST[k] for k in FIELDS}}
 QUESTION = "What is the forecast for Paris?"
 OFF = {"effort": "none"}  # the template writes the thinking closed
 
@@ -236,9 +241,12 @@ def _closing_bias(loaded):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_validates(client, loaded, stream):
-    schema = {"type": "object", "properties": {
-        **SCHEMA["properties"], "calm": {"type": "boolean"}},
-        "required": ["city", "days", "calm"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {**SCHEMA["properties"], "calm": {"type": "boolean"}},
+        "required": ["city", "days", "calm"],
+        "additionalProperties": False,
+    }
     kwargs = dict(
         model=NAME, input="The forecast, as JSON.", max_output_tokens=200,
         text={"format": {"type": "json_schema", "name": "forecast",
@@ -260,8 +268,10 @@ def test_json_schema_output_validates(client, loaded, stream):
 
 
 def test_previous_response_id(client):
-    first = client.responses.create(model=NAME, input="Hi.", max_output_tokens=4,
-                                    instructions="Be brief.", reasoning=OFF)  # fmt: skip
+    first = client.responses.create(
+        model=NAME, input="Hi.", max_output_tokens=4, instructions="Be brief.",
+        reasoning=OFF,
+    )  # fmt: skip
     second = client.responses.create(
         model=NAME, input="And the sea?", previous_response_id=first.id,
         max_output_tokens=4, reasoning=OFF,
