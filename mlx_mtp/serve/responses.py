@@ -325,7 +325,7 @@ class _Output:
             "output_index": len(self.items) - 1,
             "item": copy.deepcopy(item),
         }
-        return events + [added]  # fmt: skip
+        return events + [added]
 
     def think(self, text: str) -> List[dict]:
         if not text:
