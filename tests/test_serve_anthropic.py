@@ -77,13 +77,30 @@ def test_message_equals_plain_greedy_decoding(client, loaded):
         r = client.messages.create(
             model=MODEL, max_tokens=16, messages=USER, extra_body={"draft_max": k}
         )
-        assert r.type == "message" and r.role == "assistant" and r.model == MODEL
+        assert r.type == "message" and r.role == "assistant"
+        assert r.model == "tiny"  # the served model, not the name asked for
         assert [b.type for b in r.content] == ["text"]
         assert r.content[0].text == text
         assert r.stop_reason == "max_tokens" and r.stop_sequence is None
         assert _read(r.usage) == prompt_tokens
         assert r.usage.output_tokens == 16
         assert r.id.startswith("msg_")
+
+
+@pytest.mark.parametrize("model", [MODEL, 7, None, ["a"], {"name": "x"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_answer_names_the_served_model(server, model, stream):
+    """Whatever ``model`` held (agents send their own names; a number or an
+    object is no name at all), the message names the model that answered."""
+    body = {"model": model, "max_tokens": 2, "messages": USER, "stream": stream}
+    status, raw = server.post("/v1/messages", json.dumps(body).encode())
+    assert status == 200
+    if stream:
+        start = raw.decode().split("data: ", 2)[1].split("\n", 1)[0]
+        message = json.loads(start)["message"]
+    else:
+        message = json.loads(raw)
+    assert message["model"] == "tiny"
 
 
 def test_stream_equals_unstreamed(client):

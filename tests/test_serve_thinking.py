@@ -8,16 +8,18 @@ close it and call a tool (``CALLS``).
 """
 
 import json
+from types import SimpleNamespace
 
 import anthropic
 import pytest
 import think_model
+import tool_model
 from live_server import LiveServer, module_fixtures
 from think_model import ANSWER, THOUGHT
 
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
-from mlx_mtp.serve import ServeConfig, reasoning
+from mlx_mtp.serve import ServeConfig, parse, reasoning
 
 NAME = "tiny-thinker"
 USER = [{"role": "user", "content": "Why is the sea blue?"}]
@@ -31,6 +33,7 @@ WEATHER = {
     },
 }
 CLOSE = "\n</think>\n\n"  # what the server writes when the budget runs out
+CLOSE_TOKENS = 4  # its tokens: "\n", "</think>", "\n", "\n"
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,85 @@ def test_thinking_can_be_turned_off_by_the_template(client):
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+@pytest.mark.parametrize("effort", ["none", "minimal"])
+def test_reasoning_effort_none_turns_thinking_off(client, effort):
+    """``enable_thinking`` false reaches the template, which writes the
+    thinking closed; the Responses API's ``reasoning.effort`` likewise."""
+    r = chat(client, logit_bias=THINK, reasoning_effort=effort)
+    message = r.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    assert message.content == THOUGHT * 8
+    r = client.responses.create(
+        model=NAME, input=USER[0]["content"], max_output_tokens=8,
+        reasoning={"effort": effort}, extra_body={"logit_bias": THINK},
+    )  # fmt: skip
+    assert [i.type for i in r.output] == ["message"]
+    assert r.output_text == THOUGHT * 8
+
+
+def test_reasoning_effort_sets_the_budget(client, server):
+    """Levels "low" and up keep the thinking on, with a budget of thinking tokens
+    (``reasoning.EFFORTS``); "none" is a budget of 0, which closes even a
+    thinking the template opened (``enable_thinking`` forced on); an explicit
+    ``max_thinking_tokens`` wins."""
+    r = chat(client, logit_bias=THINK, reasoning_effort="low")
+    assert r.choices[0].message.reasoning_content == THOUGHT * 8
+    r = chat(
+        client, logit_bias=THINK, reasoning_effort="none",
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )  # fmt: skip
+    message = r.choices[0].message  # the budget closed it at once
+    assert getattr(message, "reasoning_content", None) in (None, "\n")
+    assert message.content == THOUGHT * (8 - CLOSE_TOKENS)
+    service = server.app.state.service
+    for effort, budget in reasoning.EFFORTS.items():
+        body = {"messages": USER, "reasoning_effort": effort}
+        assert parse.params(service, body).max_thinking_tokens == budget
+    body = {"messages": USER, "reasoning_effort": "high", "max_thinking_tokens": 7}
+    assert parse.params(service, body).max_thinking_tokens == 7
+    assert parse.params(service, {"messages": USER}).max_thinking_tokens is None
+
+
+def test_reasoning_effort_reaches_the_template(server, loaded):
+    """gpt-oss's template reads ``reasoning_effort``: it is a template
+    variable (unset where the request has none)."""
+    tokenizer, service = loaded[1], server.app.state.service
+    template = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "Reasoning: {{ reasoning_effort | default('unset') }}"
+        "{% for m in messages %}|{{ m.content }}{% endfor %}"
+    )
+    try:
+        for effort in ("low", "high", None):
+            body = {"messages": USER, "reasoning_effort": effort}
+            text = tokenizer.decode(parse.chat_tokens(service, body))
+            assert text.startswith(f"Reasoning: {effort or 'unset'}|")
+    finally:
+        tokenizer.chat_template = template
+
+
+def test_without_a_word_the_vocabulary_decides(server, loaded, tiny_folders, tmp_path):
+    """A request that says nothing of thinking gets mlx-lm's default:
+    ``enable_thinking`` is whether the vocabulary has thinking tokens
+    (``<think>`` and ``</think>``), not the template's own default."""
+    service = server.app.state.service
+    assert loaded[1].has_thinking  # the thinker's vocabulary has them
+    text = loaded[1].decode(parse.chat_tokens(service, {"messages": USER}))
+    assert text.endswith("<|im_start|>assistant\n<think>\n")  # left open
+    # the same template over a vocabulary without the markers as tokens
+    folder = tiny_folders("deepseek_v3")[0]
+    _, tokenizer = mlx_mtp.load(tool_model.build(folder, tmp_path / "plain"))
+    tokenizer.chat_template = think_model.TEMPLATE
+    assert not tokenizer.has_thinking
+    plain = SimpleNamespace(tokenizer=tokenizer, reasoning=None)
+    text = tokenizer.decode(parse.chat_tokens(plain, {"messages": USER}))
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # a request that says it, is heard
+    body = {"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}
+    text = tokenizer.decode(parse.chat_tokens(plain, body))
+    assert text.endswith("<|im_start|>assistant\n<think>\n")
+
+
 def test_a_tool_call_after_the_thinking_is_parsed(client):
     for stream in (False, True):
         r = chat(
@@ -234,6 +316,9 @@ def test_anthropic_tool_use_after_thinking(claude):
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
         ({"max_thinking_tokens": 1.5}, "max_thinking_tokens"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"reasoning_effort": 3}, "reasoning_effort"),
+        ({"reasoning_effort": ""}, "reasoning_effort"),
     ],
 )
 def test_bad_thinking_fields_are_400(server, body, param):
@@ -244,11 +329,13 @@ def test_bad_thinking_fields_are_400(server, body, param):
     assert status == 400 and json.loads(raw)["error"]["param"] == param
 
 
-def test_thinking_fields_need_a_chat(server):
-    body = {"prompt": "hi", "max_tokens": 2, "max_thinking_tokens": 4}
+@pytest.mark.parametrize("field", ["max_thinking_tokens", "reasoning_effort"])
+def test_thinking_fields_need_a_chat(server, field):
+    value = 4 if field == "max_thinking_tokens" else "low"
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
     status, raw = server.post("/v1/completions", json.dumps(body).encode())
     assert status == 400
-    assert json.loads(raw)["error"]["param"] == "max_thinking_tokens"
+    assert json.loads(raw)["error"]["param"] == field
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ and the engine as a thinking budget. Errors have Anthropic's shape,
 ``chat_template_kwargs`` and ``max_thinking_tokens`` are this server's
 extensions, as on the chat path.
 Any ``model`` name is served: coding agents send the names of the models they
-were set up for (and a second, smaller one for chores), not this server's.
+were set up for (and a second, smaller one for chores), not this server's;
+the answer names the served model, whatever ``model`` held.
 """
 
 import dataclasses
@@ -344,7 +345,7 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
         "role": "assistant",
-        "model": body.get("model") or service.name,
+        "model": service.name,
     }
     reasoning = service.reasoning.splitter(tokens) if service.reasoning else None
     answer = _Answer(service, http, submitted, plan.splitter(), stops, reasoning)

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from ..errors import MTPError
 from ..request import DraftSettings
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic, openai, reasoning
+from . import responses
 from .engine import Engine
 from .http import APIError
 from .middleware import AccessLog, APIKey, logger
@@ -48,6 +49,10 @@ async def chat(http: HTTPRequest):
 
 async def completions(http: HTTPRequest):
     return await openai.complete(_service(http), http, "text")
+
+
+async def create_response(http: HTTPRequest):
+    return await responses.create(_service(http), http)
 
 
 async def messages(http: HTTPRequest):
@@ -86,6 +91,7 @@ async def metrics(http: HTTPRequest):
 ROUTES = [
     ("/v1/chat/completions", chat, "POST"),
     ("/v1/completions", completions, "POST"),
+    ("/v1/responses", create_response, "POST"),
     ("/v1/messages", messages, "POST"),
     ("/v1/messages/count_tokens", count_tokens, "POST"),
     ("/v1/models", models, "GET"),

@@ -19,7 +19,7 @@ from ..request import DraftSettings, GenerationRequest
 from ..sampling import SamplingConfig
 from .fim import fim_prompt, fim_tokens
 from .http import APIError
-from .reasoning import left_open
+from .reasoning import EFFORTS, EFFORTS_OFF, left_open
 from .tools import ToolPlan, render, template_message
 
 # chat roles the templates know; "developer" is OpenAI's newer name for system
@@ -95,13 +95,33 @@ def params(service, body: dict) -> Params:
         stream=_get(body, "stream", (bool,), False),
         include_usage=_get(options, "include_usage", (bool,), False),
         grammar=grammar,
-        max_thinking_tokens=_get(body, "max_thinking_tokens", (int,), low=0),
+        max_thinking_tokens=_thinking_budget(body),
     )
     try:
         p.sampling.validate()
     except ValueError as e:
         raise APIError(str(e)) from None
     return p
+
+
+def reasoning_effort(body: dict) -> Optional[str]:
+    """``reasoning_effort``: a level of ``reasoning.EFFORTS``, or None."""
+    effort = _get(body, "reasoning_effort", (str,))
+    if effort is not None and effort not in EFFORTS:
+        raise APIError(
+            f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, got "
+            f"{json.dumps(effort)}",
+            param="reasoning_effort",
+            code="invalid_value",
+        )
+    return effort
+
+
+def _thinking_budget(body: dict) -> Optional[int]:
+    """``max_thinking_tokens``, else the budget of ``reasoning_effort``."""
+    budget = _get(body, "max_thinking_tokens", (int,), low=0)
+    effort = reasoning_effort(body)
+    return EFFORTS[effort] if budget is None and effort is not None else budget
 
 
 def _one_answer(body: dict) -> None:
@@ -287,7 +307,9 @@ _TEMPLATE_ARGS = {"messages", "conversation", "tools", "documents", "chat_templa
 
 def template_kwargs(body: dict) -> dict:
     """``chat_template_kwargs``: more variables for the chat template, such
-    as ``enable_thinking``."""
+    as ``enable_thinking``; ``reasoning_effort`` is one too (gpt-oss's
+    template reads it), and its "none" and "minimal" set ``enable_thinking``
+    false where ``chat_template_kwargs`` does not set it."""
     kwargs = _get(body, "chat_template_kwargs", (dict,), {})
     for key in kwargs:
         if not key.isidentifier() or key in _TEMPLATE_ARGS:
@@ -296,12 +318,16 @@ def template_kwargs(body: dict) -> dict:
                 param="chat_template_kwargs",
                 code="invalid_value",
             )
+    effort = reasoning_effort(body)
+    if effort is not None:
+        off = {"enable_thinking": False} if effort in EFFORTS_OFF else {}
+        kwargs = {"reasoning_effort": effort, **off, **kwargs}
     return kwargs
 
 
 def chat_only(body: dict) -> None:
     """Refuse the fields that need a chat template on ``/v1/completions``."""
-    for name in ("chat_template_kwargs", "max_thinking_tokens"):
+    for name in ("chat_template_kwargs", "max_thinking_tokens", "reasoning_effort"):
         if body.get(name) is not None:
             raise APIError(
                 f"'{name}' needs /v1/chat/completions", param=name,

@@ -62,6 +62,13 @@ ALIASES = {
 }
 PARSERS = ("auto", "none", *FORMATS, *ALIASES)
 
+# ``reasoning_effort`` (OpenAI's levels; "xhigh" is GPT-5.2's) as a budget of
+# thinking tokens; "none" and "minimal" also turn the template's
+# ``enable_thinking`` off
+EFFORTS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384,
+           "xhigh": 32768}  # fmt: skip
+EFFORTS_OFF = ("none", "minimal")
+
 
 def check_parser(name: str) -> str:
     if name not in PARSERS:
