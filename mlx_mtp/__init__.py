@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .defaults import VERSION as __version__
+from .defaults import VERSION as __version__  # noqa: F401
 
 # A source checkout keeps cli/, convert/ and metal/ beside this folder; they
 # install as mlx_mtp.cli, mlx_mtp.convert and mlx_mtp.metal. When the checkout's

@@ -318,35 +318,6 @@ class MTPCache:
     def start(self) -> List[int]:
         return self.drafts[MTP].start if MTP in self.drafts else [0]
 
-    @property
-    def head_offset(self) -> int:
-        """Positions the head's first layer has processed."""
-        return cache_length(self.head)
-
-    @property
-    def pending_hidden(self) -> Optional[mx.array]:
-        """The trunk's hidden states head layer 0 has not read yet."""
-        return self.pending[0].hidden
-
-    @property
-    def pending_tokens(self) -> List[int]:
-        return self.pending[0].tokens
-
-    def head_follows(self, layer_cache: Callable[[List[Any], int], List[Any]]) -> bool:
-        """Whether head layer 0 has read, or holds pending, every hidden state
-        the trunk has made (``DraftState.follows``)."""
-        if MTP not in self.drafts:
-            return True
-        state = self.drafts[MTP]
-        return state.follows(layer_cache(state.caches, 0), self.offset)
-
-    def restart_head(self, fresh: List[Any]) -> None:
-        """The head starts afresh where the trunk stands, on ``fresh`` (new
-        head caches): its drafts lose the context before, the output does not
-        change (the verify decides)."""
-        self.drafts[MTP].restart(fresh, self.offset)
-        self.link()
-
     # -- every part ----------------------------------------------------------------
 
     def state_list(self) -> List[Any]:

@@ -14,11 +14,12 @@ from conftest import DRAFT_FAMILIES
 from mlx_mtp.cli import app
 from typer.testing import CliRunner
 
+import tiny
+
 import mlx_mtp
 import mlx_mtp.chat
 from mlx_mtp.adaptive import FixedDraft
-from mlx_mtp.cache import cache_offset
-from mlx_mtp.cache import truncate
+from mlx_mtp.cache import cache_offset, truncate
 from mlx_mtp.chat import ChatSession
 from mlx_mtp.generate import stream_generate
 
@@ -57,17 +58,17 @@ def assert_cache_holds(model, cache, tokens, successor=None):
     """
     assert cache.offset == len(tokens)
     if not tokens:
-        assert cache.head_offset == 0 and cache.pending_hidden is None
+        assert tiny.head_offset(cache) == 0 and tiny.pending_hidden(cache) is None
         return
     fresh = model.make_cache()
     _, hidden = model.target(mx.array(tokens)[None], fresh.trunk)
     assert_kv_close(cache.trunk, fresh.trunk)
     if model.head is None:
         return
-    pending = 0 if cache.pending_hidden is None else cache.pending_hidden.shape[1]
-    assert cache.head_offset + pending == len(tokens)
-    assert len(cache.pending_tokens) == max(pending - 1, 0)
-    n = cache.head_offset
+    pending = 0 if tiny.pending_hidden(cache) is None else tiny.pending_hidden(cache).shape[1]
+    assert tiny.head_offset(cache) + pending == len(tokens)
+    assert len(tiny.pending_tokens(cache)) == max(pending - 1, 0)
+    n = tiny.head_offset(cache)
     tokens = tokens + ([] if successor is None else [successor])
     head_fresh = model.head.make_cache()
     model.head(hidden[:, :n], mx.array(tokens[1 : n + 1])[None], head_fresh)
@@ -373,16 +374,16 @@ def test_a_head_left_behind_starts_again_where_the_trunk_stands(loaded, before, 
     else:
         history += _tokens(model, prompt, cache, 0)
     assert cache.offset == len(history) - 1
-    assert not cache.head_follows(head)
+    assert not tiny.head_follows(cache, head)
     start = cache.offset
     history += [7, 8]
     history += _tokens(model, history[start:], cache, 3)
-    assert cache.start[0] == start and cache.head_follows(head)
+    assert cache.start[0] == start and tiny.head_follows(cache, head)
     # the head's caches: a head that read the pairs from ``start`` on
     n = cache.offset
     fresh = model.make_cache()
     _, hidden = model.target(mx.array(history[:n])[None], fresh.trunk)
-    m = cache.head_offset
+    m = tiny.head_offset(cache)
     head_fresh = model.head.make_cache()
     model.head(
         hidden[:, start : start + m],
@@ -394,9 +395,9 @@ def test_a_head_left_behind_starts_again_where_the_trunk_stands(loaded, before, 
         keep = {"below": start - 4, "at": start, "inside": start + 3}[cut]
         kept = truncate(model, cache, keep)
         assert kept in (keep, keep - 1)
-        assert cache.head_follows(head)
+        assert tiny.head_follows(cache, head)
         history = history[:kept]
     more = _tokens(model, history[cache.offset :] + [9, 10], cache, 3)
     ref = _tokens(model, history + [9, 10], model.make_cache(), 0)
     assert more == ref
-    assert cache.head_follows(head)
+    assert tiny.head_follows(cache, head)

@@ -114,7 +114,7 @@ def test_a_head_that_cannot_pay_is_left_out(folder, monkeypatch):
     source = make_source(model, "mtp", 3)
     list(speculative_generate_step(prompt, model, max_tokens=40, drafts=source,
                                    prompt_cache=cache, stats=stats))  # fmt: skip
-    assert stats.drafted == 0 and cache.head_offset == 0 and cache.pending_hidden is None
+    assert stats.drafted == 0 and tiny.head_offset(cache) == 0 and tiny.pending_hidden(cache) is None
     # "auto" keeps prompt lookup alone, and the stats still say no drafts were
     # made and why (the README's main command on Linux)
     lookups = make_source(model, "auto", 3)

@@ -12,6 +12,8 @@ from conftest import DRAFT_FAMILIES, OWN_LAYOUT_FAMILIES
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import tiny
+
 import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.speculative import speculative_generate_step
@@ -103,10 +105,10 @@ def assert_cache_exact(model, cache, prompt, out):
     fresh = model.make_cache()
     _, hidden = model.target(mx.array(processed)[None], fresh.trunk)
     assert_states_close(cache.trunk, fresh.trunk)
-    n_head = cache.head_offset
-    pending = 0 if cache.pending_hidden is None else cache.pending_hidden.shape[1]
+    n_head = tiny.head_offset(cache)
+    pending = 0 if tiny.pending_hidden(cache) is None else tiny.pending_hidden(cache).shape[1]
     assert n_head + pending == len(processed)
-    assert len(cache.pending_tokens) == pending - 1
+    assert len(tiny.pending_tokens(cache)) == pending - 1
     # the head's cache equals a fresh head run over the true pairs
     head_fresh = model.head.make_cache()
     model.head(hidden[:, :n_head], mx.array(processed[1 : n_head + 1])[None], head_fresh)

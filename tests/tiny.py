@@ -295,3 +295,29 @@ def write_trained_head(folder: Path, config: dict, draft_vocab=None, seed: int =
     )
     (folder / "mtp_config.json").write_text(json.dumps({"family": "deepseek"}))
     return folder
+
+
+# -- the MTP head's state in a cache (``MTPCache.drafts["mtp"]``) ---------------
+
+
+def head_offset(cache) -> int:
+    """Positions the head's first layer has processed."""
+    from mlx_mtp.cache import cache_length
+
+    return cache_length(cache.drafts["mtp"].caches)
+
+
+def pending_hidden(cache):
+    """The trunk's hidden states head layer 0 has not read yet."""
+    return cache.drafts["mtp"].pending[0].hidden
+
+
+def pending_tokens(cache):
+    return cache.drafts["mtp"].pending[0].tokens
+
+
+def head_follows(cache, layer_cache) -> bool:
+    """Whether head layer 0 has read, or holds pending, every hidden state the
+    trunk has made (``DraftState.follows``)."""
+    state = cache.drafts["mtp"]
+    return state.follows(layer_cache(state.caches, 0), cache.offset)
