@@ -5,10 +5,14 @@ tokens it has read and their media's digests in its metadata) named by a
 digest of the model, the cache policy and the prompt's keys
 (``Prompt.keys``), so the same prefix is always the same file. At
 start the folder is read (headers only): an entry of another model or other
-cache settings, a damaged or truncated one, or a temporary file a writer
-left when it was killed is skipped and named (``skipped``); nothing is
-served from it. A hit is read whole and checked again; a file that fails
-then is skipped too, and the request reads its prompt.
+cache settings, or a damaged or truncated one, is skipped and named
+(``skipped``); nothing is served from it. A hit is read whole and its
+checksum checked (``prompt_file.verify``); a file that fails then is
+skipped too, and the request reads its prompt. An entry of this model whose
+bytes do not match its checksum, or that has none (an older version wrote
+it), is this server's own and cannot be trusted: it is removed as well.
+Writers' temporary files (``TEMP``) are no entries: they are passed over
+without a word, and removed once surely abandoned.
 
 Writes happen on a thread of their own (``put`` only evaluates the arrays
 and queues them): a temporary file, then a rename, so a reader never sees a
@@ -114,7 +118,7 @@ class DiskCache:
             for path in sorted(self.folder.iterdir()):
                 if path.name in known or not path.name.endswith(SUFFIX):
                     continue
-                if path.name.endswith(TEMP):
+                if path.name.endswith(TEMP):  # a write under way (ours or not)
                     self._stale(path, now)
                     continue
                 why = self._why_not(path)
@@ -124,17 +128,15 @@ class DiskCache:
                 self.log(f"prompt cache on disk: skipped {path.name} ({why})")
 
     def _stale(self, path: Path, now: float) -> None:
-        """A writer's temporary file: skipped; removed once surely abandoned."""
+        """A writer's temporary file: removed once its writer surely died (no
+        write takes an hour), passed over in silence until then."""
         try:
             age = now - path.stat().st_mtime
-        except OSError:
+        except OSError:  # renamed or removed meanwhile: the write is done
             return
         if age > STALE_SECONDS:
             path.unlink(missing_ok=True)
             self.log(f"prompt cache on disk: removed {path.name} (an unfinished write)")
-        elif path.name not in self.skipped:
-            self.skipped[path.name] = "an unfinished write"
-            self.log(f"prompt cache on disk: skipped {path.name} (an unfinished write)")
 
     def _why_not(self, path: Path) -> Optional[str]:
         """Index ``path`` if it is an entry of this model and policy; else why not."""
@@ -147,6 +149,9 @@ class DiskCache:
             return "another model"
         if header.kv != self.kv.metadata():
             return "other cache settings"
+        if not header.sealed:
+            path.unlink(missing_ok=True)
+            return "written by an older version, with no checksum: removed"
         self.entries[path.name] = DiskEntry(header.keys, stat.st_size, stat.st_mtime)
         return None
 
@@ -182,14 +187,19 @@ class DiskCache:
         return best, keep
 
     def load(self, name: str) -> Optional[prompt_file.PromptFile]:
-        """Entry ``name`` read whole (its time renewed), or None where it fails
-        (it is skipped from then on, and said)."""
+        """Entry ``name`` read whole and verified (its time renewed), or None
+        where it fails (it is skipped from then on, and said; one whose
+        bytes fail their checksum is removed)."""
         path = self.folder / name
         try:
+            before = path.stat()
             cached = prompt_file.load(path, self.model)
             os.utime(path)
         except (MTPError, OSError) as e:
             why = first_line(e).removeprefix(str(path) + ": ")
+            if isinstance(e, prompt_file.Damaged) and _same_file(path, before):
+                path.unlink(missing_ok=True)  # not another server's new copy
+                why += ": removed"
             with self.lock:
                 self.entries.pop(name, None)
                 self.skipped[name] = why
@@ -299,3 +309,12 @@ def _arrays(state) -> List[Any]:
         elif hasattr(x, "nbytes"):
             out.append(x)
     return out
+
+
+def _same_file(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` is still the file ``before`` described."""
+    try:
+        now = path.stat()
+    except OSError:
+        return False
+    return (now.st_ino, now.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

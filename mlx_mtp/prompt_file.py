@@ -13,6 +13,15 @@ tokens, the prompt text, the cache policy (``kv.KVSettings``) and the
 layout; a file for another model, another layout or a damaged one is a
 one-line ``MTPError`` before anything is read into a cache.
 
+Every file carries a SHA-256 of its bytes (``mlx_mtp.checksum``: the header
+with that value zeroed, then the arrays), written once the file is (the
+value has a fixed length, so it is filled in place) and checked whenever
+the file is read whole (``load``): a file damaged in place, its size and
+header intact, is ``Damaged`` before any of it reaches a cache, and so is a
+file an older version wrote without one (it cannot be told from a damaged
+one). A state read back is therefore always one that was verified, and only
+such a state is ever written again.
+
 Writes are atomic: a temporary file beside the target, flushed, then renamed
 over it; a failed write leaves the target as it was. A file that is not a
 prompt cache is never overwritten.
@@ -21,6 +30,7 @@ prompt cache is never overwritten.
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +59,23 @@ from .weights import check_safetensors
 
 FORMAT = "mlx-mtp prompt cache 1"
 _KEY = "mlx_mtp."
+CHECKSUM = _KEY + "checksum"
+_ALGORITHM = "sha256"
+_UNSEALED = "0" * 64  # the value written first, filled in once the file is whole
+# the checksum's value in the header as mlx writes it (compact JSON; the
+# user's entries sit under "0."): a quote inside a string is escaped, so
+# this matches the key itself, never a prompt's text
+_SEAL = re.compile(
+    rb'"0\.' + re.escape(CHECKSUM.encode()) + rb'":"' + _ALGORITHM.encode()
+    + rb':([0-9a-f]{64})"'
+)  # fmt: skip
+_CHUNK = 1 << 22  # bytes hashed at a time
+
+
+class Damaged(MTPError):
+    """A prompt-cache file whose bytes are not those that were written (its
+    checksum does not match), or that carries no checksum (an older
+    version wrote it): nothing of it may be used."""
 
 
 @dataclass
@@ -216,6 +243,7 @@ def prepare(
         _KEY + "chat_template": json.dumps(chat_template),
         _KEY + "kv": json.dumps((kv or KVSettings()).metadata()),
         _KEY + "layout": json.dumps(layout),
+        CHECKSUM: f"{_ALGORITHM}:{_UNSEALED}",  # ``_seal`` fills it in
     }
     return entries, metadata
 
@@ -226,7 +254,12 @@ def write(path: Union[str, Path], entries: List[Any], metadata: Dict[str, str]):
     path = Path(path)
     if path.exists() and (not path.is_file() or not _is_prompt_cache(path)):
         raise MTPError(f"{path} exists and is not a prompt cache: not overwritten")
-    write_atomic(path, lambda tmp: save_prompt_cache(tmp, entries, metadata))
+
+    def whole(tmp):
+        save_prompt_cache(tmp, entries, metadata)
+        _seal(Path(tmp))
+
+    write_atomic(path, whole)
 
 
 def save(path: Union[str, Path], model, cache: MTPCache, tokens: List[int], **info):
@@ -257,6 +290,63 @@ def write_atomic(path: Path, write) -> None:
         raise
 
 
+# -- the checksum --------------------------------------------------------------------
+
+
+def _digest(f, header: bytes, at: int) -> str:
+    """The checksum of the open file ``f``, whose header ``header`` holds
+    the checksum's value at ``at``: the header with that value zeroed, then
+    the rest of the file, read in chunks into one buffer (no copies)."""
+    digest = hashlib.new(_ALGORITHM)
+    digest.update(len(header).to_bytes(8, "little"))
+    digest.update(header[:at])
+    digest.update(_UNSEALED.encode())
+    digest.update(header[at + len(_UNSEALED) :])
+    f.seek(8 + len(header))
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _sealed(f, path: Path) -> Tuple[bytes, "re.Match"]:
+    """The header of the open file ``f`` and where its checksum is."""
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    header = f.read(n)
+    found = list(_SEAL.finditer(header))
+    if not found and f'"0.{CHECKSUM}"'.encode() in header:
+        raise Damaged(f"{path}: damaged prompt cache (its checksum)")
+    if not found:
+        raise Damaged(
+            f"{path}: written by an older version of mlx-mtp (it carries no "
+            "checksum): make it again"
+        )
+    if len(found) > 1:
+        raise Damaged(f"{path}: damaged prompt cache (its checksum)")
+    return header, found[0]
+
+
+def _seal(path: Path) -> None:
+    """Fill in the checksum of the file just written at ``path``."""
+    with open(path, "rb+") as f:
+        header, found = _sealed(f, path)
+        digest = _digest(f, header, found.start(1))
+        f.seek(8 + found.start(1))
+        f.write(digest.encode())
+
+
+def verify(f, path: Path) -> None:
+    """``Damaged`` unless the bytes of the open file ``f`` (``path``) are
+    those its checksum was made of."""
+    header, found = _sealed(f, path)
+    if _digest(f, header, found.start(1)) != found.group(1).decode():
+        raise Damaged(
+            f"{path}: damaged prompt cache (its checksum does not match its data)"
+        )
+
+
 # -- reading -------------------------------------------------------------------------
 
 
@@ -275,8 +365,19 @@ def _header(path: Path) -> Tuple[int, Dict[str, str]]:
 
 def check(path: Union[str, Path]) -> Dict[str, str]:
     """The metadata of the prompt cache at ``path``, checked as far as it can
-    be without the model: a missing, damaged or foreign file is one line."""
-    path = Path(path)
+    be without the model and its arrays: a missing, damaged or foreign file,
+    or one without a checksum, is one line."""
+    meta = _metadata(Path(path))
+    if CHECKSUM not in meta:
+        raise Damaged(
+            f"{path}: written by an older version of mlx-mtp (it carries no "
+            "checksum): make it again"
+        )
+    return meta
+
+
+def _metadata(path: Path) -> Dict[str, str]:
+    """``check`` but for the checksum."""
     if not path.is_file():
         raise MTPError(f"{path}: no such prompt cache file")
     _, meta = _header(path)
@@ -303,6 +404,7 @@ class Header:
     model: Dict[str, Any]  # ``identity``'s fields
     kv: Dict[str, str]  # ``KVSettings.metadata``
     tokens: List[int]
+    sealed: bool  # whether it carries a checksum (an older version's does not)
     segments: Tuple[Segment, ...] = ()
 
     @property
@@ -312,20 +414,26 @@ class Header:
 
 
 def peek(path: Union[str, Path]) -> Header:
-    """The header of the prompt cache at ``path`` (``check``'s errors)."""
-    meta = check(path)
+    """The header of the prompt cache at ``path`` (``check``'s errors, but
+    for a missing checksum: ``sealed``)."""
+    meta = _metadata(Path(path))
     return Header(
         json.loads(meta[_KEY + "model"]),
         json.loads(meta[_KEY + "kv"]),
         json.loads(meta[_KEY + "tokens"]),
+        CHECKSUM in meta,
         _segments(meta),
     )
 
 
-def _read(path: Path) -> List[Any]:
-    """Each cache's state, as mlx-lm's ``load_prompt_cache`` rebuilds them."""
+def _read(f, path: Path) -> List[Any]:
+    """Each cache's state, as mlx-lm's ``load_prompt_cache`` rebuilds them,
+    from the open file ``f``: verified first, then read from the same file
+    (a rename over ``path`` meanwhile changes neither)."""
+    verify(f, path)
+    f.seek(0)
     try:
-        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
     except Exception as e:  # mx.load raises bare RuntimeError/ValueError
         raise MTPError(f"{path}: cannot read it ({first_line(e)})") from None
     _, classes, scalars = tree_unflatten(list(meta.items()))
@@ -385,7 +493,9 @@ def _put(c: Any, kind: str, state: Any, where: str) -> None:
 
 def load(path: Union[str, Path], model) -> PromptFile:
     """The prompt cache at ``path`` for ``model``; one line where it is for
-    another model, has another layout or is damaged."""
+    another model, has another layout or is damaged (``Damaged``: its
+    checksum does not match its bytes, or it has none). The file is never
+    removed here."""
     path = Path(path)
     meta = check(path)
     if json.loads(meta[_KEY + "model"]) != json.loads(identity(model)):
@@ -406,7 +516,11 @@ def load(path: Union[str, Path], model) -> PromptFile:
     names = [d["name"] for d in layout["drafters"]]
     if layout["trunk"] != len(cache.trunk) or names != [d.name for d in model.drafters]:
         raise MTPError(f"{path}: its layout is not this model's")
-    entries = _read(path)
+    try:
+        with open(path, "rb") as f:
+            entries = _read(f, path)
+    except OSError as e:
+        raise MTPError(f"{path}: cannot read it ({first_line(e)})") from None
     expected = len(cache.trunk) + sum(d["caches"] + 1 for d in layout["drafters"])
     if len(entries) != expected:
         raise MTPError(f"{path}: damaged prompt cache ({len(entries)} entries, "

@@ -4,6 +4,7 @@ head, drafters) in mlx-lm's format; ``generate`` and ``chat
 prompt; a damaged or foreign file is one line, and writes are atomic."""
 
 import json
+import re
 
 import mlx.core as mx
 import mlx_lm
@@ -199,3 +200,66 @@ def test_writes_are_atomic_and_spare_other_files(folders, tmp_path, monkeypatch)
         mlx_mtp.cache_prompt(model, tokenizer, DOC + "more", file)
     assert file.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "notes.txt"]
+
+
+def _damage_in_place(path, size=4096):
+    """Change ``size`` bytes in the middle of the arrays; size and header kept."""
+    raw = bytearray(path.read_bytes())
+    data = 8 + int.from_bytes(raw[:8], "little")
+    at = data + (len(raw) - data - size) // 2
+    raw[at : at + size] = bytes((b + 1) % 256 for b in raw[at : at + size])
+    path.write_bytes(bytes(raw))
+
+
+def test_a_file_damaged_in_place_is_refused_and_kept(folders, cli, tmp_path):
+    folder, file = folders["glm4_moe"], tmp_path / "doc.safetensors"
+    assert cli("cache-prompt", "-m", folder, "-p", DOC,
+               "--prompt-cache-file", file)[0] == 0  # fmt: skip
+    model, _ = mlx_mtp.load(folder)
+    prompt_file.load(file, model)  # whole, it reads
+    _damage_in_place(file)
+    damaged = file.read_bytes()
+    prompt_file.check(file)  # its header is intact: only the checksum tells
+    with pytest.raises(prompt_file.Damaged, match="checksum does not match"):
+        prompt_file.load(file, model)
+    args = ["generate", "-m", folder, "-n", 8, "-p", QUESTION]
+    one_line(cli(*args, "--prompt-cache-file", file), "checksum does not match")
+    assert file.read_bytes() == damaged  # a user's file: refused, never removed
+    # made again, it serves the whole prompt's answer (a cold read's)
+    assert cli("cache-prompt", "-m", folder, "-p", DOC,
+               "--prompt-cache-file", file)[0] == 0  # fmt: skip
+    code, resumed, err = cli(*args, "--prompt-cache-file", file, "--json")
+    assert code == 0, err
+    code, whole, err = cli(*args[:-1], DOC + QUESTION, "--json")
+    assert json.loads(resumed)["tokens"] == json.loads(whole)["tokens"]
+
+
+def test_a_file_without_a_checksum_is_one_line(folders, cli, tmp_path):
+    """An older version's file cannot be verified: refused before loading."""
+    file = tmp_path / "old.safetensors"
+    assert cli("cache-prompt", "-m", folders["glm4_moe"], "-p", DOC,
+               "--prompt-cache-file", file)[0] == 0  # fmt: skip
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = re.sub(rb'"0\.mlx_mtp\.checksum":"[^"]*",?', b"", raw[8 : 8 + n])
+    file.write_bytes(raw[:8] + header.ljust(n) + raw[8 + n :])
+    result = cli("generate", "-m", folders["glm4_moe"], "-p", "x",
+                 "--prompt-cache-file", file)  # fmt: skip
+    one_line(result, "written by an older version of mlx-mtp")
+    assert "make it again" in result[2] and file.exists()
+
+
+def test_the_checksum_covers_what_mlx_lm_reads(folders, tmp_path):
+    """mlx-lm still reads the file, and its checksum is its own bytes'."""
+    model, tokenizer = mlx_mtp.load(folders["glm4_moe"])
+    file = tmp_path / "c.safetensors"
+    mlx_mtp.cache_prompt(model, tokenizer, DOC, file)
+    _, meta = load_prompt_cache(str(file), return_metadata=True)
+    assert meta["mlx_mtp"]["checksum"].startswith("sha256:")
+    with open(file, "rb") as f:
+        prompt_file.verify(f, file)
+    raw = bytearray(file.read_bytes())
+    raw[-1] ^= 1  # the very last byte
+    file.write_bytes(bytes(raw))
+    with open(file, "rb") as f, pytest.raises(prompt_file.Damaged):
+        prompt_file.verify(f, file)

@@ -4,8 +4,11 @@ the process and the memory bound, requests sharing a prefix reuse them
 with partial, truncated or foreign entries, or a full disk, still gives right
 answers and says what it skipped."""
 
+import os
+import re
 import shutil
 import threading
+import time
 
 import anthropic
 import mlx_lm
@@ -131,8 +134,7 @@ def test_a_folder_with_bad_entries_still_serves_right(models, answers, tmp_path)
     server = serve(models[0], folder)
     try:
         skipped = server.get("/health")[1]["prompt_cache"]["disk"]["skipped"]
-        assert skipped == {
-            ".x.safetensors.abc.tmp.safetensors": "an unfinished write",
+        assert skipped == {  # a write under way is no damaged entry
             "truncated.safetensors": skipped["truncated.safetensors"],
             "other.safetensors": "another model",
             "quantized.safetensors": "other cache settings",
@@ -141,12 +143,13 @@ def test_a_folder_with_bad_entries_still_serves_right(models, answers, tmp_path)
         assert "truncated" in skipped["truncated.safetensors"]
         assert skipped["notes.safetensors"].startswith("damaged")
         lines = server.engine.notices()
-        assert any("skipped 5 files" in line for line in lines)
+        assert any("skipped 4 files" in line for line in lines)
         assert ask(server, DOC + "Q1") == (answers(DOC + "Q1"), 0)  # nothing served
     finally:
         server.close()
-    # nothing of theirs was removed
-    assert {p.name for p in folder.iterdir()} >= set(skipped)
+    # nothing of theirs was removed, nor the write under way
+    names = {p.name for p in folder.iterdir()}
+    assert names >= set(skipped) | {".x.safetensors.abc.tmp.safetensors"}
 
 
 def test_an_entry_damaged_after_start_is_skipped_then(models, answers, tmp_path):
@@ -284,3 +287,106 @@ def test_a_fresh_process_reads_the_prefix_from_disk(models, tmp_path):
         again = s.complete(prompt=DOC + "Q1")
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > len(DOC) - 8
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def _damage_in_place(path, size=4096):
+    """Overwrite ``size`` bytes in the middle of the file's arrays, keeping its
+    size and header (what a bad disk or a stray write does)."""
+    raw = bytearray(path.read_bytes())
+    data = 8 + int.from_bytes(raw[:8], "little")
+    at = data + (len(raw) - data - size) // 2
+    raw[at : at + size] = bytes((b + 1) % 256 for b in raw[at : at + size])
+    path.write_bytes(bytes(raw))
+
+
+def test_an_entry_damaged_in_place_is_never_served(models, answers, tmp_path, caplog):
+    first = serve(models[0], tmp_path)
+    try:
+        ask(first, DOC + "Q1")
+    finally:
+        first.close()
+    (entry,) = tmp_path.glob("*.safetensors")
+    size = entry.stat().st_size
+    _damage_in_place(entry)
+    assert entry.stat().st_size == size
+    prompt_file.peek(entry)  # the header still reads: only the checksum tells
+    caplog.set_level("WARNING", logger="mlx_mtp.serve")
+    server = serve(models[0], tmp_path)
+    try:
+        # not served: the answer is a cold read's
+        assert ask(server, DOC + "Q2") == (answers(DOC + "Q2"), 0)
+        disk = server.get("/health")[1]["prompt_cache"]["disk"]
+        assert "checksum does not match" in disk["skipped"][entry.name]
+        assert any(entry.name in r.message and "checksum" in r.message
+                   for r in caplog.records)  # fmt: skip
+        server.wait_idle()
+        server.engine.prompt_cache.disk.flush()
+    finally:
+        server.close()
+    # the server's own damaged entry is gone; what it wrote since is sound
+    assert not entry.exists()
+    again = serve(models[0], tmp_path)
+    try:
+        text, cached = ask(again, DOC + "Q3")
+        assert text == answers(DOC + "Q3") and cached > len(DOC) - 8
+        assert not again.get("/health")[1]["prompt_cache"]["disk"]["skipped"]
+    finally:
+        again.close()
+
+
+def _drop_checksum(path):
+    """Make ``path`` as an older version wrote it: no checksum in its header
+    (padded with spaces to its length, as safetensors allows)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = re.sub(rb'"0\.mlx_mtp\.checksum":"[^"]*",?', b"", raw[8 : 8 + n])
+    path.write_bytes(raw[:8] + header.ljust(n) + raw[8 + n :])
+    assert b"checksum" not in path.read_bytes()[: 8 + n]
+
+
+def test_an_entry_without_a_checksum_is_removed(models, answers, tmp_path):
+    """An older version's entry cannot be verified: removed, never served."""
+    entry = _entry_of(models[0], tmp_path, DOC + "Q1")
+    _drop_checksum(entry)
+    server = serve(models[0], tmp_path)
+    try:
+        why = server.get("/health")[1]["prompt_cache"]["disk"]["skipped"][entry.name]
+        assert "older version" in why
+        assert ask(server, DOC + "Q2") == (answers(DOC + "Q2"), 0)
+    finally:
+        server.close()
+    assert not entry.exists()
+
+
+def test_writes_under_way_are_not_skipped_entries(models, tmp_path, caplog):
+    """The server's own temporary files, seen while its writer writes them, are
+    passed over silently; a stale one (its writer died) is removed."""
+    stale = tmp_path / ".dead.safetensors.x1.tmp.safetensors"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 7200,) * 2)
+    started, release = threading.Event(), threading.Event()
+    save = prompt_file.save_prompt_cache
+
+    def slow(tmp, *args):
+        save(tmp, *args)
+        started.set()
+        release.wait(30)  # the temporary file stands while requests scan
+
+    caplog.set_level("WARNING", logger="mlx_mtp.serve")
+    server = serve(models[0], tmp_path)
+    try:
+        assert not stale.exists()
+        prompt_file.save_prompt_cache = slow
+        for i in range(4):  # a burst: each request scans the changed folder
+            ask(server, f"request number {i} " * 8)
+            started.wait(30)
+            assert list(tmp_path.glob("*.tmp.safetensors"))
+        disk = server.get("/health")[1]["prompt_cache"]["disk"]
+        assert disk["skipped"] == {}
+        assert not [r for r in caplog.records if "skipped" in r.message]
+    finally:
+        release.set()
+        prompt_file.save_prompt_cache = save
+        server.close()
+    assert not list(tmp_path.glob("*.tmp.safetensors"))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4

@@ -7,6 +7,7 @@ the engine."""
 
 import json
 import socket
+import threading
 import time
 
 import anthropic
@@ -296,6 +297,99 @@ def _raw_request(live, path: str, body: dict) -> socket.socket:
     )
     s.sendall(head.encode() + data)
     return s
+
+
+def _timed_health(live) -> float:
+    tic = time.perf_counter()
+    assert live.get("/health")[0] == 200
+    return time.perf_counter() - tic
+
+
+def _too_large_413(client) -> float:
+    """Seconds a 17 MB body (past the 16 MiB limit) takes to get its 413."""
+    tic = time.perf_counter()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "y" * (17 << 20)}]
+        )
+    assert e.value.status_code == 413
+    return time.perf_counter() - tic
+
+
+def test_a_hopeless_prompt_is_refused_before_it_is_tokenized(server, client):
+    """15 MB of text (under the body limit) cannot fit in a context of 4,096
+    tokens: refused at once by its characters, in the token check's shape,
+    while the server answers everyone else."""
+    huge = "hello world " * 1_250_000
+    done = {}
+
+    def send():
+        tic = time.perf_counter()
+        try:
+            client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": huge}], max_tokens=2
+            )
+        except openai.APIStatusError as e:
+            done["error"] = e
+        done["seconds"] = time.perf_counter() - tic
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.3)  # being sent, parsed or refused
+    assert _timed_health(server) < 1.0
+    assert _too_large_413(client) < 2.0
+    sender.join(60)
+    e = done["error"]
+    assert e.status_code == 400 and done["seconds"] < 10, done
+    assert e.body["code"] == "context_length_exceeded"
+    assert e.body["param"] == "messages" and "4096 tokens" in e.body["message"]
+    # the token check's refusal, of a prompt just past the context, has its shape
+    with pytest.raises(openai.APIStatusError) as near:
+        client.completions.create(model=NAME, prompt="z" * 5000, max_tokens=2)
+    assert near.value.body["code"] == "context_length_exceeded"
+    assert "5000 tokens" in near.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as text:
+        client.completions.create(model=NAME, prompt=huge, max_tokens=2)
+    assert text.value.body["code"] == "context_length_exceeded"
+    assert text.value.body["param"] == "prompt"
+    with pytest.raises(anthropic.APIStatusError) as an:
+        _anthropic(server).messages.create(
+            model="any", max_tokens=2, messages=[{"role": "user", "content": huge}]
+        )
+    assert an.value.status_code == 400 and "4096 tokens" in an.value.message
+
+
+def test_tokenizing_runs_off_the_event_loop(server, client, monkeypatch):
+    """A prompt that takes long to tokenize holds back nobody else: /health
+    answers and an oversized body gets its 413 meanwhile."""
+    from mlx_mtp.serve import parse
+
+    entered, release = threading.Event(), threading.Event()
+    real = parse.encode
+
+    def slow(tokenizer, text):
+        entered.set()
+        release.wait(20)  # the minutes megabytes of text take
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(parse, "encode", slow)
+    answer = {}
+
+    def send():
+        answer["r"] = client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=2
+        )
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        assert entered.wait(30)
+        assert _timed_health(server) < 1.0
+        assert _too_large_413(client) < 2.0
+    finally:
+        release.set()
+        sender.join(60)
+    assert answer["r"].usage.completion_tokens == 2
 
 
 def _health_until(live, test, timeout: float) -> dict:

@@ -24,6 +24,7 @@ import json
 import uuid
 from typing import List, Optional, Tuple
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -323,17 +324,24 @@ def _stop(finish: str, stops: _Stops) -> dict:
     return {"stop_reason": _STOP_REASONS.get(finish, finish), "stop_sequence": None}
 
 
+def _prompt(service, body: dict, count: bool):
+    """The chat request's fields (None when only counting), its tool plan and
+    its prompt's tokens."""
+    chat = chat_request(body, count)
+    plan = tool_plan(chat, service.tool_format)
+    p = None if count else parse.params(service, chat)
+    tokens = parse.chat_tokens(service, chat, plan, bool(plan.prefix))
+    return p, plan, tokens
+
+
 async def messages(service, http: HTTPRequest, count: bool = False):
     """``POST /v1/messages``; with ``count``, ``/v1/messages/count_tokens``."""
     try:
         body = await read_body(http, service.config.max_body_bytes)
-        chat = chat_request(body, count)
-        plan = tool_plan(chat, service.tool_format)
+        # templating and tokenizing a long prompt take seconds: off the loop
+        p, plan, tokens = await run_in_threadpool(_prompt, service, body, count)
         if count:
-            tokens = parse.chat_tokens(service, chat, plan, bool(plan.prefix))
             return JSONResponse({"input_tokens": len(tokens)})
-        p = parse.params(service, chat)
-        tokens = parse.chat_tokens(service, chat, plan, bool(plan.prefix))
         p = await service.hold(plan, p)
         stops, p = _Stops(p.stop), dataclasses.replace(p, stop=[])
         submitted = service.submit(http, tokens, p, "messages")

@@ -5,7 +5,7 @@ OpenAI's ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 (``anthropic.py``), ``GET /health`` and ``GET /metrics`` (Prometheus,
 ``metrics.py``); each ``/v1`` path also without ``/v1``.
 Around them: the access log, CORS (``cors_origins``) and the API key.
-Requests are checked and tokenized on the event loop (``parse.py``); the
+Requests are checked and tokenized in worker threads (``parse.py``); the
 engine thread generates (``engine.py``), and its events come back through an
 asyncio queue per request (``service.py``). ``docs/serve.md`` lists every
 field and what it does.

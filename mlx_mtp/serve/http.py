@@ -5,6 +5,7 @@ import json
 import re
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
@@ -81,7 +82,8 @@ async def read_body(request: HTTPRequest, limit: int) -> dict:
     """The JSON object of the body; one past ``limit`` bytes is refused (413) by
     its Content-Length before any of it is read, or as soon as the bytes read
     (a chunked body) pass the limit. Nesting past ``MAX_JSON_DEPTH`` is refused
-    before parsing, and so is a string that is not Unicode text."""
+    before parsing, and so is a string that is not Unicode text (both off the
+    event loop)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
@@ -91,7 +93,12 @@ async def read_body(request: HTTPRequest, limit: int) -> dict:
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    # parsed in a worker thread: a body of many megabytes takes seconds to
+    # scan, and the event loop answers every other request meanwhile
+    return await run_in_threadpool(_parse, b"".join(chunks))
+
+
+def _parse(raw: bytes) -> dict:
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise APIError(
             f"the request body nests deeper than {MAX_JSON_DEPTH} arrays and objects",

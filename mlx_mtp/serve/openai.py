@@ -1,7 +1,8 @@
 """OpenAI's API: ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``GET /v1/models``.
 
-A request is checked and tokenized (``parse.py``) and handed to the engine;
+A request is checked and tokenized (``parse.py``, in a worker thread: the
+event loop answers other requests meanwhile) and handed to the engine;
 its events come back as a whole ``chat.completion`` / ``text_completion``, or
 streamed as server-sent events ending in ``data: [DONE]``. A thinking
 model's thinking comes as ``reasoning_content`` (and ``reasoning``,
@@ -16,6 +17,7 @@ import time
 import uuid
 from typing import Optional
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -30,17 +32,10 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
     """``kind`` "chat": ``/v1/chat/completions``; "text": ``/v1/completions``."""
     try:
         body = await read_body(http, service.config.max_body_bytes)
-        p = parse.params(service, body)
-        plan, reasoning = ToolPlan(), None
-        if kind == "chat":
-            plan = tool_plan(body, service.tool_format)
-            held = bool(plan.prefix) or p.grammar is not None
-            tokens = parse.chat_tokens(service, body, plan, held)
-            if service.reasoning is not None:
-                reasoning = service.reasoning.splitter(tokens)
-        else:
-            parse.chat_only(body)
-            tokens = parse.completion_tokens(service, body)
+        # templating and tokenizing a long prompt take seconds: off the loop
+        p, plan, tokens, reasoning = await run_in_threadpool(
+            _prompt, service, body, kind
+        )
         p = await service.hold(plan, p)
         param = "messages" if kind == "chat" else "prompt"
         submitted = service.submit(http, tokens, p, param)
@@ -59,6 +54,23 @@ async def complete(service: Service, http: HTTPRequest, kind: str):
             headers={"Cache-Control": "no-cache"},
         )
     return await answer.whole()
+
+
+def _prompt(service: Service, body: dict, kind: str):
+    """The request's fields, its tool plan, its prompt's tokens and, for a
+    thinking model's chat, the splitter of its thinking."""
+    p = parse.params(service, body)
+    plan, reasoning = ToolPlan(), None
+    if kind == "chat":
+        plan = tool_plan(body, service.tool_format)
+        held = bool(plan.prefix) or p.grammar is not None
+        tokens = parse.chat_tokens(service, body, plan, held)
+        if service.reasoning is not None:
+            reasoning = service.reasoning.splitter(tokens)
+    else:
+        parse.chat_only(body)
+        tokens = parse.completion_tokens(service, body)
+    return p, plan, tokens, reasoning
 
 
 async def models(service: Service, http: HTTPRequest):

@@ -296,6 +296,7 @@ def chat_tokens(
     fmt = service.reasoning.format if service.reasoning else None
     if held and fmt is not None and left_open(fmt, text[-256:]):
         text += fmt.close  # an answer held from its start does not think first
+    service.bound(text + plan.prefix, "messages")
     return encode(service.tokenizer, text + plan.prefix)
 
 
@@ -355,6 +356,8 @@ def completion_tokens(service, body: dict) -> List[int]:
             code="invalid_type",
         )  # fmt: skip
     tokenizer, vocab = service.tokenizer, service.vocab
+    if isinstance(prompt, str):
+        service.bound(prompt + (suffix or ""), "prompt")
     if isinstance(prompt, str) and suffix is not None:
         if suffix or fim_tokens(tokenizer) is not None:
             try:

@@ -51,6 +51,9 @@ class Service:
             (c["vocab_size"] for c in cfgs if isinstance(c.get("vocab_size"), int)),
             len(tokenizer),
         )
+        # no token stands for more characters than this: a longer prompt
+        # cannot fit in the context, and is refused before it is tokenized
+        self.token_chars = _token_chars(tokenizer)
         self.created = int(time.time())
         self.aliases = model_aliases(name)
         self._grammars: Grammars | None = None
@@ -165,6 +168,20 @@ class Service:
             ) from None
         return max_tokens
 
+    def bound(self, text: str, param: str) -> None:
+        """Refuse a prompt whose characters no context's worth of tokens can
+        hold, before tokenizing it (which takes minutes for megabytes)."""
+        if self.context is None or self.token_chars is None:
+            return
+        most = self.context * self.token_chars
+        if len(text) > most:
+            raise APIError(
+                f"the prompt holds {len(text)} characters, more than the model's "
+                f"context of {self.context} tokens can hold ({most} at most)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def submit(self, http, tokens: List[int], params, param: str) -> "Submitted":
         """Hand a checked request to the engine (``params``: ``parse.Params``;
         ``param``: the field holding the prompt, named in errors)."""
@@ -172,6 +189,18 @@ class Service:
         request = engine_request(self, tokens, params, param, submitted.emit)
         submitted.start(request, http)
         return submitted
+
+
+def _token_chars(tokenizer) -> Optional[int]:
+    """A generous bound on the characters of text one token reads: twice the
+    longest entry of the vocabulary (special tokens included; a byte-level
+    entry is as long as its bytes, at least its characters), the factor for
+    normalizers that drop or fold characters. None: no vocabulary to ask."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without one: no bound, only the token check
+        return None
+    return 2 * max((len(t) for t in vocab), default=0) or None
 
 
 def engine_request(service: Service, tokens, params, param: str, emit) -> Request:
