@@ -477,8 +477,8 @@ class Decoder(DraftView):
         proposal needs it) instead of running that round ahead: the median
         time of its plain rounds started cold over that of rounds run ahead,
         less one (None until each has ``TIMED_MIN``). About nothing at short
-        contexts; on this machine's CPU, 0.3-0.4 at 16 K tokens of an 8-bit
-        cache."""
+        contexts; it grows with the context and a quantized cache's reads
+        (docs/performance.md, "Costs at long contexts")."""
         cold, ahead = self.plain_seconds[True], self.plain_seconds[False]
         if min(len(cold), len(ahead)) < TIMED_MIN:
             return None

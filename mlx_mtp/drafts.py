@@ -80,8 +80,8 @@ RETIRE_ROUNDS = 6
 # The single-stream loop runs a plain round ahead of its token (the next
 # forward starts before this one's token is read) unless a lookup may propose
 # after that token; a round that waits for the token costs more where the
-# forward is long (``Decoder.wait_cost``: on this machine's CPU 1.3 plain
-# steps at 16 K tokens of an 8-bit cache, against one at short contexts).
+# forward is long (``Decoder.wait_cost``: it grows with the context; figures
+# in docs/performance.md).
 # Where lookups propose seldom, waiting for them lost more than they gained:
 # at 16 K tokens, with the whole context to look in, they may propose after
 # nearly every token. So once ``WAIT_SAMPLES`` waits are known, a source
@@ -602,10 +602,10 @@ def make_policy(
 def can_pay(costs: Costs, prior: Optional[Sequence[float]], draft_max: int) -> bool:
     """Whether a drafter may pay at all here: whether, with half the misses
     of its measured acceptance (``prior``; the default guess without one),
-    some draft count is expected to beat plain steps by ``PAY_MARGIN``. On
-    MLX's bundled reference BLAS (a verify over 2 tokens costs 1.7-1.8
-    steps) the default model's head (29% kept) cannot: its drafts, and the
-    head reading along to make them, would only cost there."""
+    some draft count is expected to beat plain steps by ``PAY_MARGIN``.
+    Where a verify costs about as many steps as it reads tokens (a
+    compute-bound BLAS), a head kept a third of the time cannot: its drafts,
+    and the head reading along to make them, would only cost there."""
     rates = list(prior or []) or [DEFAULT_PRIOR_ACCEPTANCE]
     optimistic = [1.0 - (1.0 - min(max(a, 0.0), 1.0)) / 2 for a in rates]
     return max(speedups(optimistic, costs, draft_max)) >= PAY_MARGIN

@@ -16,8 +16,8 @@ as ``tune`` keys its entries), so later processes read them instead:
   positions included) and, for a chain, of 2; a block drafter costs the same
   whatever it drafts (``Drafter.flat_cost``). Drafters are stored under
   ``Drafter.key``: a drafter checkpoint attached later is measured then (a
-  DFlash block's prior, the bytes it reads, says 0.07 of a step where a
-  CPU measures 0.56).
+  block drafter's prior, from the bytes it reads, can be far from what a
+  compute-bound machine measures).
 
 Each part is timed ``timing.REPEATS`` times, interleaved (drift on a busy
 machine hits all alike), after one untimed forward and proposal, and the

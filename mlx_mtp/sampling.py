@@ -338,8 +338,8 @@ class ExactMatchVerifier:
         return self._sample(logits)
 
     def _sample(self, logits: mx.array) -> mx.array:
-        # argmax needs no normalising (a log-softmax over a 49k vocabulary is
-        # 2.5 ms of a 4-token verify on a CPU); other samplers get log-probs
+        # argmax needs no normalising (a log-softmax over a large vocabulary
+        # is a visible part of a short verify); other samplers get log-probs
         if self.sampler is greedy:
             return greedy(logits)
         return self.sampler(_logprobs(logits))

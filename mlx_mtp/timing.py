@@ -28,8 +28,7 @@ COSTS_FILE = "costs.json"
 # From this many tokens of context on, a stream's rounds are weighed by costs
 # measured at its context (``costs_at``): a verify's attention over the
 # context grows with it, and by more than a plain step's where the caches
-# are quantized (on this machine's CPU, 16 K tokens of the default model's
-# 8-bit cache took a verify over 2 tokens from 1.13 steps to 1.59).
+# are quantized (figures in docs/performance.md).
 LONG_CONTEXT = 4096
 REPEATS = 2
 MAX_ENTRIES = 32
