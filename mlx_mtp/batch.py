@@ -122,7 +122,7 @@ def batch_generate(
         max_tokens = 128 if request is None else request.max_tokens
     if request is None:
         request = request_from(caller="batch_generate", **kwargs)
-    request.validate()
+    request.validate(model)
     request.kv.check_model(model)
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
