@@ -250,6 +250,10 @@ def batch_summary(stats: BatchStats, streams: Sequence[MTPStats]) -> str:
     for s in streams:
         total.add(s)
     total.prompt_time, total.generation_time = stats.prompt_time, stats.generation_time
+    # mlx-lm's count: the tokens the prompt reads took, each prompt's last
+    # one left to its first round (a stream's own count holds it: summed,
+    # they said one token a prompt more than mlx-lm's line above)
+    total.prompt_tokens = stats.prompt_tokens
     return (
         f"{total.summary()}\n[batch_generate] Rounds: {stats.generation_steps} "
         f"batched, {total.rounds} of single streams"
