@@ -14,6 +14,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from mlx_mtp.errors import MTPError
+from mlx_mtp.sampling_params import SAMPLING, SPECULATIVE, SamplingError  # noqa: F401
 
 # name: (module in this package, one-line help = the first line of its docstring)
 COMMANDS = {
@@ -54,8 +55,6 @@ COMMANDS = {
 
 # help panels shared by the commands
 MODEL = "Model"
-SAMPLING = "Sampling"
-SPECULATIVE = "Speculative"
 OUTPUT = "Output"
 
 
@@ -179,6 +178,9 @@ def run_app(args: Optional[List[str]] = None) -> int:
     try:
         # without standalone mode click hands typer.Exit's code back as a value
         code = _app_for(args)(args=args, standalone_mode=False)
+    except SamplingError as e:  # found with the model (a logit bias's id): by flag
+        print(f"error: {e.named(e.param.flag or e.param.name)}", file=sys.stderr)
+        return 1
     except MTPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

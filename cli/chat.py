@@ -225,6 +225,7 @@ def chat(
         loading.stop()
     if not has_chat_template(tokenizer):
         raise fail(f"{model}: the tokenizer has no chat template")
+    request.validate(loaded)  # against the model (a logit bias's ids): before a turn
     why = no_drafts_reason(request.drafts.adaptive)
     notice = o.speed_notice(loaded, request)
     if notice is not None:

@@ -1,6 +1,8 @@
 """Sampling and drafting options shared by the commands that generate.
 
-Each option is declared once here (``Temp``, ``DraftMax``, ...). The commands
+Each option is declared once: the sampling options in
+``mlx_mtp.sampling_params.PARAMS`` (``SAMPLING_OPTIONS`` is made from it),
+the others here (``DraftMax``, ...). The commands
 that generate take the whole group through ``generation_options``: it adds
 the options to the command's signature and hands the command ONE
 ``GenerationRequest`` built from them (``request``), so every command spells,
@@ -27,16 +29,12 @@ from mlx_mtp.defaults import (
     MAX_DRAFT_MAX,
 )
 from mlx_mtp.drafters import kinds
+from mlx_mtp.sampling_params import PARAMS, SamplingError, check_all
 from mlx_mtp.target import HIDDEN_TAPS
 
 from .app import MODEL, SAMPLING, SPECULATIVE, fail
 
 CACHE = "KV cache"
-
-
-class DraftSampling(str, Enum):
-    greedy = "greedy"
-    sample = "sample"
 
 
 # the names ``drafts.make_source`` takes (and validates): a drafter kind's
@@ -110,69 +108,6 @@ NoMTP = Annotated[
         help="Generate without MTP (same loop, no drafts).",
     ),
 ]
-Temp = Annotated[
-    float, _option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")
-]
-TopP = Annotated[
-    float,
-    _option(
-        "--top-p",
-        min=0.0,
-        max=1.0,
-        help="Keep the most likely tokens holding this much probability (0: off).",
-    ),
-]
-TopK = Annotated[
-    int, _option("--top-k", min=0, help="Keep the k most likely tokens (0: off).")
-]
-MinP = Annotated[
-    float,
-    _option(
-        "--min-p",
-        min=0.0,
-        max=1.0,
-        help="Drop tokens less likely than this times the top token (0: off).",
-    ),
-]
-RepetitionPenalty = Annotated[
-    Optional[float],
-    _option(
-        "--repetition-penalty",
-        min=0.0,
-        help="Shrink the logits of tokens among the last 20 by this factor.",
-    ),
-]
-PresencePenalty = Annotated[
-    Optional[float],
-    _option(
-        "--presence-penalty",
-        help="Subtract this from the logits of tokens among the last 20.",
-    ),
-]
-FrequencyPenalty = Annotated[
-    Optional[float],
-    _option(
-        "--frequency-penalty",
-        help="Subtract this per occurrence among the last 20 tokens.",
-    ),
-]
-LogitBias = Annotated[
-    Optional[List[str]],
-    _option(
-        "--logit-bias",
-        metavar="ID=BIAS",
-        help="Add BIAS to token ID's logit; repeat for more tokens.",
-    ),
-]
-Seed = Annotated[
-    Optional[int],
-    _option(
-        "--seed",
-        min=0,
-        help="Seed: the same seed gives the same tokens, with or without MTP under "
-        "greedy drafts.",
-    ),
-]
 DraftMax = Annotated[
     Optional[int],
     _option(
@@ -192,15 +127,6 @@ DraftPMin = Annotated[
         max=1.0,
         panel=SPECULATIVE,
         help="Stop drafting when the draft's top probability falls below this.",
-    ),
-]
-DraftSamplingOption = Annotated[
-    DraftSampling,
-    _option(
-        "--draft-sampling",
-        panel=SPECULATIVE,
-        help="greedy: draft the head's top token; sample: sample drafts through the "
-        "sampler chain (temp > 0).",
     ),
 ]
 DraftSourceOption = Annotated[
@@ -397,59 +323,59 @@ def parse_logit_bias(items: Optional[List[str]]) -> Optional[Dict[int, float]]:
     return bias
 
 
-def sampling_config(
-    temp: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
-    repetition_penalty: Optional[float],
-    presence_penalty: Optional[float],
-    frequency_penalty: Optional[float],
-    logit_bias: Optional[List[str]],
-    seed: Optional[int],
-    draft_sampling: DraftSampling,
-):
-    """The ``SamplingConfig`` of the sampling options."""
+def _choices(param) -> type:
+    return Enum(param.name, {c: c for c in param.choices}, type=str)
+
+
+def _sampling_option(param):
+    """The command-line option of a sampling parameter's declaration. The
+    bounds are checked by the declaration (``sampling_config``), not by click,
+    whose range check lets an infinity through and calls a NaN out of range."""
+    kind = {float: float, int: int, dict: List[str]}.get(param.kind)
+    kind = kind or _choices(param)
+    if param.optional:
+        kind = Optional[kind]
+    extra = {"metavar": "ID=BIAS"} if param.kind is dict else {}
+    option = _option(param.flag, panel=param.panel, help=param.help, **extra)
+    default = param.default if param.kind is not str else kind(param.default)
+    return param.name, Annotated[kind, option], default
+
+
+# (parameter, annotation, default) of the sampling options: every
+# ``sampling_params.PARAMS`` entry with a flag
+SAMPLING_OPTIONS = tuple(_sampling_option(p) for p in PARAMS if p.flag)
+
+
+def sampling_config(**options):
+    """The ``SamplingConfig`` of the sampling options, each checked by its
+    declaration (a bad one: one line naming its flag)."""
     from mlx_mtp.sampling import SamplingConfig  # loads MLX: not for --help
 
-    if seed is not None and temp == 0:
+    values = {name: getattr(v, "value", v) for name, v in options.items()}
+    if "logit_bias" in values:
+        values["logit_bias"] = parse_logit_bias(values["logit_bias"])
+    try:
+        values = check_all(values)
+    except SamplingError as e:
+        raise fail(e.named(e.param.flag)) from None
+    if values.get("seed") is not None and values.get("temp") == 0:
         print(
             "notice: --seed has no effect at --temp 0 (greedy decoding draws nothing)",
             file=sys.stderr,
         )
-
-    return SamplingConfig(
-        temp=temp,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        logit_bias=parse_logit_bias(logit_bias),
-        seed=seed,
-        draft_sampling=DraftSampling(draft_sampling).value,
-    )
+    return SamplingConfig(**values)
 
 
 # (parameter, annotation, default) of every generation option, in --help order
 GENERATION_OPTIONS = (
-    ("temp", Temp, 0.0),
-    ("top_p", TopP, 0.0),
-    ("top_k", TopK, 0),
-    ("min_p", MinP, 0.0),
-    ("repetition_penalty", RepetitionPenalty, None),
-    ("presence_penalty", PresencePenalty, None),
-    ("frequency_penalty", FrequencyPenalty, None),
-    ("logit_bias", LogitBias, None),
-    ("seed", Seed, None),
+    *SAMPLING_OPTIONS,
     ("draft_max", DraftMax, None),
     ("draft_p_min", DraftPMin, DEFAULT_DRAFT_P_MIN),
-    ("draft_sampling", DraftSamplingOption, DraftSampling.greedy),
     ("adaptive_draft", AdaptiveDraft, True),
     ("draft_source", DraftSourceOption, DraftSource(DEFAULT_DRAFT_SOURCE)),
     ("no_mtp", NoMTP, False),
-) + KV_OPTIONS
+    *KV_OPTIONS,
+)
 
 
 def generation_options(command):

@@ -122,7 +122,7 @@ def batch_generate(
         max_tokens = 128 if request is None else request.max_tokens
     if request is None:
         request = request_from(caller="batch_generate", **kwargs)
-    request.validate()
+    request.validate(model)
     request.kv.check_model(model)
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
@@ -250,6 +250,10 @@ def batch_summary(stats: BatchStats, streams: Sequence[MTPStats]) -> str:
     for s in streams:
         total.add(s)
     total.prompt_time, total.generation_time = stats.prompt_time, stats.generation_time
+    # mlx-lm's count: the tokens the prompt reads took, each prompt's last
+    # one left to its first round (a stream's own count holds it: summed,
+    # they said one token a prompt more than mlx-lm's line above)
+    total.prompt_tokens = stats.prompt_tokens
     return (
         f"{total.summary()}\n[batch_generate] Rounds: {stats.generation_steps} "
         f"batched, {total.rounds} of single streams"

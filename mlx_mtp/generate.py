@@ -139,7 +139,7 @@ def stream_generate(
         raise TypeError(f"pass either request= or its fields ({names}), not both")
     if request is None:
         request = request_from(max_tokens, caller="stream_generate", **kwargs)
-    request.validate()
+    request.validate(model)
     request.kv.check_model(model)
     tic = time.perf_counter()
     tokens = encode_prompt(tokenizer, prompt)

@@ -25,6 +25,7 @@ from .errors import MTPError
 from .kv import KVSettings
 from .probe import machine_costs
 from .sampling import SamplingConfig, make_verifier
+from .sampling_params import vocab_size
 from .thinking import Thinking
 
 
@@ -95,9 +96,13 @@ class GenerationRequest:
     # how the stream's attention caches hold its context (quantized, bounded)
     kv: KVSettings = field(default_factory=KVSettings)
 
-    def validate(self) -> "GenerationRequest":
+    def validate(self, model=None) -> "GenerationRequest":
+        """Check every setting (``model``: the model it runs on, whose
+        vocabulary logit bias ids must lie in); a bad one raises ``MTPError``."""
         if self.max_tokens < 1:
             raise MTPError(f"max_tokens must be at least 1, not {self.max_tokens}")
+        vocab = vocab_size(model) if model is not None else None
+        self.sampling.validate(vocab)
         self.drafts.validate()
         self.kv.validate()
         return self

@@ -37,10 +37,12 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from .sampling_params import BY_NAME, PARAMS
+
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
-DRAFT_SAMPLING = ("greedy", "sample")
+DRAFT_SAMPLING = BY_NAME["draft_sampling"].choices
 _MAIN, _ACCEPT, _DRAFT = 0, 1, 2  # key streams per position
 
 
@@ -123,7 +125,8 @@ def match_sample(logp, drafts, gumbel):
 
 @dataclass
 class SamplingConfig:
-    """mlx-lm's sampler settings (same names and defaults) plus the draft mode."""
+    """mlx-lm's sampler settings (same names and defaults) plus the draft mode:
+    one field per ``sampling_params.PARAMS`` entry, where each is declared."""
 
     temp: float = 0.0
     top_p: float = 0.0
@@ -140,16 +143,12 @@ class SamplingConfig:
     seed: Optional[int] = None
     draft_sampling: str = "greedy"
 
-    def validate(self) -> None:
-        if self.temp < 0:
-            raise ValueError(f"temp must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1:
-            raise ValueError("top_p and min_p must lie in [0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.draft_sampling not in DRAFT_SAMPLING:
-            choices = ", ".join(DRAFT_SAMPLING)
-            raise ValueError(f"draft_sampling must be one of {choices}")
+    def validate(self, vocab: Optional[int] = None) -> None:
+        """Each field against its declaration (``sampling_params.PARAMS``);
+        ``vocab``: the model's vocabulary, which logit bias ids lie below. A
+        bad value raises ``SamplingError`` (a ``ValueError``)."""
+        for param in PARAMS:
+            param.check(getattr(self, param.name), vocab=vocab)
 
     def processors(self) -> List[LogitsProcessor]:
         return make_logits_processors(

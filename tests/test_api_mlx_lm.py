@@ -334,3 +334,22 @@ def test_generate_prompts_file_errors_are_one_line(tmp_path, capsys, content, me
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert run_app(["generate", "--prompts", str(file), "-p", "x"]) == 1
     assert "one of --prompt and --prompts" in capsys.readouterr().err
+
+
+def test_batch_generate_verbose_counts_prompt_tokens_as_mlx_lm(pair, capsys):
+    """Both lines of mlx-mtp's verbose output count the prompt as mlx-lm's
+    does: the tokens the prompt reads took, each prompt's last token left to
+    its first round (the stats line had said one token a prompt more: 15
+    against 11 on these four)."""
+    import re
+
+    model, tokenizer, reference = pair
+    prompts = [tokenizer.encode(t) for t in ("ab", "cde", "fghi", "jklmnq")]
+    mlx_lm.batch_generate(reference, tokenizer, prompts, max_tokens=4, verbose=True)
+    theirs = capsys.readouterr().out
+    mlx_mtp.batch_generate(model, tokenizer, prompts, max_tokens=4, verbose=True)
+    mine = capsys.readouterr().out
+    want = re.search(r"\[batch_generate\] Prompt: (\d+) tokens", theirs).group(1)
+    assert re.findall(r"\[batch_generate\] Prompt: (\d+) tokens", mine) == [want]
+    assert re.findall(r"\bprompt: (\d+) tokens", mine) == [want]
+    assert int(want) == sum(len(p) - 1 for p in prompts)

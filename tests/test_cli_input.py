@@ -142,3 +142,44 @@ def test_json_keeps_its_shape(full):
     r = cli("generate", "-m", full, "-p", "hi", "-n", 3, "--json")
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "length" and len(out["tokens"]) == 3
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        # a bias id at or past the vocabulary (288) wrote past the logits: rc 139
+        (["--logit-bias", "288=1"], "--logit-bias keys must be token ids below 288"),
+        (["--logit-bias", "99999999=1"], "token ids below 288 (the vocabulary)"),
+        (["--logit-bias=-1=1"], "--logit-bias keys must be token ids"),  # was taken
+        # NaN and infinities were taken (or called out of range)
+        (["--presence-penalty", "nan"], "--presence-penalty must be a finite number"),
+        (["--frequency-penalty", "nan"], "--frequency-penalty must be a finite number"),
+        (["--logit-bias", "5=nan"], "--logit-bias token 5's bias must be a finite"),
+        (["--temp", "inf"], "--temp must be a finite number, got inf"),
+        (["--temp", "nan"], "--temp must be a finite number, got nan"),
+    ],
+)
+def test_bad_sampling_values_are_one_line(full, flags, needle):
+    r = cli("generate", "-m", full, "-p", "hi", "-n", 2, *flags)
+    if "below 288" not in needle:
+        return assert_one_line_error(r, needle)  # refused before loading
+    # found with the model's vocabulary: after its loading's own lines
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert needle in r.stderr.strip().splitlines()[-1]
+
+
+def test_bad_sampling_values_in_the_python_api(full):
+    model, tokenizer = mlx_mtp.load(full)
+    cases = [
+        (dict(logit_bias={288: 1.0}), "logit_bias keys must be token ids below 288"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={5: float("nan")}), "token 5's bias must be a finite"),
+        (dict(temp=float("inf")), "temp must be a finite number, got inf"),
+        (dict(presence_penalty=float("nan")), "presence_penalty must be a finite"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            mlx_mtp.generate(model, tokenizer, "hi", max_tokens=2, **kwargs)
+        with pytest.raises(MTPError, match=needle):
+            mlx_mtp.batch_generate(model, tokenizer, ["hi"], max_tokens=2, **kwargs)

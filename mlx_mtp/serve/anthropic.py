@@ -11,9 +11,10 @@ streamed as Anthropic's events (``message_start``,
 and the engine as a thinking budget. Errors have Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}``.
 
-``draft_max``, ``seed``, ``min_p``, ``logit_bias``, ``repetition_penalty``,
-``chat_template_kwargs`` and ``max_thinking_tokens`` are this server's
-extensions, as on the chat path.
+``draft_max``, ``seed``, ``min_p``, ``logit_bias``, ``repetition_penalty``
+(the sampling parameters ``sampling_params.PARAMS`` gives Anthropic names
+beyond Anthropic's own), ``chat_template_kwargs`` and ``max_thinking_tokens``
+are this server's extensions, as on the chat path.
 Any ``model`` name is served: coding agents send the names of the models they
 were set up for (and a second, smaller one for chores), not this server's;
 the answer names the served model, whatever ``model`` held.
@@ -28,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ..sampling_params import PARAMS
 from . import parse
 from .http import APIError, read_body
 from .middleware import note_usage
@@ -40,9 +42,9 @@ _ERROR_TYPES = {
     413: "request_too_large",
     500: "api_error",
 }
-# this server's fields, as on /v1/chat/completions
-EXTENSIONS = ("draft_max", "seed", "min_p", "logit_bias", "repetition_penalty",
-              "chat_template_kwargs", "max_thinking_tokens")  # fmt: skip
+# this server's fields, as on /v1/chat/completions (and the sampling
+# parameters it takes beyond Anthropic's own: ``sampling_params.PARAMS``)
+EXTENSIONS = ("draft_max", "chat_template_kwargs", "max_thinking_tokens")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -181,8 +183,11 @@ def chat_request(body: dict, count: bool = False) -> dict:
         "tools": tools,
         "tool_choice": choice,
     }
-    for name in ("temperature", "top_p", "top_k", "stream", *EXTENSIONS):
+    for name in ("stream", *EXTENSIONS):
         out[name] = body.get(name)
+    for p in PARAMS:  # the sampling fields, under their chat names
+        if p.anthropic is not None:
+            out[p.openai] = body.get(p.anthropic)
     _thinking(body.get("thinking"), out)
     return out
 

@@ -17,6 +17,7 @@ from ..errors import MTPError
 from ..prompts import encode, has_chat_template
 from ..request import DraftSettings, GenerationRequest
 from ..sampling import SamplingConfig
+from ..sampling_params import PARAMS, Param, SamplingError
 from .fim import fim_prompt, fim_tokens
 from .http import APIError
 from .reasoning import EFFORTS, EFFORTS_OFF, left_open
@@ -28,6 +29,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
           dict: "an object", list: "an array"}  # fmt: skip
 _NUMBER = (int, float)
+_TYPES = {float: _NUMBER, int: (int,), dict: (dict,), str: (str,)}
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, low=None, high=None):
@@ -97,10 +99,6 @@ def params(service, body: dict) -> Params:
         grammar=grammar,
         max_thinking_tokens=_thinking_budget(body),
     )
-    try:
-        p.sampling.validate()
-    except ValueError as e:
-        raise APIError(str(e)) from None
     return p
 
 
@@ -154,21 +152,23 @@ def _logprobs(body: dict) -> Optional[int]:
 
 
 def _sampling(body: dict, vocab: int) -> SamplingConfig:
-    penalty = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _get(body, name, _NUMBER, low=-2.0, high=2.0)
-        penalty[name] = float(value) if value else None
-    repetition = _get(body, "repetition_penalty", _NUMBER, low=0.0)
-    return SamplingConfig(
-        temp=float(_get(body, "temperature", _NUMBER, 0.0, low=0.0, high=2.0)),
-        top_p=float(_get(body, "top_p", _NUMBER, 1.0, low=0.0, high=1.0)),
-        top_k=_get(body, "top_k", (int,), 0, low=0),
-        min_p=float(_get(body, "min_p", _NUMBER, 0.0, low=0.0, high=1.0)),
-        repetition_penalty=float(repetition) if repetition else None,
-        logit_bias=_logit_bias(body, vocab),
-        seed=_get(body, "seed", (int,)),
-        **penalty,
-    )
+    """The sampling fields ``sampling_params.PARAMS`` gives OpenAI names, each
+    checked by its declaration (in the range OpenAI documents, where narrower)."""
+    values = {}
+    for p in PARAMS:
+        if p.openai is None:
+            continue
+        default = p.default if p.http_default is None else p.http_default
+        value = _get(body, p.openai, _TYPES[p.kind], default)
+        if p.kind is dict:
+            value = _logit_bias(p, value)
+        try:
+            values[p.name] = p.check(value, p.http_bounds, vocab)
+        except SamplingError as e:
+            raise APIError(
+                e.named(f"'{p.openai}'"), param=p.openai, code="invalid_value"
+            ) from None
+    return SamplingConfig(**values)
 
 
 def _drafts(service, body: dict) -> DraftSettings:
@@ -228,8 +228,10 @@ def _stop(body: dict) -> List[str]:
     return stop
 
 
-def _logit_bias(body: dict, vocab: int) -> Optional[Dict[int, float]]:
-    bias = _get(body, "logit_bias", (dict,))
+def _logit_bias(p: Param, bias: Optional[dict]) -> Optional[Dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as ``SamplingConfig``
+    takes it, each bias brought into OpenAI's range (an infinity too); the
+    ids and NaNs are left to the declaration's check."""
     if not bias:
         return None
     out = {}
@@ -237,21 +239,16 @@ def _logit_bias(body: dict, vocab: int) -> Optional[Dict[int, float]]:
         try:
             token = int(key)
         except ValueError:
-            token = -1
-        if not 0 <= token < vocab:
+            token = key
+        if isinstance(value, bool) or not isinstance(value, _NUMBER):
             raise APIError(
-                f"'logit_bias' keys must be token ids below {vocab}, got {key!r}",
-                param="logit_bias",
-                code="invalid_value",
-            )
-        number = isinstance(value, _NUMBER) and not isinstance(value, bool)
-        if not number or math.isnan(value):  # an infinity is clamped below
-            raise APIError(
-                "'logit_bias' values must be numbers",
-                param="logit_bias",
+                f"'{p.openai}' values must be numbers, got {json.dumps(value)}",
+                param=p.openai,
                 code="invalid_type",
             )
-        out[token] = float(max(-100.0, min(100.0, value)))
+        if not math.isnan(value):
+            value = max(p.http_bounds.low, min(p.http_bounds.high, value))
+        out[token] = value
     return out
 
 

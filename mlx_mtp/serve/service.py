@@ -21,6 +21,7 @@ from ..constrain import (
 )
 from ..errors import MTPError
 from ..prompts import context_length, fit_context
+from ..sampling_params import vocab_size
 from . import ServeConfig, reasoning, tool_grammar
 from .engine import Engine, Event, Request
 from .http import APIError, wait_disconnect
@@ -45,12 +46,8 @@ class Service:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config = config
         self.engine = engine if engine is not None else Engine(model, tokenizer, config)
-        cfgs = [model.config, model.config.get("text_config") or {}]
         self.context = context_length(model)
-        self.vocab = next(
-            (c["vocab_size"] for c in cfgs if isinstance(c.get("vocab_size"), int)),
-            len(tokenizer),
-        )
+        self.vocab = vocab_size(model, tokenizer)
         # no token stands for more characters than this: a longer prompt
         # cannot fit in the context, and is refused before it is tokenized
         self.token_chars = _token_chars(tokenizer)
