@@ -279,9 +279,9 @@ def one_slot(loaded, request):
     reader = live.engine.reader
     prefill = reader.prefill
 
-    def slow(chunks):
+    def slow(chunks, pieces=None):
         time.sleep(SECONDS_PER_CHUNK)
-        return prefill(chunks)
+        return prefill(chunks, pieces)
 
     reader.prefill = slow
     yield live
