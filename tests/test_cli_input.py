@@ -190,3 +190,30 @@ def test_a_gguf_cut_inside_its_header_says_so(tmp_path, small_gguf):
         assert_one_line_error(r, f"{cut}: cut short inside its header (200 bytes)")
         assert "buffer" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_chat_template_is_said_once(full, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(full, base)
+    (base / "chat_template.jinja").unlink()
+    said = f"{base} has no chat template: the prompt is sent as it is"
+    r = cli("generate", "-m", base, "-p", "hi", "-n", 2)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines().count(said) == 1, r.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n"there"\n"again"\n')
+    r = cli("generate", "-m", base, "--prompts", prompts, "-n", 2)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines().count(said) == 1, r.stderr  # not per prompt
+    for args in (["-m", base, "--no-chat-template"], ["-m", full]):
+        r = cli("generate", *args, "-p", "hi", "-n", 2)
+        assert r.returncode == 0 and "no chat template" not in r.stderr, r.stderr
+    # chat cannot hold turns without one: it says so, in one line
+    r = cli("chat", "-m", base, stdin="hi\n")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    # (the line before it, if any, is transformers' warning about the tiny model)
+    assert r.stderr.splitlines()[-1].startswith(
+        f"error: {base} has no chat template: chat needs one"
+    )
