@@ -16,7 +16,7 @@ from mlx_mtp.errors import MTPError
 
 from .drafter import convert_drafter
 from .gguf_source import read_gguf
-from .hub import resolve
+from .hub import is_repo_id, resolve
 from .model import (
     build_heads,
     build_trunk,
@@ -206,6 +206,10 @@ def convert(
     """
     precision = Precision(quantize, q_bits, q_group_size, dtype, mtp_bits, dequantize)
     precision.check()
+    if not Path(src).exists() and is_repo_id(str(src)):
+        # fetched first so that a drafter repo (DFlash, EAGLE-3) is told apart
+        check_target(Path(out), force)  # before the download: that can take long
+        src = resolve(str(src))
     if is_drafter(Path(src)):
         if mtp_gguf is not None:
             raise MTPError("--mtp-gguf goes with a GGUF source")
