@@ -214,7 +214,9 @@ class RunsShown:
         if self.bar is not None:
             self.bar.update(self.task, completed=done, total=total)
         elif self.warmed and done:  # a timed run (or the costs) just finished
-            print(f"{self.text}: done ({done}/{total} runs)", file=sys.stderr, flush=True)
+            print(
+                f"{self.text}: done ({done}/{total} runs)", file=sys.stderr, flush=True
+            )
 
 
 def distributed_summary(result, sharding) -> dict:

@@ -97,9 +97,7 @@ def check_target(out: Path, force: bool) -> Path:
     if out.is_dir():
         remove_stale(out, "")  # those of a run that filled it in place
     if out.exists() and not out.is_dir():
-        raise MTPError(
-            f"{out} is a file, not a folder: choose another output folder"
-        )
+        raise MTPError(f"{out} is a file, not a folder: choose another output folder")
     if out.exists():
         if not force:
             what = "a model" if out.is_dir() and holds_model(out) else "files"

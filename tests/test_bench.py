@@ -267,6 +267,7 @@ def test_bench_shows_progress_from_the_start_and_ctrl_c_keeps_the_rows(
     assert start in err and planned and err.index(start) < planned.start(), err
     assert "benchmarking: repeat 1/200, prompt 1/1, mlx-lm: done (" in err
     assert proc.returncode == 130, err
-    assert re.search(r"interrupted: \d+ of 1200 timed runs measured, the rows above", err)
+    rows = r"interrupted: \d+ of 1200 timed runs measured, the rows above"
+    assert re.search(rows, err)
     assert "Traceback" not in err
     assert "mlx-lm" in out and "1 prompts (" in out  # the table, with its first row
