@@ -72,8 +72,7 @@ def convert(
         "--dtype",
         metavar="|".join(DTYPES),
         show_default="the source's; GGUF: float16, float32 where MLX has no GPU",
-        help="Float type of the unquantized weights; a GGUF without -q is "
-        "dequantized to it (full precision).",
+        help="Float type of the float weights (a GGUF without -q: every weight).",
         rich_help_panel=QUANT,
     ),
     mtp_bits: int = typer.Option(
