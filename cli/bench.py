@@ -140,6 +140,85 @@ def plan_line(prompts: int, configs: int, repeats: int, tokens: int, seconds: fl
     )
 
 
+def start_line(prompts: int, configs: int, repeats: int, tokens: int) -> str:
+    """What the benchmark will run, before the warm-up times it."""
+    return (
+        f"bench: {configs} configurations x {prompts} prompts x {repeats} repeats "
+        f"x {tokens} tokens; warming up each configuration first, then the time "
+        "it will take"
+    )
+
+
+class RunsShown:
+    """The runs done so far, on stderr from the start: a rich bar on a terminal
+    (its text the run under way), a line per timed run elsewhere."""
+
+    def __init__(self, err, terminal: Optional[bool] = None):
+        self.err = err
+        self.terminal = err.is_terminal if terminal is None else terminal
+        self.bar = self.task = None
+        self.text = "benchmarking: warming up"
+        self.warmed = False
+        if self.terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("runs"),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
+            )
+            self.task = self.bar.add_task(self.text, total=None)
+
+    @property
+    def status(self):
+        """What ``PromptProgress`` updates with the prompt's reading (a bar only)."""
+        return self if self.bar is not None else None
+
+    def update(self, text: str) -> None:
+        self.bar.update(self.task, description=text)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def step(self, text: str) -> None:
+        self.text = text
+        if self.bar is not None:
+            self.update(text)
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self.warmed = True
+
+    def advance(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+        elif self.warmed and done:  # a timed run (or the costs) just finished
+            print(
+                f"{self.text}: done ({done}/{total} runs)", file=sys.stderr, flush=True
+            )
+
+
 def distributed_summary(result, sharding) -> dict:
     """How the model was spread, and the per-round collective over all mlx-mtp runs."""
     total = MTPStats()
@@ -213,12 +292,13 @@ def bench(
     from rich.console import Console
 
     from mlx_mtp.bench import (
+        BenchInterrupted,
         check_max_tokens,
         configurations,
         drafter_bounds,
         run_bench,
     )
-    from mlx_mtp.config import cannot_gain_notice, default_draft_max
+    from mlx_mtp.config import default_draft_max
     from mlx_mtp.prompts import load_prompts
 
     o.processes()
@@ -238,9 +318,16 @@ def bench(
     n_configs = len(configurations(draft_max, bounds))
 
     plan = {}
+    print(
+        start_line(len(bench_prompts), n_configs, repeats, max_tokens),
+        file=sys.stderr,
+        flush=True,
+    )
+    shown = RunsShown(err)
     prefill = PromptProgress(
         label="benchmarking: warming up, reading the prompt",
         after="benchmarking: warming up",
+        status=shown.status,
     )
 
     def step(msg: str) -> None:  # the run about to start, and its prompt's reading
@@ -248,39 +335,56 @@ def bench(
             f"benchmarking: {msg}, reading the prompt",
             f"benchmarking: {msg}",
         )
-        if prefill.status is not None:
-            prefill.status.update(prefill.after)
+        shown.step(prefill.after)
 
     def planned(seconds: float):
         plan["seconds"] = seconds
         line = plan_line(len(bench_prompts), n_configs, repeats, max_tokens, seconds)
-        print(line, file=sys.stderr, flush=True)
+        shown.say(line)
 
-    def bench_run():
-        return run_bench(
-            loaded,
-            tokenizer,
-            bench_prompts,
-            fixed,
-            draft_p_min,
-            repeats,
-            max_tokens,
-            progress=step,
-            estimate=planned,
-            prefill_progress=prefill,
-            kv=kv,
+    try:
+        with shown:
+            result = run_bench(
+                loaded,
+                tokenizer,
+                bench_prompts,
+                fixed,
+                draft_p_min,
+                repeats,
+                max_tokens,
+                progress=step,
+                estimate=planned,
+                prefill_progress=prefill,
+                kv=kv,
+                advance=shown.advance,
+            )
+    except BenchInterrupted as stop:
+        if stop.result.configs:
+            _report(stop.result, loaded, as_json, None, interrupted=True)
+        rows = "the rows above" if stop.result.configs else "no row complete yet"
+        print(
+            f"interrupted: {stop.measured} of {stop.planned} timed runs measured, "
+            f"{rows}",
+            file=sys.stderr,
         )
+        raise typer.Exit(130) from None
+    _report(result, loaded, as_json, plan.get("seconds"))
+
+
+def _report(result, loaded, as_json: bool, planned, interrupted: bool = False):
+    """The table (or the JSON object) of ``result``."""
+    from rich.console import Console
+
+    from mlx_mtp.config import cannot_gain_notice
 
     if as_json:
-        result = bench_run()
         out = result.to_dict()
         if loaded.sharding is not None:
             out["distributed"] = distributed_summary(result, loaded.sharding)
+        if interrupted:
+            out["interrupted"] = True
         print(json.dumps(out))
         return
-    with err.status("benchmarking: warming up") as status:
-        prefill.status = status
-        result = bench_run()
     console = Console(highlight=False)
     if not console.is_terminal:  # piped into a file: do not squeeze into 80 columns
         console = Console(highlight=False, width=140)
@@ -320,5 +424,5 @@ def bench(
         style="dim",
         markup=False,
     )
-    took = took_line(result.seconds, plan.get("seconds"))
-    console.print(took, style="dim", markup=False)
+    if not interrupted:
+        console.print(took_line(result.seconds, planned), style="dim", markup=False)

@@ -224,7 +224,10 @@ def chat(
     finally:
         loading.stop()
     if not has_chat_template(tokenizer):
-        raise fail(f"{model}: the tokenizer has no chat template")
+        raise fail(
+            f"{model} has no chat template: chat needs one (generate sends the "
+            "prompt as it is)"
+        )
     request.validate(loaded)  # against the model (a logit bias's ids): before a turn
     why = no_drafts_reason(request.drafts.adaptive)
     notice = o.speed_notice(loaded, request)

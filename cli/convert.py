@@ -51,7 +51,8 @@ def convert(
         False,
         "--quantize",
         "-q",
-        help="Quantize the trunk (a drafter: its linear layers, at 4 or 8 bits).",
+        help="Quantize the trunk (a drafter: its linear layers, at 4 or 8 bits). "
+        "A quantized GGUF stays quantized without it, at its own widths.",
         rich_help_panel=QUANT,
     ),
     q_bits: int = typer.Option(
@@ -71,7 +72,7 @@ def convert(
         "--dtype",
         metavar="|".join(DTYPES),
         show_default="the source's; GGUF: float16, float32 where MLX has no GPU",
-        help="Float type of the unquantized weights.",
+        help="Float type of the float weights (a GGUF without -q: every weight).",
         rich_help_panel=QUANT,
     ),
     mtp_bits: int = typer.Option(
@@ -118,6 +119,8 @@ def convert(
         raise fail("missing OUT: the MLX folder to write")
     if into is not None:
         raise fail("--into goes with --mtp-only")
+    if dtype is not None and not quantize and _is_gguf_file(src):
+        dequantize = True  # an explicit dtype asks for full precision in it
     with said_if_interrupted(out):
         written = convert_model(
             src,
@@ -131,6 +134,7 @@ def convert(
             mtp_gguf=mtp_gguf,
             force=force,
             progress=sys.stderr.isatty(),
+            notify=lambda line: print(line, file=sys.stderr),
         )
     print(f"wrote {written} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     _summary(written)
@@ -151,6 +155,12 @@ def said_if_interrupted(target: Path):
         kept = "is as it was" if existed else "was not written"
         print(f"interrupted: {target} {kept}", file=sys.stderr)
         raise typer.Exit(130) from None
+
+
+def _is_gguf_file(src: str) -> bool:
+    from mlx_mtp.convert.pipeline import is_gguf
+
+    return Path(src).is_file() and is_gguf(Path(src))
 
 
 def _summary(path: Path) -> None:

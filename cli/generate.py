@@ -149,17 +149,18 @@ def generate(
         if group.size() > 1:
             raise fail("--prompts runs in one process, not under mlx.launch")
         texts = read_prompts(prompts)
-        _, loaded, tokenizer = o.load_model(
+        name, loaded, tokenizer = o.load_model(
             model, mtp, hidden_tap, not request.drafts.mtp, draft=draft
         )
         if not no_chat_template:
+            _say_if_raw(name, tokenizer)
             texts = [user_prompt(tokenizer, t, system) for t in texts]
         return answer_all(loaded, tokenizer, texts, request)
     if prompt == "-" and group.size() > 1:
         # mlx.launch hands its input to every process but never closes it
         raise fail("under mlx.launch the prompt cannot come from stdin: pass it")
     text = read_prompt(prompt)
-    _, loaded, tokenizer = o.load_model(
+    name, loaded, tokenizer = o.load_model(
         model, mtp, hidden_tap, not request.drafts.mtp, sharding, draft
     )
     resume = {}
@@ -170,6 +171,7 @@ def generate(
         )
         resume = {"prompt_cache": cache, "cached_tokens": have}
     elif not no_chat_template:
+        _say_if_raw(name, tokenizer)
         text = user_prompt(tokenizer, text, system)
     tokens, pieces, response, finish = [], [], None, None
     bar = PromptProgress(o.speed_notice(loaded, request))
@@ -212,3 +214,12 @@ def generate(
     if finish == "interrupted":
         print("interrupted", file=sys.stderr)
         raise typer.Exit(130)
+
+
+def _say_if_raw(name, tokenizer) -> None:
+    """Once per command: a model with no chat template gets the prompt as it is."""
+    from mlx_mtp.prompts import raw_prompt_notice
+
+    notice = raw_prompt_notice(name, tokenizer)
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)

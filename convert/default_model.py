@@ -68,8 +68,11 @@ def find_gguf() -> Path:
 
 
 def _precision() -> dict:
-    # Apple GPUs run the GGUF's 4-bit weights fastest; the CPU backend is
-    # fastest in float32 (matmuls go through BLAS, see docs/performance.md).
+    # Apple GPUs run the GGUF's 4-bit weights fastest (its Q4_1/Q8_0 blocks,
+    # which convert's default keeps as they are). Float32 on the CPU on
+    # purpose: only float matmuls go through BLAS, so a 4-bit trunk stays
+    # compute-bound and drafts cannot pay even with OpenBLAS
+    # (docs/performance.md), and the head's acceptance was measured on it.
     if sys.platform == "darwin":
         return {}
     return {"dtype": "float32", "dequantize": True}

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import NOT_GGUF, MTPError
 
 _SCALARS = {
     0: "<B",
@@ -60,17 +60,27 @@ class Tensor:
     data: np.ndarray  # floats, or raw blocks uint8 [..., row bytes]
 
 
+class _CutShort(Exception):
+    """The header runs past the end of the file."""
+
+
 class _Cursor:
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
 
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise _CutShort
+
     def take(self, fmt: str):
+        self.need(struct.calcsize(fmt))
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return value
 
     def string(self) -> str:
         n = self.take("<Q")
+        self.need(n)
         text = bytes(self.buf[self.pos : self.pos + n]).decode(
             "utf-8", errors="replace"
         )
@@ -84,6 +94,7 @@ class _Cursor:
             etype, count = self.take("<I"), self.take("<Q")
             if etype in _NUMPY:
                 size = np.dtype(_NUMPY[etype]).itemsize * count
+                self.need(size)
                 arr = np.frombuffer(self.buf, _NUMPY[etype], count, self.pos)
                 self.pos += size
                 return arr.tolist()
@@ -99,19 +110,26 @@ class GGUFFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise MTPError(f"{self.path}: {NOT_GGUF}")
             self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r")
             self.fields, self.tensors = self._parse(memoryview(self._memmap))
         except MTPError:
             raise
+        except _CutShort:
+            raise MTPError(
+                f"{self.path}: cut short inside its header ({size} bytes)"
+            ) from None
         except (ValueError, struct.error, OSError, KeyError, IndexError) as e:
             text = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise MTPError(f"{self.path}: not a valid GGUF file ({text})") from None
 
     def _parse(self, buf: memoryview) -> Tuple[Dict[str, Any], List[Tensor]]:
         cur = _Cursor(buf)
-        if bytes(buf[:4]) != b"GGUF":
-            raise ValueError("no GGUF magic")
-        cur.pos = 4
+        cur.pos = 4  # past the magic, checked before
         version = cur.take("<I")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (2 or 3 supported)")

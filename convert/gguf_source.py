@@ -354,8 +354,11 @@ def _fix(arch: str, config: Dict[str, Any], name: str, tensors: Dict[str, mx.arr
     return tensors
 
 
-def _read_tensors(reader, arch, config, names, bar=None):
-    """mlx-lm-named arrays of every tensor; ``bar`` (rich) advances by tensor and bytes."""
+def _read_tensors(reader, arch, config, names, bar=None, types=None):
+    """mlx-lm-named arrays of every tensor; ``bar`` (rich) advances by tensor and bytes.
+
+    ``types`` (a dict) receives each array's GGUF type name.
+    """
     weights: Dict[str, mx.array] = {}
     if bar is not None:
         total = sum(t.n_bytes for t in reader.tensors)
@@ -367,8 +370,10 @@ def _read_tensors(reader, arch, config, names, bar=None):
             raise MTPError(
                 f"tensor {t.name} has no counterpart in mlx-lm's {model_type}"
             )
-        got = read_tensor(target, t.data, t.tensor_type)
-        weights.update(_fix(arch, config, target, got))
+        got = _fix(arch, config, target, read_tensor(target, t.data, t.tensor_type))
+        weights.update(got)
+        if types is not None:
+            types.update(dict.fromkeys(got, t.tensor_type.name))
         if bar is not None:
             bar.update(task, advance=t.n_bytes, done=i + 1)
     if bar is not None:
@@ -398,11 +403,13 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
         else:
             config["num_nextn_predict_layers"] = n
     names = name_map(meta.arch, config)
-    weights = _read_tensors(reader, meta.arch, config, names, bar)
+    types: Dict[str, str] = {}
+    weights = _read_tensors(reader, meta.arch, config, names, bar, types)
     if mtp_reader is not None:
-        weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar))
+        weights.update(_read_tensors(mtp_reader, meta.arch, config, names, bar, types))
     weights = gguf_hybrid.finish(meta.arch, config, weights)
-    return Source(path, config, weights, gguf_tokenizer_writer(path, reader.fields))
+    writer = gguf_tokenizer_writer(path, reader.fields)
+    return Source(path, config, weights, writer, gguf_types=types)
 
 
 # GGUF special-token ids -> the tokenizer_config names transformers uses

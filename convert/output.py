@@ -96,6 +96,8 @@ def check_target(out: Path, force: bool) -> Path:
     remove_stale(out.parent, out.name)
     if out.is_dir():
         remove_stale(out, "")  # those of a run that filled it in place
+    if out.exists() and not out.is_dir():
+        raise MTPError(f"{out} is a file, not a folder: choose another output folder")
     if out.exists():
         if not force:
             what = "a model" if out.is_dir() and holds_model(out) else "files"
@@ -105,8 +107,6 @@ def check_target(out: Path, force: bool) -> Path:
                 else "choose another output folder"
             )
             raise MTPError(f"{out} exists and holds {what} ({hint})")
-        if not out.is_dir():
-            raise MTPError(f"{out} exists and is not a folder")
         if not holds_model(out):
             first = sorted(p.name for p in out.iterdir())[0]
             raise MTPError(

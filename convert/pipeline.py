@@ -7,7 +7,7 @@ experts, split MLA projections): plain ``mlx_lm.load`` never opens it, and
 """
 
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
@@ -16,7 +16,7 @@ from mlx_mtp.errors import MTPError
 
 from .drafter import convert_drafter
 from .gguf_source import read_gguf
-from .hub import resolve
+from .hub import is_repo_id, resolve
 from .model import (
     build_heads,
     build_trunk,
@@ -38,6 +38,8 @@ from .precision import (
     Precision,
     apply_head,
     apply_trunk,
+    describe_nearest,
+    nearest_bits,
     quantization_config,
     quantized_modules,
 )
@@ -67,7 +69,11 @@ def convert_source(
         )
 
 
-def _convert(source: Source, out: Path, precision: Precision, force, bar, progress):
+def _convert(
+    source: Source, out: Path, precision: Precision, force, bar, progress, said=None
+):
+    """``said``: called once the output's space is checked (a run that cannot
+    write says only why)."""
     precision.check()
     if source.write_tokenizer is None:
         raise MTPError(f"{source.path}: no tokenizer to write")
@@ -89,6 +95,8 @@ def _convert(source: Source, out: Path, precision: Precision, force, bar, progre
     nbytes = sum(v.nbytes for v in [*trunk_params.values(), *head_w.values()])
     with atomic_folder(out, force) as tmp:
         check_space(tmp, nbytes, out)
+        if said is not None:
+            said()
         bar = bar if progress else None
         materialize(trunk_params, "trunk", bar)
         with writing(out):
@@ -180,6 +188,7 @@ def convert(
     mtp_gguf: Optional[PathLike] = None,
     force: bool = False,
     progress: bool = False,
+    notify: Optional[Callable[[str], None]] = None,
 ) -> Path:
     """Convert a Hugging Face folder, Hub repo id or GGUF file into an MLX folder.
 
@@ -187,9 +196,20 @@ def convert(
     (8 or 16) sets the MTP block's precision when the trunk is quantized. A
     drafter folder (DFlash, ...) converts alone: ``quantize`` at ``q_bits``
     (4 or 8) or floats at ``dtype``.
+
+    A quantized GGUF with none of ``quantize``, ``dequantize`` or ``dtype``
+    keeps its size: Q4_0/Q4_1/Q8_0 blocks as they are, every other quantized
+    type at the nearest MLX width (``precision.nearest_bits``), groups of 32;
+    ``notify`` receives one line saying so. With ``dtype`` the blocks MLX
+    holds exactly stay quantized and the rest are floats; ``dequantize``
+    makes every weight a float.
     """
     precision = Precision(quantize, q_bits, q_group_size, dtype, mtp_bits, dequantize)
     precision.check()
+    if not Path(src).exists() and is_repo_id(str(src)):
+        # fetched first so that a drafter repo (DFlash, EAGLE-3) is told apart
+        check_target(Path(out), force)  # before the download: that can take long
+        src = resolve(str(src))
     if is_drafter(Path(src)):
         if mtp_gguf is not None:
             raise MTPError("--mtp-gguf goes with a GGUF source")
@@ -197,9 +217,22 @@ def convert(
     check_target(Path(out), force)  # before reading the source: that can take long
     with make_progress(progress) as bar:
         source = open_source(src, mtp_gguf, bar if progress else None)
-        if is_gguf(source.path) and precision.dtype is None:
-            precision.dtype = default_gguf_dtype()
-        return _convert(source, out, precision, force, bar, progress)
+        line = _gguf_precision(source, precision) if is_gguf(source.path) else None
+        said = (lambda: notify(line)) if line and notify else None
+        return _convert(source, out, precision, force, bar, progress, said)
+
+
+def _gguf_precision(source: Source, precision: Precision) -> Optional[str]:
+    """Fill in a GGUF's precision; the line saying what was chosen, if anything was."""
+    asked = precision.quantize or precision.dequantize or precision.dtype
+    if precision.dtype is None:
+        precision.dtype = default_gguf_dtype()
+    if asked:
+        return None
+    line = describe_nearest(source.gguf_types, "float32")
+    if line is not None:  # None: a float GGUF
+        precision.nearest = {k: nearest_bits(t) for k, t in source.gguf_types.items()}
+    return line
 
 
 def convert_gguf(gguf_path: PathLike, out: PathLike, **options) -> Path:

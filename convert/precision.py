@@ -6,6 +6,11 @@ block is kept at higher precision because a quantized head loses acceptance
 it is stored at 8 bits by default, or as floats with ``mtp_bits=16``; with a
 float trunk it stays float. Tensors that arrive already quantized (GGUF
 Q4_0/Q4_1/Q8_0) keep their grid unless ``dequantize`` asks for floats.
+
+A quantized GGUF converted with no precision asked for (``nearest``) keeps
+its size: every other quantized tensor (K-quants, Q5_*, IQ*...) is
+quantized again at the nearest MLX width that loses none of its bits, in
+groups of 32 (GGUF's block), and its float tensors (norms) stay floats.
 """
 
 from collections import Counter
@@ -33,6 +38,8 @@ class Precision:
     dtype: Optional[str] = None  # None: keep the source's float dtype
     mtp_bits: int = DEFAULT_MTP_BITS
     dequantize: bool = False
+    # GGUF's own precision: weight name -> MLX bits (None: float); see nearest_bits
+    nearest: Optional[Dict[str, Optional[int]]] = None
 
     def check(self) -> None:
         if self.quantize and self.dequantize:
@@ -108,6 +115,71 @@ def apply_trunk(model: nn.Module, p: Precision) -> None:
     cast(model, p.dtype)
     if p.quantize:
         quantize(model, p.q_group_size, p.q_bits)
+    elif p.nearest:
+        quantize_nearest(model, p.nearest)
+
+
+GGUF_FLOATS = ("F64", "F32", "F16", "BF16")
+NEAREST_GROUP = 32  # the block of every GGUF type (K-quants: their sub-blocks)
+
+
+def nearest_bits(gguf_type: str) -> Optional[int]:
+    """MLX bits that hold a GGUF type's values without losing bits (None: a float).
+
+    4-bit and narrower linear grids (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, the ternary
+    TQ types) fit 4-bit affine groups of 32; Q5_*, Q6_K (16-value sub-blocks
+    with their own scales), Q8_* and the non-linear IQ and MXFP4 grids keep
+    their values only at 8 bits.
+    """
+    if gguf_type in GGUF_FLOATS:
+        return None
+    if gguf_type.startswith(("Q2_", "Q3_", "Q4_", "TQ")):
+        return 4
+    return 8
+
+
+def quantize_nearest(model: nn.Module, bits: Dict[str, Optional[int]]) -> None:
+    """Quantize each float module at its GGUF tensor's ``bits`` (``nearest``).
+
+    A module under a name the GGUF did not use (renamed by the model's
+    ``sanitize``) takes the file's most common width.
+    """
+    widths = [b for b in bits.values() if b]
+    if not widths:
+        return
+    common = Counter(widths).most_common(1)[0][0]
+
+    def predicate(path, module):
+        if (
+            not hasattr(module, "to_quantized")
+            or module.weight.shape[-1] % NEAREST_GROUP
+        ):
+            return False
+        b = bits.get(f"{path}.weight", common)
+        if b is None:
+            return False
+        return {"group_size": NEAREST_GROUP, "bits": b, "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def describe_nearest(types: Dict[str, str], full_dtype: str) -> Optional[str]:
+    """One line saying what a quantized GGUF is written as, or None (all floats)."""
+    counts = Counter(
+        t
+        for k, t in types.items()
+        if nearest_bits(t) is not None and not k.endswith((".scales", ".biases"))
+    )
+    if not counts:
+        return None
+    names = [t for t, _ in counts.most_common()]
+    main = nearest_bits(names[0])
+    line = f"GGUF weights are {', '.join(names)}: writing {main}-bit MLX"
+    line += f" (group {NEAREST_GROUP})"
+    others = [t for t in names if nearest_bits(t) != main]
+    for b in sorted({nearest_bits(t) for t in others}):
+        line += f", {b}-bit for {', '.join(t for t in others if nearest_bits(t) == b)}"
+    return f"{line}; --dtype {full_dtype} keeps full precision"
 
 
 def apply_head(head: nn.Module, p: Precision, trunk_group: Optional[int]) -> None:

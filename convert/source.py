@@ -9,7 +9,7 @@ trunk's own ``sanitize``, which leaves mlx-lm names alone.
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -42,6 +42,8 @@ class Source:
     config: Dict[str, Any]
     weights: Dict[str, mx.array]
     write_tokenizer: Optional[Callable[[Path], None]] = None
+    # GGUF: the llama.cpp type of each tensor (mlx-lm name -> "Q4_K", "F32"...)
+    gguf_types: Dict[str, str] = field(default_factory=dict)
 
 
 def weight_files(folder: Path) -> List[Path]:

@@ -272,6 +272,7 @@ def run_bench(
     estimate: Optional[Callable[[float], None]] = None,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     kv: KVSettings = KVSettings(),
+    advance: Optional[Callable[[int, int], None]] = None,
 ) -> BenchResult:
     """Benchmark every configuration on every prompt, ``repeats`` times, interleaved.
 
@@ -280,7 +281,11 @@ def run_bench(
     ``estimate`` hears, once after the warm-up, how many seconds the timed
     runs will take at the warm-up's speed; ``prefill_progress(done, total)``
     each prompt being read. ``kv``: the caches' policy (quantized, bounded),
-    mlx-lm's runs at the same settings.
+    mlx-lm's runs at the same settings. ``advance(done, total)`` hears the
+    runs done (warm-ups and cost timings included) from the start on.
+
+    Ctrl-C during the timed runs raises ``BenchInterrupted`` holding the rows
+    measured so far.
     """
     started = time.perf_counter()
     given = draft_max
@@ -292,40 +297,88 @@ def run_bench(
     run = _Runner(model, tokenizer, draft_p_min, prefill_progress, kv)
     configs = configurations(draft_max, bounds)
     encoded = encoded_prompts(tokenizer, prompts)
+    timed = model.head is not None and draft_max > 0  # the round costs
+    total = len(configs) + timed + repeats * (len(encoded) * len(configs) + timed)
+    done = 0
+
+    def ran() -> None:
+        nonlocal done
+        done += 1
+        if advance is not None:
+            advance(done, total)
+
+    if advance is not None:
+        advance(0, total)
     # 1) warm up every configuration (compile, allocate) and time the plan
-    seconds = sum(run.warm_up(c, encoded, repeats, max_tokens) for c in configs)
+    seconds = 0.0
+    for c in configs:
+        if progress:
+            progress(f"warming up {c[0]}")
+        seconds += run.warm_up(c, encoded, repeats, max_tokens)
+        ran()
     timer = None
-    if model.head is not None and draft_max > 0:
+    if timed:
+        if progress:
+            progress("warming up, costs")
         tic = time.perf_counter()
         timer = run.cost_timer(encoded[0], draft_max)
         seconds += repeats * (time.perf_counter() - tic)  # its warm-up: one pass
+        ran()
     if estimate is not None:
         estimate(seconds)
     # 2) the timed runs, configurations in a rotating order
     runs: List[Measurement] = []
-    for rep in range(repeats):
-        if timer is not None:
-            if progress:
-                progress(f"repeat {rep + 1}/{repeats}, costs")
-            timer.run_once(rep)
-        for i, prompt in enumerate(encoded):
-            shift = rep % len(configs)
-            for config in configs[shift:] + configs[:shift]:
+    try:
+        for rep in range(repeats):
+            if timer is not None:
                 if progress:
-                    where = f"prompt {i + 1}/{len(encoded)}"
-                    progress(f"repeat {rep + 1}/{repeats}, {where}, {config[0]}")
-                runs.append(run.measure(config, i, rep, prompt, max_tokens))
+                    progress(f"repeat {rep + 1}/{repeats}, costs")
+                timer.run_once(rep)
+                ran()
+            for i, prompt in enumerate(encoded):
+                shift = rep % len(configs)
+                for config in configs[shift:] + configs[:shift]:
+                    if progress:
+                        where = f"prompt {i + 1}/{len(encoded)}"
+                        progress(f"repeat {rep + 1}/{repeats}, {where}, {config[0]}")
+                    runs.append(run.measure(config, i, rep, prompt, max_tokens))
+                    ran()
+    except KeyboardInterrupt:
+        partial = _result(model, kv, prompts, repeats, max_tokens, configs, runs)
+        partial.seconds = time.perf_counter() - started
+        planned = repeats * len(encoded) * len(configs)
+        raise BenchInterrupted(partial, len(runs), planned) from None
     # 3) the summary, with each fixed count's bound from the measured costs
-    result = BenchResult(regime(model, kv), prompts, repeats, max_tokens, runs=runs)
-    kinds = [p.kind for p in prompts]
-    result.configs = [
-        _summarise(name, k, runs, kinds, adaptive, source)
-        for name, k, adaptive, source in configs
-    ]
+    result = _result(model, kv, prompts, repeats, max_tokens, configs, runs)
     if timer is not None:
         _bounds(result, timer)
     result.noise = noise(result, timer.times if timer is not None else {})
     result.seconds = time.perf_counter() - started
+    return result
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the timed runs: ``result`` holds the rows measured so far
+    (each run paired with mlx-lm's in its slot; no costs or bounds), of
+    ``measured`` timed runs out of ``planned``."""
+
+    def __init__(self, result: BenchResult, measured: int, planned: int):
+        super().__init__()
+        self.result, self.measured, self.planned = result, measured, planned
+
+
+def _result(model, kv, prompts, repeats, max_tokens, configs, runs) -> BenchResult:
+    """The rows of the configurations measured, from the runs mlx-lm's pairs."""
+    paired = {(r.prompt, r.repeat) for r in runs if r.config == BASELINE}
+    runs = [r for r in runs if (r.prompt, r.repeat) in paired]
+    result = BenchResult(regime(model, kv), prompts, repeats, max_tokens, runs=runs)
+    kinds = [p.kind for p in prompts]
+    measured = {r.config for r in runs}
+    result.configs = [
+        _summarise(name, k, runs, kinds, adaptive, source)
+        for name, k, adaptive, source in configs
+        if name in measured
+    ]
     return result
 
 

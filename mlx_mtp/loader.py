@@ -23,7 +23,7 @@ from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .drafter import Drafter
 from .drafters import load_drafter
 from .drafters.head import HeadDrafter
-from .errors import MTPError, first_line
+from .errors import NOT_GGUF, MTPError, first_line
 from .heads import (
     MTPHead,
     family_for,
@@ -109,6 +109,14 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
 def read_config(path: Path) -> Dict[str, Any]:
     if not path.exists():
         if _REPO_ID.match(str(path)):
@@ -118,11 +126,13 @@ def read_config(path: Path) -> Dict[str, Any]:
             )
         raise MTPError(f"{path}: no such file or folder")
     if not path.is_dir():
-        if path.suffix.lower() == ".gguf":
+        if _starts_with(path, b"GGUF"):  # the magic, not the name, says GGUF
             raise MTPError(
                 f"{path} is a GGUF file: convert it first "
                 f"(mlx-mtp convert {path} OUT), then --model OUT"
             )
+        if path.suffix.lower() == ".gguf":
+            raise MTPError(f"{path}: {NOT_GGUF}")
         raise MTPError(f"{path}: not a model folder")
     config_file = path / "config.json"
     if not config_file.exists():

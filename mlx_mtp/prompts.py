@@ -62,6 +62,14 @@ def has_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
+def raw_prompt_notice(name, tokenizer) -> Optional[str]:
+    """The line that says a model without a chat template (a base model) gets
+    the prompt as it is; None when it has one."""
+    if has_chat_template(tokenizer):
+        return None
+    return f"{name} has no chat template: the prompt is sent as it is"
+
+
 def chat_text(tokenizer, messages: List[Dict[str, str]]) -> str:
     """The conversation through the chat template, ready for the answer."""
     return tokenizer.apply_chat_template(

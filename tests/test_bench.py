@@ -227,3 +227,47 @@ def test_the_token_floor_is_shown_and_checked_before_the_model_loads(
     assert "at least 18, or 2 x (--draft-max + 1) past --draft-max 8" in help_text
     row = help_text[help_text.index("--max-tokens") : help_text.index("--repeats")]
     assert "x>=1" not in row
+
+
+def test_bench_shows_progress_from_the_start_and_ctrl_c_keeps_the_rows(
+    tiny_folders, tmp_path
+):
+    """Off a terminal: the plan before the warm-up, a line per timed run; SIGINT
+    after the first row prints the rows so far, "interrupted", and exits 130."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("tell me a story\n")
+    args = ["bench", "-m", tiny_folders("mimo")[0], "--prompts", prompts]
+    args += ["-n", 18, "-r", 200, "--draft-max", 1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_mtp", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "mlx-lm: done (" in line:  # the first timed run: mlx-lm's row is in
+                break
+        proc.send_signal(signal.SIGINT)
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = "".join(seen) + rest
+    start = "bench: 6 configurations x 1 prompts x 200 repeats x 18 tokens; warming up"
+    planned = re.search(r"about \d+(\.\d)? (s|min) at the warm-up's speed", err)
+    assert start in err and planned and err.index(start) < planned.start(), err
+    assert "benchmarking: repeat 1/200, prompt 1/1, mlx-lm: done (" in err
+    assert proc.returncode == 130, err
+    rows = r"interrupted: \d+ of 1200 timed runs measured, the rows above"
+    assert re.search(rows, err)
+    assert "Traceback" not in err
+    assert "mlx-lm" in out and "1 prompts (" in out  # the table, with its first row

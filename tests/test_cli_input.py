@@ -183,3 +183,76 @@ def test_bad_sampling_values_in_the_python_api(full):
             mlx_mtp.generate(model, tokenizer, "hi", max_tokens=2, **kwargs)
         with pytest.raises(MTPError, match=needle):
             mlx_mtp.batch_generate(model, tokenizer, ["hi"], max_tokens=2, **kwargs)
+# -- files that are not what their names say ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    import tiny_plain
+
+    config, weights = tiny_plain.plain_weights("llama")
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    return tiny_plain.write_gguf(path, "llama", config, weights)
+
+
+def test_a_text_file_named_gguf_is_not_called_a_gguf(tmp_path, small_gguf):
+    fake = tmp_path / "notgguf.gguf"
+    fake.write_text("just some notes\n")
+    for command in (["generate", "-m", fake, "-p", "hi"], ["convert", fake, "out"]):
+        r = cli(*command)
+        assert_one_line_error(
+            r, f"{fake}: not a GGUF file (it does not start with GGUF's magic)"
+        )
+        assert "convert it first" not in r.stderr
+    # a real GGUF, whatever its name, is one to convert first
+    renamed = tmp_path / "model.bin"
+    renamed.write_bytes(small_gguf.read_bytes())
+    r = cli("generate", "-m", renamed, "-p", "hi")
+    assert_one_line_error(r, f"{renamed} is a GGUF file: convert it first")
+
+
+def test_convert_into_an_existing_file_says_it_is_a_file(tmp_path, small_gguf):
+    target = tmp_path / "afile"
+    target.write_text("keep me")
+    for extra in ([], ["--force"]):
+        r = cli("convert", small_gguf, target, *extra)
+        assert_one_line_error(r, f"{target} is a file, not a folder")
+        assert "holds files" not in r.stderr
+    assert target.read_text() == "keep me"
+
+
+def test_a_gguf_cut_inside_its_header_says_so(tmp_path, small_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(small_gguf.read_bytes()[:200])
+    for command in (["convert", cut, tmp_path / "out"], ["info", cut]):
+        r = cli(*command)
+        assert_one_line_error(r, f"{cut}: cut short inside its header (200 bytes)")
+        assert "buffer" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_chat_template_is_said_once(full, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(full, base)
+    (base / "chat_template.jinja").unlink()
+    said = f"{base} has no chat template: the prompt is sent as it is"
+    r = cli("generate", "-m", base, "-p", "hi", "-n", 2)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines().count(said) == 1, r.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n"there"\n"again"\n')
+    r = cli("generate", "-m", base, "--prompts", prompts, "-n", 2)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines().count(said) == 1, r.stderr  # not per prompt
+    for args in (["-m", base, "--no-chat-template"], ["-m", full]):
+        r = cli("generate", *args, "-p", "hi", "-n", 2)
+        assert r.returncode == 0 and "no chat template" not in r.stderr, r.stderr
+    # chat cannot hold turns without one: it says so, in one line
+    r = cli("chat", "-m", base, stdin="hi\n")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    # (the line before it, if any, is transformers' warning about the tiny model)
+    assert r.stderr.splitlines()[-1].startswith(
+        f"error: {base} has no chat template: chat needs one"
+    )

@@ -64,10 +64,23 @@ def test_bad_flag_values_are_one_line_errors(src, tmp_path, capsys):
 def test_dequantize_gguf(tmp_path, capsys):
     config, weights = tiny_plain.plain_weights("llama")
     path = tiny_plain.write_gguf(tmp_path / "m.gguf", "llama", config, weights, Q.Q8_0)
-    assert run(capsys, path, tmp_path / "kept")[0] == 0
+    code, io = run(capsys, path, tmp_path / "kept")
+    assert code == 0
     assert config_of(tmp_path / "kept")["quantization"]["bits"] == 8
+    assert io.err.splitlines()[0] == (
+        "GGUF weights are Q8_0: writing 8-bit MLX (group 32); "
+        "--dtype float32 keeps full precision"
+    )
     assert run(capsys, path, tmp_path / "flat", "--dequantize")[0] == 0
     assert "quantization" not in config_of(tmp_path / "flat")
+    # an explicit dtype is full precision in it; with -q it is the rest's dtype
+    code, io = run(capsys, path, tmp_path / "f16", "--dtype", "float16")
+    assert code == 0 and "GGUF weights are" not in io.err
+    assert "quantization" not in config_of(tmp_path / "f16")
+    stored = mx.load(str(tmp_path / "f16" / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16
+    assert run(capsys, path, tmp_path / "q", "-q", "--dtype", "float16")[0] == 0
+    assert config_of(tmp_path / "q")["quantization"]["bits"] == 8  # the GGUF's kept
 
 
 def test_separate_mtp_gguf(tiny_folders, tmp_path, capsys):
@@ -215,7 +228,8 @@ def test_full_disk_is_one_line_and_leaves_nothing(gguf, tmp_path, capsys, monkey
         raise RuntimeError("[write] Unable to write 47257 bytes")
 
     monkeypatch.setattr(mx, "save_safetensors", full)
-    err = one_line(*run(capsys, gguf, tmp_path / "out"))
+    # (--dequantize: a quantized GGUF says first what it writes, before the error)
+    err = one_line(*run(capsys, gguf, tmp_path / "out", "--dequantize"))
     assert err == f"error: cannot write {tmp_path / 'out'}: No space left on device"
     assert list(tmp_path.iterdir()) == []
 

@@ -192,6 +192,88 @@ def test_moe_gguf_with_nextn_head(tmp_path, tiny_folders, family, arch, joined_k
     assert rel_error(mtp_logits(expect, TOKENS), mtp_logits(got, TOKENS)) < 1e-5
 
 
+def k_quant_gguf(tmp_path, qtypes):
+    """A llama GGUF whose matrices are random K-quant blocks, in turn of ``qtypes``.
+
+    Returns (path, every tensor's values as the gguf package reads them, types).
+    """
+    import gguf
+
+    config, weights = tiny_plain.plain_weights(
+        "llama", hidden_size=256, intermediate_size=256, head_dim=64
+    )
+    raws, kinds, floats = {}, {}, dict(weights)
+    for k, v in weights.items():
+        if v.ndim == 2 and v.shape[-1] % 256 == 0:
+            kinds[k] = qtypes[len(raws) % len(qtypes)]
+            raws[k] = tiny_plain.random_k_quant(*v.shape, kinds[k], seed=len(raws))
+            floats[k] = mx.array(gguf.quants.dequantize(raws[k], kinds[k]))
+    path = tiny_plain.write_gguf(
+        tmp_path / "k.gguf", "llama", config, {**weights, **raws}, raw_type=kinds
+    )
+    plain = roundtrip_weights({k: v for k, v in weights.items() if k not in raws}, None)
+    return path, {**floats, **plain}, kinds, config
+
+
+def stored_matrix(out, name, bits):
+    stored = mx.load(str(out / "model.safetensors"))
+    return mx.dequantize(
+        stored[f"{name}.weight"],
+        stored[f"{name}.scales"],
+        stored[f"{name}.biases"],
+        32,
+        bits,
+    )
+
+
+def test_quantized_gguf_stays_quantized_at_the_nearest_width(tmp_path):
+    """No precision asked: Q4_K is written at 4 bits, Q6_K at 8, groups of 32."""
+    path, floats, kinds, config = k_quant_gguf(tmp_path, [Q.Q4_K, Q.Q4_K, Q.Q6_K])
+    said = []
+    out = convert(path, tmp_path / "out", notify=said.append)
+    assert said == [
+        "GGUF weights are Q4_K, Q6_K: writing 4-bit MLX (group 32), 8-bit for Q6_K; "
+        "--dtype float32 keeps full precision"
+    ]
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert (quant["bits"], quant["group_size"]) == (4, 32)
+    for name, kind in kinds.items():
+        module = name[: -len(".weight")]
+        bits = 8 if kind == Q.Q6_K else 4
+        assert quant.get(module, {"bits": 4})["bits"] == bits, module
+        w = np.array(stored_matrix(out, module, bits).astype(mx.float32))
+        ref = np.array(floats[name])
+        # a GGUF 32-value (sub-)block kept on a grid as fine as its own: what is
+        # lost is a fraction of the GGUF's own step
+        step = np.abs(ref).max() / (7 if bits == 4 else 31)
+        assert np.abs(w - ref).max() < step, module
+    ref = tiny.save_folder(tmp_path / "ref", config, floats)
+    _, a = logits_of(ref)
+    _, b = logits_of(out)
+    assert rel_error(a, b) < 2e-2
+    full = convert(path, tmp_path / "full", dtype="float32")
+    assert "quantization" not in json.loads((full / "config.json").read_text())
+    assert out.joinpath("model.safetensors").stat().st_size < 0.5 * (
+        full.joinpath("model.safetensors").stat().st_size
+    )
+
+
+def test_block_quant_gguf_says_its_type(tmp_path):
+    gguf_path, _ = gguf_and_reference(tmp_path, "llama", Q.Q4_1)
+    said = []
+    out = convert(gguf_path, tmp_path / "out", notify=said.append)
+    assert said == [
+        "GGUF weights are Q4_1: writing 4-bit MLX (group 32); "
+        "--dtype float32 keeps full precision"
+    ]
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    said.clear()
+    (tmp_path / "f").mkdir()
+    f16, _ = gguf_and_reference(tmp_path / "f", "llama", None)
+    convert(f16, tmp_path / "f16", notify=said.append)
+    assert said == []  # a float GGUF has nothing to choose
+
+
 def test_corrupt_gguf_is_refused(tmp_path):
     gguf_path, _ = gguf_and_reference(tmp_path, "qwen3", None)
     data = gguf_path.read_bytes()

@@ -160,3 +160,20 @@ def test_convert_refuses_other_drafter_bits(pair, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["error: a drafter quantizes to 4 or 8 bits, not 3"]
+
+
+def test_convert_takes_a_drafter_repo_id(pair, tmp_path, monkeypatch):
+    """``mlx-mtp convert ORG/DRAFTER OUT -q``: the repo is fetched, then seen to
+    be a drafter (not a model needing a tokenizer)."""
+    import mlx_mtp.convert.pipeline as pipeline
+
+    _, drafter = pair
+    fetched = []
+    monkeypatch.setattr(
+        pipeline, "resolve", lambda repo: fetched.append(repo) or drafter
+    )
+    out = tmp_path / "converted"
+    invoke("convert", "z-lab/some-dflash-drafter", out, "-q")
+    assert fetched == ["z-lab/some-dflash-drafter"]
+    info = json.loads(invoke("info", out, "--json").stdout)
+    assert "4-bit/g64" in info["trunk_precision"] and info["format"] == "drafter folder"

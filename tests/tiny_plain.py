@@ -173,7 +173,8 @@ def write_gguf(
 ):
     """Write ``weights`` as a GGUF file; matrices at ``qtype`` (a GGMLQuantizationType).
 
-    Values given as numpy uint8 are raw blocks of type ``raw_type``, written as they are.
+    Values given as numpy uint8 are raw blocks of type ``raw_type``, written as they
+    are; ``raw_type`` may be a dict (mlx-lm name -> type) for a file of several types.
     """
     import gguf
 
@@ -219,9 +220,13 @@ def write_gguf(
         writer.add_nextn_predict_layers(n_mtp)
     if tokenizer:
         _tokenizer_metadata(writer, config["eos_token_id"])
+    # gguf_tensors keeps the order of ``weights``
+    sources = iter(weights)
     for name, w in gguf_tensors(arch, config, weights).items():
+        source = next(sources)
         if w.dtype == np.uint8:
-            writer.add_tensor(name, w, raw_dtype=raw_type)
+            kind = raw_type[source] if isinstance(raw_type, dict) else raw_type
+            writer.add_tensor(name, w, raw_dtype=kind)
         elif (
             qtype is not None
             and w.ndim >= 2
