@@ -212,7 +212,9 @@ def test_without_a_word_the_vocabulary_decides(server, loaded, tiny_folders, tmp
     _, tokenizer = mlx_mtp.load(tool_model.build(folder, tmp_path / "plain"))
     tokenizer.chat_template = think_model.TEMPLATE
     assert not tokenizer.has_thinking
-    plain = SimpleNamespace(tokenizer=tokenizer, reasoning=None)
+    plain = SimpleNamespace(
+        tokenizer=tokenizer, reasoning=None, bound=lambda text, param: None
+    )
     text = tokenizer.decode(parse.chat_tokens(plain, {"messages": USER}))
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # a request that says it, is heard
