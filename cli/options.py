@@ -299,9 +299,10 @@ def speed_notice(loaded, request) -> Optional[str]:
     """The notice line when ``request`` would draft where MTP cannot gain
     speed (none under --fixed-draft, which drafts anyway)."""
     from mlx_mtp.config import cannot_gain_notice
+    from mlx_mtp.request import head_drafts
 
     drafts = request.drafts
-    if loaded.head is None or not drafts.head_drafts(loaded) or not drafts.adaptive:
+    if loaded.head is None or not head_drafts(drafts, loaded) or not drafts.adaptive:
         return None
     notice = cannot_gain_notice()
     return None if notice is None else f"notice: {notice}"

@@ -166,6 +166,7 @@ def serve(
     """Serve a model over an OpenAI-compatible API, with MTP, many requests at once.
 
     Under mlx.launch, one server over every process: rank 0 listens."""
+    from mlx_mtp.draft_settings import DraftSettings
     from mlx_mtp.serve import ServeConfig
     from mlx_mtp.serve.app import listen, run
     from mlx_mtp.serve.reasoning import check_parser
@@ -178,15 +179,17 @@ def serve(
     except ValueError as e:
         raise fail(f"--reasoning-parser: {e}") from None
     config = ServeConfig(
-        draft_max=draft_max,
-        mtp=not no_mtp,
+        drafts=DraftSettings(
+            source=o.DraftSource(draft_source).value,
+            draft_max=draft_max,
+            adaptive=not fixed_draft,
+            mtp=not no_mtp,
+        ),
         max_tokens=max_tokens,
         max_batch=max_batch,
         prompt_cache_entries=prompt_cache_entries,
         prompt_cache_bytes=prompt_cache_mb << 20,
-        adaptive_draft=not fixed_draft,
         shutdown_timeout=shutdown_timeout,
-        draft_source=o.DraftSource(draft_source).value,
         max_body_bytes=max_body_mb << 20,
         api_key=api_key.strip() if api_key else None,
         cors_origins=tuple(cors_origin or ()),
@@ -208,7 +211,7 @@ def serve(
             "--sharding": o.Sharding(sharding).value, "--max-tokens": max_tokens,
             "--max-batch": max_batch, "--prompt-cache-entries": prompt_cache_entries,
             "--prompt-cache-mb": prompt_cache_mb, "--draft-max": draft_max,
-            "--draft-source": config.draft_source, "--fixed-draft": fixed_draft,
+            "--draft-source": config.drafts.source, "--fixed-draft": fixed_draft,
             "--lookup-memory-mb": lookup_memory_mb,
             "--reasoning-parser": reasoning_parser,
             **{f"--{k.replace('_', '-')}": v for k, v in kv.metadata().items()},

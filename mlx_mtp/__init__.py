@@ -30,6 +30,7 @@ _EXPORTS = {
     "DraftRound": "stats",
     "GenerationResponse": "generate",
     "MTPCache": "cache",
+    "StreamCache": "cache",
     "MTPError": "errors",
     "MTPModel": "loader",
     "MTPStats": "stats",
@@ -49,7 +50,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what __getattr__ returns
     from .batch import BatchResponse, batch_generate  # noqa: F401
-    from .cache import MTPCache  # noqa: F401
+    from .cache import MTPCache, StreamCache  # noqa: F401
     from .prompt_file import cache_prompt  # noqa: F401
     from .chat import ChatSession  # noqa: F401
     from .convert.default_model import default_model_path, load  # noqa: F401

@@ -20,7 +20,7 @@ from mlx_lm.generate import BatchResponse as MLXBatchResponse
 from mlx_lm.generate_utils import BatchStats
 
 from .batch_policy import BatchDraftLength
-from .cache import MTPCache
+from .cache import StreamCache
 from .defaults import DEFAULT_PREFILL_STEP
 from .errors import MTPError
 from .generate import request_from
@@ -30,7 +30,7 @@ from .request import GenerationRequest
 from .sampling import Sampler
 from .scheduler import Job, Scheduler
 from .stats import MTPStats
-from .stream import Logprobs, open_stream
+from .stream import Logprobs, Serving, open_stream
 
 
 _POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -79,7 +79,7 @@ def batch_generate(
     model: MTPModel,
     tokenizer: Any,
     prompts: Sequence[Union[Sequence[int], str]],
-    prompt_caches: Optional[Sequence[Optional[MTPCache]]] = None,
+    prompt_caches: Optional[Sequence[Optional[StreamCache]]] = None,
     max_tokens: Optional[Union[int, Sequence[int]]] = None,
     verbose: bool = False,
     return_prompt_caches: bool = False,
@@ -100,7 +100,7 @@ def batch_generate(
     ``logprobs``; plus each prompt's ``finish_reasons`` and ``mtp_stats``).
     A prompt is token ids (or text, or a ``prompt.Prompt``: tokens with media). ``max_tokens`` is one limit or one per
     prompt (default: 128, as mlx-lm's, or ``request.max_tokens``).
-    ``prompt_caches`` are ``MTPCache`` s (``return_prompt_caches`` gives them)
+    ``prompt_caches`` are ``StreamCache`` s (``return_prompt_caches`` gives them)
     holding what comes before each prompt; they are not changed. What to
     generate is a ``GenerationRequest`` (``request=``) or, as
     ``stream_generate`` takes them, its fields: sampling (``temp=``,
@@ -143,6 +143,9 @@ def batch_generate(
                      return_token_ids, return_logprobs)  # fmt: skip
 
 
+BATCHED = Serving(batched=True)  # the batch's policy chooses the draft length
+
+
 def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[Job]:
     """Each prompt's job and stream, on a copy of its cache (a new one if None)."""
     jobs = []
@@ -151,7 +154,7 @@ def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[J
         tokens = encode_prompt(tokenizer, prompt)
         if not len(tokens):
             raise MTPError(f"prompt {i} is empty")
-        if cache is not None and not isinstance(cache, MTPCache):
+        if cache is not None and not isinstance(cache, StreamCache):
             raise TypeError(
                 "prompt_caches are MTPCaches (return_prompt_caches=True gives them)"
             )
@@ -166,13 +169,13 @@ def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[J
         stream = open_stream(
             model,
             tokens,
-            request=request,
+            request,
             cache=cache.copy() if cache is not None else None,
             stop_tokens=eos,
             max_tokens=limit,
             sampler=sampler,
             seed_offset=i,
-            batched=True,
+            serving=BATCHED,
         )
         stream.stats.prompt_tokens = len(tokens)
         jobs.append(Job(tokens, stream))

@@ -182,7 +182,7 @@ class DraftState:
     def cut(self, keep: int, layer_cache: Callable[..., List[Any]]) -> int:
         """Cut back to a trunk that keeps its first ``keep`` tokens; returns
         the trunk length this state then fits (``keep``, or one less: see
-        ``MTPCache.truncate``). ``layer_cache`` is the drafter's."""
+        ``StreamCache.truncate``). ``layer_cache`` is the drafter's."""
         first, layer0 = self.pending[0], layer_cache(self.caches, 0)
         n0 = cache_length(layer0)
         read = self.start[0] + n0  # the position past layer 0's last
@@ -221,7 +221,7 @@ class DraftState:
 
 @dataclass
 class Snapshot:
-    """Where an ``MTPCache`` stood (``MTPCache.snapshot``): each cache's mark,
+    """Where an ``StreamCache`` stood (``StreamCache.snapshot``): each cache's mark,
     and (unless only the trunk was taken) each drafter's pending and starts."""
 
     marks: List[tuple]
@@ -249,7 +249,7 @@ MTP = "mtp"  # the name of the model's own head among its drafters
 
 
 @dataclass
-class MTPCache:
+class StreamCache:
     """Everything a generation leaves behind, so that a later call can continue.
 
     ``trunk`` is the main model's per-layer caches; ``drafts`` each drafter's
@@ -328,9 +328,9 @@ class MTPCache:
         trunk = sum(getattr(c, "nbytes", 0) for c in self.trunk)
         return trunk + sum(s.nbytes for s in self.drafts.values())
 
-    def copy(self) -> "MTPCache":
+    def copy(self) -> "StreamCache":
         """A copy that can be written to without touching this cache."""
-        return MTPCache(
+        return StreamCache(
             trunk=[copy_layer(c) for c in self.trunk],
             drafts={n: s.copy(copy_layer) for n, s in self.drafts.items()},
         )
@@ -394,7 +394,12 @@ class MTPCache:
                 state.start = list(saved.start)
 
 
-def truncatable(cache: MTPCache) -> bool:
+
+# the name it had: what ``make_cache`` returned before it held every drafter's
+# state, kept for code written against it
+MTPCache = StreamCache
+
+def truncatable(cache: StreamCache) -> bool:
     """Plain attention caches can be cut anywhere; recurrent states, and
     bounded caches past their bound, cannot."""
     return all(
@@ -403,9 +408,9 @@ def truncatable(cache: MTPCache) -> bool:
     )
 
 
-def truncate(model, cache: MTPCache, keep: int) -> int:
+def truncate(model, cache: StreamCache, keep: int) -> int:
     """Cut ``cache`` back so the trunk holds at most its first ``keep`` tokens.
 
-    See ``MTPCache.truncate``; returns how many tokens the trunk still holds.
+    See ``StreamCache.truncate``; returns how many tokens the trunk still holds.
     """
     return cache.truncate(keep, model.drafters)

@@ -18,7 +18,7 @@ started (after the cut to the new prompt's common prefix).
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
-from .cache import MTPCache, Snapshot, truncatable, truncate
+from .cache import StreamCache, Snapshot, truncatable, truncate
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
 from .loader import MTPModel
@@ -76,12 +76,12 @@ class ChatSession:
         self.messages: List[Dict[str, str]] = []
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-        self.cache: MTPCache = self.model.make_cache()
+        self.cache: StreamCache = self.model.make_cache()
         self.cached_tokens: List[int] = []  # exactly what the trunk has read
         self._open: Optional[_Saved] = None
         self.opening = ""  # text the next user message starts with (``resume``)
 
-    def resume(self, cache: MTPCache, tokens: List[int], opening: str) -> None:
+    def resume(self, cache: StreamCache, tokens: List[int], opening: str) -> None:
         """Start from ``cache``, which has read ``tokens``: the templated
         start of a first user message that begins with ``opening`` (a prompt
         cache file). The first message sent continues ``opening``."""

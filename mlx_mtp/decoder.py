@@ -43,7 +43,7 @@ from .batch_policy import BatchDraftLength
 from .cache import Snapshot
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
-from .kv import KVSettings, QuantizingKVCache, quantizes_later, room
+from .kv import KVSettings, QuantizingKVCache, quantizes_later, width_limit
 from .prompt import Piece, Prompt, as_prompt
 from .stream import Stream
 
@@ -397,8 +397,8 @@ class Decoder(DraftView):
     def width(self, s: Stream) -> int:
         """The most tokens stream ``s``'s next forward may read: its remaining
         tokens, and no more than its own caches take in one form and can take
-        back (``kv.room``: a cache about to turn quantized, a bounded one)."""
-        limit = room(s.cache.trunk)
+        back (``kv.width_limit``: a cache about to turn quantized, a bounded one)."""
+        limit = width_limit(s.cache.trunk)
         return s.remaining if limit is None else min(s.remaining, limit)
 
     def _plan(self, s: Stream, cap: int, k: int):

@@ -55,10 +55,8 @@ from .config import default_draft_max
 from .defaults import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_SOURCE,
-    DRAFT_SOURCES,
-    MAX_DRAFT_MAX,
 )
-from .drafters import kinds
+from .draft_settings import check_draft_max, check_source_name
 from .errors import MTPError
 from .ngram import Lookup, LookupMemory, MemoryLookup, PredictionLookup, PromptLookup
 from .timing import drafting
@@ -515,27 +513,6 @@ class PhasedDrafts:
         self.costs = costs
         for source in self.sources.values():
             source.recost(costs)
-
-
-def source_names() -> List[str]:
-    """Every draft source name: ``DRAFT_SOURCES``, then each drafter kind's
-    (``mlx_mtp.drafters``: that drafter alone, where one is attached)."""
-    return list(DRAFT_SOURCES) + sorted(set(kinds().values()))
-
-
-def check_source_name(name: str) -> str:
-    """``name`` if it names a draft source, else a one-line ``MTPError``."""
-    if name not in source_names():
-        raise MTPError(
-            f"draft source must be one of {', '.join(source_names())}, not {name!r}"
-        )
-    return name
-
-
-def check_draft_max(draft_max: Optional[int]) -> Optional[int]:
-    if draft_max is not None and not 0 <= draft_max <= MAX_DRAFT_MAX:
-        raise MTPError(f"draft_max must be 0 to {MAX_DRAFT_MAX}, not {draft_max}")
-    return draft_max
 
 
 def assumed_costs(model, drafter=None) -> Costs:

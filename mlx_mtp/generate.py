@@ -11,7 +11,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from . import remembered
-from .cache import MTPCache
+from .cache import StreamCache
 from .config import no_drafts_reason
 from .defaults import (
     DEFAULT_DRAFT_P_MIN,
@@ -78,7 +78,7 @@ def stream_generate(
     request: Optional[GenerationRequest] = None,
     sampler: Optional[Sampler] = None,
     verifier: Optional[Any] = None,
-    prompt_cache: Optional[MTPCache] = None,
+    prompt_cache: Optional[StreamCache] = None,
     cached_tokens: Sequence[int] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prefill_progress: Optional[Callable[[int, int], None]] = None,

@@ -7,7 +7,7 @@ attention cache (mlx-lm's ``KVCache``: the trunk's layers, the MTP head's and
 any drafter's) for the policy's own. Recurrent layers keep their states (a
 hybrid quantizes its attention layers only). The round never asks which kind
 it holds: both kinds roll back with ``trim`` like any attention cache, and
-say how many tokens one forward may write (``room``), which caps a round.
+say how many tokens one forward may write (``width_limit``), which caps a round.
 
 - ``QuantizingKVCache``: mlx-lm's ``KVCache`` until it holds ``start``
   tokens, then its ``QuantizedKVCache`` (keys and values in groups of
@@ -18,7 +18,7 @@ say how many tokens one forward may write (``room``), which caps a round.
   keys, as in mlx-lm's ``generate`` (where the first call is in full
   precision even with ``start`` 0). Each position is quantized on its own,
   so a verify over ``k + 1`` tokens writes what ``k + 1`` single steps
-  write; ``room`` keeps a verify from straddling ``start``.
+  write; ``width_limit`` keeps a verify from straddling ``start``.
 - ``RollingKVCache``: at most ``max_size`` tokens seen by each query (the
   first ``keep`` and the last ``max_size - keep``, as mlx-lm's
   ``RotatingKVCache``), holding ``slack`` more so that a round's rejected
@@ -43,7 +43,7 @@ KV_GROUP_SIZES = (32, 64, 128)
 ROLLING_KEEP = 4
 # positions a bounded cache holds past its window: the widest forward that
 # decoding may write and take back (a verify of the most drafts, or a lookup
-# proposal, capped to it by ``room``)
+# proposal, capped to it by ``width_limit``)
 ROLLING_SLACK = 2 * MAX_DRAFT_MAX
 
 
@@ -93,7 +93,7 @@ class QuantizingKVCache(KVCache):
             return QuantizedKVCache.keys_and_values(self)
         return KVCache.keys_and_values(self)
 
-    def room(self) -> Optional[int]:
+    def width_limit(self) -> Optional[int]:
         """Tokens the next forward may write before the form changes (None: any)."""
         if self.quantized or self.offset >= self.turn:
             return None
@@ -202,7 +202,7 @@ class RollingKVCache(KVCache):
     def size(self) -> int:
         return min(self.offset, self.max_size)
 
-    def room(self) -> Optional[int]:
+    def width_limit(self) -> Optional[int]:
         return self.slack
 
     def trim(self, n: int) -> int:
@@ -344,7 +344,7 @@ class KVSettings:
         return new
 
     def apply(self, cache) -> None:
-        """Every plain attention cache of ``cache`` (an ``MTPCache``: the
+        """Every plain attention cache of ``cache`` (an ``StreamCache``: the
         trunk's and each drafter's) follows this policy. A cache that follows
         another policy already is an error."""
         if not self.active:
@@ -431,10 +431,10 @@ def describe_layer(c: Any) -> str:
     return "full-precision keys and values"
 
 
-def room(caches: List[Any]) -> Optional[int]:
+def width_limit(caches: List[Any]) -> Optional[int]:
     """The most tokens one forward may write to ``caches`` and stay exact and
     able to roll back (None: any)."""
-    rooms = [r for c in caches if (r := getattr(c, "room", lambda: None)())]
+    rooms = [r for c in caches if (r := getattr(c, "width_limit", lambda: None)())]
     return min(rooms, default=None)
 
 

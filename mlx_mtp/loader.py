@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import MTPCache, can_rollback
+from .cache import StreamCache, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .drafter import Drafter
 from .drafters import load_drafter
@@ -89,16 +89,16 @@ class MTPModel:
         """The trunk's logits over ``inputs`` (``[B, L]``), as mlx-lm's model
         gives them, so that mlx-lm's ``generate``, ``stream_generate`` and
         ``batch_generate`` run on this model (without drafts). ``cache`` is
-        an ``MTPCache`` or mlx-lm's list of the trunk's caches."""
-        if isinstance(cache, MTPCache):
+        an ``StreamCache`` or mlx-lm's list of the trunk's caches."""
+        if isinstance(cache, StreamCache):
             cache = cache.trunk
         logits, _ = self.target(inputs, cache, **kwargs)
         return logits
 
-    def make_cache(self) -> MTPCache:
+    def make_cache(self) -> StreamCache:
         """A fresh cache; it is also the list of the trunk's caches that
-        mlx-lm's ``make_prompt_cache`` expects (see ``MTPCache``)."""
-        return MTPCache(
+        mlx-lm's ``make_prompt_cache`` expects (see ``StreamCache``)."""
+        return StreamCache(
             trunk=self.target.make_cache(),
             drafts={d.name: d.make_state() for d in self.drafters},
         )

@@ -44,7 +44,7 @@ from . import config
 from .adaptive import Costs, prior_costs
 from .decoder import Decoder
 from .sampling import ExactMatchVerifier
-from .stream import open_stream
+from .stream import start_stream
 from .timing import covers, drafting, entry_key, stored_or_timed, time_parts
 
 CONTEXT = 48  # tokens of warm cache the parts are timed after
@@ -102,7 +102,7 @@ def measure(model) -> Optional[Dict[str, Any]]:
     tic = time.perf_counter()
     vocab = model.target.embed_tokens.weight.shape[0]
     context = [(7 * i + 3) % min(vocab, 256) for i in range(CONTEXT)]
-    stream = open_stream(model, context, verifier=ExactMatchVerifier(), max_tokens=2)
+    stream = start_stream(model, context, ExactMatchVerifier(), None, max_tokens=2)
     view = Decoder(model, merge=False)
     view.add([stream])
     view.read_chunk([context], [0], CONTEXT)  # all but the last: y

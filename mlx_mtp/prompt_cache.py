@@ -1,11 +1,11 @@
 """Prompt caches kept across requests, bounded by entries and bytes (LRU):
 the server's prefix cache.
 
-An entry is an ``MTPCache`` with the tokens its trunk has read. A new prompt
+An entry is an ``StreamCache`` with the tokens its trunk has read. A new prompt
 takes the entry that saves it the most tokens:
 
 - caches that can be cut anywhere (attention only): the one with the longest
-  common prefix, cut back with ``MTPCache.truncate``;
+  common prefix, cut back with ``StreamCache.truncate``;
 - caches with recurrent state (gated delta net), which cannot be cut: only
   an entry whose tokens are a prefix of the prompt. So the engine keeps such
   a stream's state at the end of its prompt (a turn boundary: the next turn
@@ -28,7 +28,7 @@ bound and the process.
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from .cache import MTPCache
+from .cache import StreamCache
 from .cache import truncatable, truncate
 from .prompt import as_prompt, common_prefix
 
@@ -36,7 +36,7 @@ from .prompt import as_prompt, common_prefix
 @dataclass
 class Entry:
     keys: List[int]  # the prompt's keys its trunk has read (``Prompt.keys``)
-    cache: MTPCache
+    cache: StreamCache
     nbytes: int
 
 
@@ -63,7 +63,7 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def fetch(self, model, prompt) -> Tuple[MTPCache, int]:
+    def fetch(self, model, prompt) -> Tuple[StreamCache, int]:
         """A cache for ``prompt`` (a ``Prompt``, or token ids) and how many of
         its positions it holds already.
 
@@ -108,7 +108,7 @@ class PromptCache:
             keep = truncate(model, cache, keep)
         return cache, keep
 
-    def insert(self, prompt, cache: MTPCache) -> None:
+    def insert(self, prompt, cache: StreamCache) -> None:
         """Keep ``cache``, which has read ``prompt`` (a ``Prompt``, or token
         ids); older entries it covers go."""
         prompt = as_prompt(prompt)

@@ -1,4 +1,4 @@
-"""Prompt caches on disk: an ``MTPCache`` and the tokens it has read, in
+"""Prompt caches on disk: an ``StreamCache`` and the tokens it has read, in
 mlx-lm's prompt-cache file format.
 
 The file is what mlx-lm's ``save_prompt_cache`` writes (one safetensors file:
@@ -47,7 +47,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from .cache import MTPCache, Pending, truncatable
+from .cache import StreamCache, Pending, truncatable
 from .config import cached_identity
 from .defaults import DEFAULT_PREFILL_STEP
 from .errors import MTPError, first_line
@@ -84,7 +84,7 @@ class PromptFile:
     read, and how they were made (``prompt``: the text, ``system``, whether
     the chat template opened a user message with it, the cache policy)."""
 
-    cache: MTPCache
+    cache: StreamCache
     tokens: List[int]
     prompt: str = ""
     system: Optional[str] = None
@@ -148,7 +148,7 @@ def _as_mlx_lm(c: Any) -> Any:
     """``c`` as the mlx-lm cache of the same content (what the file holds).
     A cache that turns quantized at its next write is written quantized (the
     same values that write would make)."""
-    if isinstance(c, QuantizingKVCache) and not c.quantized and c.room() is None:
+    if isinstance(c, QuantizingKVCache) and not c.quantized and c.width_limit() is None:
         c = c.copy()
         c.quantize()
     if isinstance(c, QuantizingKVCache) and c.quantized:
@@ -180,7 +180,7 @@ def _as_mlx_lm(c: Any) -> Any:
     raise MTPError(f"cannot save a cache of kind {type(c).__name__}")
 
 
-def _entries(model, cache: MTPCache) -> Tuple[List[Any], Dict[str, Any]]:
+def _entries(model, cache: StreamCache) -> Tuple[List[Any], Dict[str, Any]]:
     """The file's caches (mlx-lm's classes) and the layout that reads them back."""
     entries = [_as_mlx_lm(c) for c in cache.trunk]
     drafters = []
@@ -213,7 +213,7 @@ def _is_prompt_cache(path: Path) -> bool:
 
 def prepare(
     model,
-    cache: MTPCache,
+    cache: StreamCache,
     tokens,
     *,
     prompt: str = "",
@@ -262,7 +262,7 @@ def write(path: Union[str, Path], entries: List[Any], metadata: Dict[str, str]):
     write_atomic(path, whole)
 
 
-def save(path: Union[str, Path], model, cache: MTPCache, tokens: List[int], **info):
+def save(path: Union[str, Path], model, cache: StreamCache, tokens: List[int], **info):
     """Write ``cache`` (which has read ``tokens``) to ``path``, atomically;
     ``info``: ``prepare``'s ``prompt``, ``system``, ``chat_template``, ``kv``."""
     write(path, *prepare(model, cache, tokens, **info))
@@ -607,7 +607,7 @@ def cache_prompt(
 
 def continue_from(
     cached: PromptFile, model, tokenizer, text: str, system: Optional[str] = None
-) -> Tuple[List[int], List[int], MTPCache]:
+) -> Tuple[List[int], List[int], StreamCache]:
     """The prompt of ``cached.prompt`` followed by ``text`` (one user message
     through the chat template when the file was made with it), as
     ``(tokens still to read, tokens the cache holds, the cache)``: the cache

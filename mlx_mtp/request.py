@@ -10,17 +10,12 @@ field here and the code that reads it.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 from .config import default_draft_max
-from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_TOKENS
-from .drafts import (
-    DraftSource,
-    PhasedDrafts,
-    check_draft_max,
-    check_source_name,
-    make_source,
-)
+from .defaults import DEFAULT_MAX_TOKENS
+from .draft_settings import DraftSettings
+from .drafts import DraftSource, PhasedDrafts, make_source
 from .errors import MTPError
 from .kv import KVSettings
 from .probe import machine_costs
@@ -29,52 +24,29 @@ from .sampling_params import vocab_size
 from .thinking import Thinking
 
 
-@dataclass
-class DraftSettings:
-    """Where drafts come from and how many a round may take.
+def head_drafts(drafts: DraftSettings, model) -> int:
+    """The most drafts a round of a request with ``drafts`` may take from
+    ``model``'s MTP head (its recommended count unless ``draft_max``)."""
+    if not drafts.mtp or not model.drafters:
+        return 0
+    return default_draft_max(model) if drafts.draft_max is None else drafts.draft_max
 
-    ``source``: "mtp", "ngram" or "auto" (``drafts.make_source``);
-    ``draft_max``: the most head drafts per round (None: the head's
-    recommended count); ``adaptive``: as many as pay for themselves, else
-    always ``draft_max``; ``mtp`` False: no drafts at all.
-    """
 
-    source: str = DEFAULT_DRAFT_SOURCE
-    draft_max: Optional[int] = None
-    p_min: float = DEFAULT_DRAFT_P_MIN
-    adaptive: bool = True
-    mtp: bool = True
-    # tokens the answer is expected to be (OpenAI's Predicted Outputs): looked up
-    prediction: Tuple[int, ...] = ()
-
-    def validate(self) -> None:
-        check_source_name(self.source)
-        check_draft_max(self.draft_max)
-        if not 0.0 <= self.p_min <= 1.0:
-            raise MTPError(f"draft_p_min must lie in [0, 1], not {self.p_min}")
-
-    def head_drafts(self, model) -> int:
-        """The most drafts a round of this request may take from ``model``'s
-        MTP head (its recommended count unless ``draft_max``)."""
-        if not self.mtp or not model.drafters:
-            return 0
-        draft_max = self.draft_max
-        return default_draft_max(model) if draft_max is None else draft_max
-
-    def make(
-        self, model, batched: bool = False, memory=None, history=None
-    ) -> DraftSource:
-        """This request's draft source on ``model`` (``batched``: a served
-        stream, whose draft length the batch chooses; ``memory``: a server's
-        ``ngram.LookupMemory`` of earlier requests, ``history`` its
-        ``adaptive.AcceptanceHistory``). Without ``draft_max`` each drafter
-        drafts at most its own bound (``make_source``)."""
-        if not self.mtp:
-            return make_source(model, "mtp", 0)
-        return make_source(
-            model, self.source, self.draft_max, self.adaptive, batched,
-            self.prediction, memory, history, machine_costs,
-        )  # fmt: skip
+def draft_source(
+    drafts: DraftSettings, model, batched: bool = False, memory=None, history=None
+) -> DraftSource:
+    """The draft source of ``drafts`` on ``model`` (``batched``: a served
+    stream, whose draft length the batch chooses; ``memory``: a server's
+    ``ngram.LookupMemory`` of earlier requests, ``history`` its
+    ``adaptive.AcceptanceHistory``), costed by this machine's measured costs
+    (``probe.machine_costs``). Without ``draft_max`` each drafter drafts at
+    most its own bound (``make_source``)."""
+    if not drafts.mtp:
+        return make_source(model, "mtp", 0)
+    return make_source(
+        model, drafts.source, drafts.draft_max, drafts.adaptive, batched,
+        drafts.prediction, memory, history, machine_costs,
+    )  # fmt: skip
 
 
 @dataclass
@@ -113,9 +85,9 @@ class GenerationRequest:
         """This request's draft source (``DraftSettings.make``), one per phase
         where the model thinks (``drafts.PhasedDrafts``)."""
         if self.thinking is None:
-            return self.drafts.make(model, batched, memory, history)
+            return draft_source(self.drafts, model, batched, memory, history)
         return PhasedDrafts(
-            lambda: self.drafts.make(model, batched, memory, history),
+            lambda: draft_source(self.drafts, model, batched, memory, history),
             self.thinking.phases(),
         )
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import MTPCache, start_verify
+from .cache import StreamCache, start_verify
 from .drafter import DraftView
 from .sampling import Draft, logprobs
 from .stats import MTPStats
@@ -37,7 +37,7 @@ def reads_along(drafter, source) -> bool:
     return source is None or drafter.name in source.drafters
 
 
-def follow(model, cache: MTPCache, source) -> None:
+def follow(model, cache: StreamCache, source) -> None:
     """Before a generation: each drafter it reads along with that did not
     follow the trunk (a generation before took none of its drafts) starts
     afresh where the trunk stands."""

@@ -72,7 +72,7 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.reading or self.jobs)
 
-    def room(self) -> int:
+    def free_slots(self) -> int:
         return self.max_batch - len(self.reading) - len(self.jobs)
 
     def reset(self, policy: Optional[BatchDraftLength] = None) -> None:
@@ -85,7 +85,7 @@ class Scheduler:
         # streams whose prompts are being read; of those, the ones whose
         # caches turn quantized later (``kv``)
         self.reader = Decoder(self.model, kv=self.kv)
-        self.fresh = Decoder(self.model, convert=False, kv=self.kv)
+        self.full_reader = Decoder(self.model, convert=False, kv=self.kv)
 
     # -- hooks --------------------------------------------------------------
 
@@ -100,13 +100,13 @@ class Scheduler:
 
     def admit(self) -> None:
         """Waiting jobs start while the batch has room."""
-        while self.waiting and self.room() > 0 and len(self.reading) < self.max_reading:
+        while self.waiting and self.free_slots() > 0 and len(self.reading) < self.max_reading:
             job = self.waiting.popleft()
             self.prepare(job)
             if job.read < len(job.prompt) - 1:
                 reader = self.reader
                 if self.batched and quantizes_later(job.stream.cache.trunk):
-                    reader = self.fresh
+                    reader = self.full_reader
                 reader.add([job.stream])
                 self.reading[id(job.stream)] = job
             else:  # nothing to read but its last token
@@ -114,7 +114,7 @@ class Scheduler:
 
     def readers(self) -> List[Decoder]:
         """The readers holding prompts: those of full-precision caches first."""
-        return [r for r in (self.fresh, self.reader) if r.streams]
+        return [r for r in (self.full_reader, self.reader) if r.streams]
 
     def read(self) -> Tuple[List[int], float]:
         """Every prompt being read takes its next chunk, in one forward (two

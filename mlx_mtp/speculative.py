@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import MTPCache
+from .cache import StreamCache
 from .decoder import Decoder
 from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import NoDrafts, as_source
@@ -23,7 +23,7 @@ from .kv import KVSettings
 from .prompt import as_prompt
 from .sampling import ExactMatchVerifier
 from .stats import MTPStats
-from .stream import Stream, open_stream
+from .stream import Stream, start_stream
 
 
 def read_prompt(
@@ -45,7 +45,7 @@ def read_prompt(
 
 def prefill(
     model,
-    cache: MTPCache,
+    cache: StreamCache,
     prompt,
     step: int = DEFAULT_PREFILL_STEP,
     use_mtp: bool = True,
@@ -55,7 +55,7 @@ def prefill(
     chunks of ``step`` and, with ``use_mtp``, every drafter over the
     features it makes."""
     source = None if use_mtp else NoDrafts()
-    stream = open_stream(model, prompt, cache=cache, source=source, max_tokens=0)
+    stream = start_stream(model, prompt, None, source, cache=cache)
     decoder = Decoder(model, merge=False)
     decoder.add([stream])
     read_prompt(decoder, stream, 0, step, progress)
@@ -71,7 +71,7 @@ def speculative_generate_step(
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     verifier: Optional[Any] = None,
     stop_tokens: Sequence[int] = (),
-    prompt_cache: Optional[MTPCache] = None,
+    prompt_cache: Optional[StreamCache] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     stats: Optional[MTPStats] = None,
     cached_tokens: Sequence[int] = (),
@@ -98,15 +98,15 @@ def speculative_generate_step(
     prompt = as_prompt(prompt)
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    stream = open_stream(
+    stream = start_stream(
         model,
         prompt,
+        verifier or ExactMatchVerifier(),
+        as_source(drafts),
         cache=prompt_cache,
         cached_tokens=cached_tokens,
         stop_tokens=stop_tokens,
         max_tokens=max_tokens,
-        verifier=verifier or ExactMatchVerifier(),
-        source=as_source(drafts),
         stats=stats,
         logprobs=logprobs,
         kv=kv,

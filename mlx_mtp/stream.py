@@ -1,10 +1,11 @@
 """A stream: one generation as the decoding loop runs it, built in one place.
 
-``open_stream`` turns a ``GenerationRequest`` (or, for the low-level
-``speculative_generate_step``, a verifier and a draft source) and a prompt
-into a ``Stream``: its caches, its verifier, its draft source, its limits
-and stop tokens. The single-stream API, ``batch_generate``, the server's
-engine and ``tune`` all start their streams here.
+``open_stream`` turns a ``GenerationRequest`` and a prompt into a
+``Stream``: its caches, its verifier, its draft source, its limits and
+stop tokens; ``start_stream`` builds one from a verifier and a draft source
+(the low-level ``speculative_generate_step``, the timings). The
+single-stream API, ``batch_generate``, the server's engine and ``tune``
+all start their streams here.
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 
-from .cache import MTPCache
+from .cache import StreamCache
 from .kv import KVSettings
 from .prompt import Prompt, Segment, as_prompt
 from .stats import MTPStats
@@ -58,7 +59,7 @@ class Stream:
     """
 
     history: List[int]
-    cache: MTPCache
+    cache: StreamCache
     verifier: Any
     max_tokens: int
     stop_tokens: Set[int] = field(default_factory=set)
@@ -86,57 +87,80 @@ class Stream:
         return self.prompt.keys()[:n]
 
 
+@dataclass
+class Serving:
+    """Where a request's stream is served: ``batched``, its draft length is
+    the batch's; ``memory``, a server's lookup memory of earlier requests
+    (``ngram.LookupMemory``), which its draft source consults; ``history``,
+    what the drafters' drafts were worth there
+    (``adaptive.AcceptanceHistory``), where its acceptance starts."""
+
+    batched: bool = False
+    memory: Any = None
+    history: Any = None
+
+
+ALONE = Serving()
+
+
 def open_stream(
     model,
     prompt,
+    request,
     *,
-    request=None,
-    cache: Optional[MTPCache] = None,
-    cached_tokens: Sequence[int] = (),
+    cache: Optional[StreamCache] = None,
     stop_tokens: Sequence[int] = (),
     max_tokens: Optional[int] = None,
-    verifier=None,
     sampler=None,
-    source=None,
-    stats: Optional[MTPStats] = None,
-    logprobs=None,
     seed_offset: int = 0,
-    batched: bool = False,
-    memory=None,
-    history=None,
+    serving: Serving = ALONE,
     kv: Optional[KVSettings] = None,
 ) -> Stream:
-    """The stream that generates after ``prompt`` on ``model``.
+    """The stream of ``request`` (a ``GenerationRequest``) after ``prompt``
+    on ``model``: its verifier from its sampling and constraints (or from
+    ``sampler``), its draft source as ``serving`` serves it, its limit
+    unless ``max_tokens``, its log-probabilities, its caches' policy unless
+    ``kv`` (a server's). ``seed_offset`` gives a seeded request's streams
+    seeds of their own (prompt ``i`` of a batch). ``cache`` holds what comes
+    before ``prompt`` (None: a new cache)."""
+    sampling = request.sampling
+    if seed_offset and sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=sampling.seed + seed_offset)
+        request = dataclasses.replace(request, sampling=sampling)
+    return start_stream(
+        model,
+        prompt,
+        request.verifier(sampler),
+        request.source(model, serving.batched, serving.memory, serving.history),
+        cache=cache,
+        stop_tokens=stop_tokens,
+        max_tokens=request.max_tokens if max_tokens is None else max_tokens,
+        logprobs=None if request.logprobs is None else Logprobs(request.logprobs),
+        kv=kv or request.kv,
+    )
 
-    What to generate comes from ``request`` (a ``GenerationRequest``: its
-    verifier from its sampling and constraints, or from ``sampler``; its
-    draft source, chosen per stream or, ``batched``, with the batch's draft
-    length; its limit unless ``max_tokens``; its log-probabilities), or, where
-    there is none, from ``verifier`` and ``source`` as given. ``cache`` holds
-    ``cached_tokens`` already (None: a new cache). ``seed_offset`` gives a
-    seeded request's streams seeds of their own (prompt ``i`` of a batch).
-    ``prompt`` is the tokens not yet in the cache. ``memory``: a server's
-    lookup memory of earlier requests (``ngram.LookupMemory``), which the
-    request's draft source consults, and ``history`` what its drafters'
-    drafts were worth there (``adaptive.AcceptanceHistory``), where the
-    source's acceptance starts. The caches follow ``kv`` (else the
-    request's): the one place a cache policy (quantized, bounded) enters a
-    stream. ``prompt`` and ``cached_tokens`` are token ids or
-    ``prompt.Prompt`` s (tokens with media).
-    """
-    if request is not None:
-        sampling = request.sampling
-        if seed_offset and sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + seed_offset)
-            request = dataclasses.replace(request, sampling=sampling)
-        verifier = verifier or request.verifier(sampler)
-        if source is None:
-            source = request.source(model, batched, memory, history)
-        if max_tokens is None:
-            max_tokens = request.max_tokens
-        if logprobs is None and request.logprobs is not None:
-            logprobs = Logprobs(request.logprobs)
-        kv = kv or request.kv
+
+def start_stream(
+    model,
+    prompt,
+    verifier,
+    source,
+    *,
+    cache: Optional[StreamCache] = None,
+    cached_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] = (),
+    max_tokens: int = 0,
+    stats: Optional[MTPStats] = None,
+    logprobs: Optional[Logprobs] = None,
+    kv: Optional[KVSettings] = None,
+) -> Stream:
+    """The stream that generates after ``prompt`` on ``model`` with
+    ``verifier`` and the draft source ``source`` (None: every drafter's
+    drafts): the one place a ``Stream`` is built. ``cache`` holds
+    ``cached_tokens`` already (None: a new cache); ``prompt`` is what it
+    does not hold. The caches follow ``kv``: the one place a cache policy
+    (quantized, bounded) enters a stream. ``prompt`` and ``cached_tokens``
+    are token ids or ``prompt.Prompt`` s (tokens with media)."""
     cache = cache if cache is not None else model.make_cache()
     if kv is not None:
         kv.apply(cache)

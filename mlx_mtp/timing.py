@@ -122,6 +122,43 @@ def drafting(costs: Costs, drafter, draft, replace: bool = False) -> Costs:
     return Costs(costs.verify, [drafter.prior_cost(k) for k in range(1, DEPTHS + 1)])
 
 
+class PartTimer:
+    """The one timer of a round's parts (``time_parts`` here, ``tune``'s
+    thorough ``CostTimer``): each named part runs from one point (``reset``,
+    untimed, before each run), the parts interleaved in an order that
+    rotates with the repetition (drift on a busy machine hits all alike);
+    wall and CPU seconds kept, medians read."""
+
+    def __init__(self, jobs: Dict[Any, Callable[[], Any]], reset: Callable[[Any], None]):
+        self.jobs, self.reset = jobs, reset
+        self.times: Dict[Any, List[tuple]] = {key: [] for key in jobs}
+
+    def warm(self, keys=None) -> None:
+        """Run ``keys`` (all) once, untimed: the kernels of each shape."""
+        for key in self.jobs if keys is None else keys:
+            self.reset(key)
+            self.jobs[key]()
+
+    def run(self, rep: int = 0) -> None:
+        """Every part once, timed, in the order of repetition ``rep``."""
+        keys = list(self.jobs)
+        shift = rep % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            self.reset(key)
+            cpu, wall = time.process_time(), time.perf_counter()
+            self.jobs[key]()
+            self.times[key].append(
+                (time.perf_counter() - wall, time.process_time() - cpu)
+            )
+
+    def medians(self, cpu: bool = False) -> Dict[Any, float]:
+        """Each part's median seconds (``cpu``: of this process's CPU time, a
+        measure of work that other jobs on a shared CPU do not stretch)."""
+        return {
+            key: statistics.median(t[cpu] for t in ts) for key, ts in self.times.items()
+        }
+
+
 def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
     """The parts of a round (see the module's docstring) timed on ``stream``
     as it stands in ``view`` (its last token not yet read by the trunk), in
@@ -161,22 +198,14 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
     for d in model.drafters:
         for k in (1,) if d.flat_cost else (1, 2):
             jobs[d.name, k] = draft(d, k)
-    times: Dict[Any, List[float]] = {key: [] for key in jobs}
-    keys = list(jobs)
+    timer = PartTimer(jobs, lambda key: cache.restore(snapshot))
     try:
-        for key in keys[1:]:  # warm up: the kernels of each shape, untimed
-            cache.restore(snapshot)
-            jobs[key]()
+        timer.warm(list(jobs)[1:])
         for rep in range(REPEATS):
-            shift = rep % len(keys)
-            for key in keys[shift:] + keys[:shift]:
-                cache.restore(snapshot)
-                start = time.perf_counter()
-                jobs[key]()
-                times[key].append(time.perf_counter() - start)
+            timer.run(rep)
     finally:
         cache.restore(snapshot)
-    med = {key: statistics.median(t) for key, t in times.items()}
+    med = timer.medians()
     step = med["plain", 0] / 2
     v2 = max(med["verify", 0] / step, 1.0)
     drafts = {}

@@ -43,7 +43,8 @@ from .prompts import encoded_prompts, load_prompts
 from .sampling import make_verifier
 from .speculative import read_prompt, speculative_generate_step
 from .stats import MTPStats
-from .stream import open_stream
+from .stream import start_stream
+from .timing import PartTimer
 
 PLAIN_STEPS = 8  # plain steps per timing of the plain step
 # Candidate draft vocabularies for a head that has none: the most frequent
@@ -74,11 +75,11 @@ class _State:
             ModelDrafts(FixedDraft(0, draft_max=max(k_max, d.max_drafts)), d.name)
             for d in model.drafters
         ]
-        self.stream = open_stream(
+        self.stream = start_stream(
             model,
             context[:-1],
-            verifier=make_verifier(),  # greedy
-            source=reading[0] if len(reading) == 1 else AutoDrafts(reading, None),
+            make_verifier(),  # greedy
+            reading[0] if len(reading) == 1 else AutoDrafts(reading, None),
             max_tokens=1 << 30,
         )
         self.decoder = Decoder(model, merge=False)
@@ -162,7 +163,9 @@ def _plain_steps(state: _State, n: int) -> None:
 
 
 class CostTimer:
-    """Times the parts of a round from one warm cache position.
+    """The parts of a round timed from one warm cache position
+    (``timing.PartTimer``): plain steps, verifies over 1..k+1 tokens, each
+    drafter's proposals, whole rounds.
 
     ``run_once`` times every part once, in an order that rotates with ``rep``;
     ``costs`` returns the medians in plain steps (``Costs.from_dict`` reads it).
@@ -171,48 +174,37 @@ class CostTimer:
 
     def __init__(self, model: MTPModel, context: List[int], k_max: int, progress=None):
         self.state = state = _warm_state(model, context, k_max, progress)
-        plain = ModelDrafts(FixedDraft(0))
-        self.jobs = [("plain", 0, plain, lambda: _plain_steps(state, PLAIN_STEPS))]
-        self.jobs += [
-            ("verify", t, None, lambda t=t: _verify(state, t))
-            for t in range(1, k_max + 2)
-        ]
-        self.jobs += [
-            ("draft", k, None, lambda k=k: _draft(state, k))
-            for k in range(1, k_max + 1)
-        ]
-        self.jobs += [
-            ("round", k, _round_source(state, k), lambda: _round(state))
-            for k in range(1, k_max + 1)
-        ]
+        jobs = {("plain", 0): lambda: _plain_steps(state, PLAIN_STEPS)}
+        sources = {("plain", 0): ModelDrafts(FixedDraft(0))}
+        for t in range(1, k_max + 2):
+            jobs["verify", t] = lambda t=t: _verify(state, t)
+        for k in range(1, k_max + 1):
+            jobs["draft", k] = lambda k=k: _draft(state, k)
+        for k in range(1, k_max + 1):
+            jobs["round", k] = lambda: _round(state)
+            sources["round", k] = _round_source(state, k)
         # every other drafter's proposals, up to its own bound (a block drafter
         # drafts a whole block for about the cost of one draft)
         self.others = {d.name: d.max_drafts for d in model.drafters[1:]}
-        self.jobs += [
-            (f"draft:{d.name}", k, None, lambda k=k, d=d: _draft(state, k, d))
-            for d in model.drafters[1:]
-            for k in range(1, d.max_drafts + 1)
-        ]
+        for d in model.drafters[1:]:
+            for k in range(1, d.max_drafts + 1):
+                jobs[f"draft:{d.name}", k] = lambda k=k, d=d: _draft(state, k, d)
         self.k_max = k_max
-        self.times: Dict[tuple, List[tuple]] = {(n, i): [] for n, i, _, _ in self.jobs}
-        for _, _, source, fn in self.jobs:  # warm up
-            state.restore(source)
-            fn()
+        self.timer = PartTimer(jobs, lambda key: state.restore(sources.get(key)))
+        self.timer.warm()
 
     def run_once(self, rep: int = 0) -> None:
-        shift = rep % len(self.jobs)
-        for name, i, source, fn in self.jobs[shift:] + self.jobs[:shift]:
-            self.state.restore(source)  # (not timed)
-            cpu = time.process_time()
-            wall = _time(fn)
-            self.times[name, i].append((wall, time.process_time() - cpu))
+        self.timer.run(rep)
+
+    @property
+    def times(self) -> Dict[tuple, List[tuple]]:
+        """Each part's ``(wall, cpu)`` seconds, run by run."""
+        return self.timer.times
 
     def costs(self, cpu: bool = False) -> Dict[str, Any]:
         """Medians in plain steps; ``cpu``: of this process's CPU time (a
         measure of work that other jobs on a shared CPU do not stretch)."""
-        med = {
-            key: statistics.median(t[cpu] for t in ts) for key, ts in self.times.items()
-        }
+        med = self.timer.medians(cpu)
         step = med["plain", 0] / PLAIN_STEPS
         k_max = self.k_max
         return {

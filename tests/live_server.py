@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 import uvicorn
 
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig, create_app
 
 
@@ -87,7 +88,7 @@ def module_fixtures(name: str, **config):
 
     @pytest.fixture(scope="module")
     def server(loaded):
-        live = LiveServer(*loaded, name, ServeConfig(adaptive_draft=False, **config))
+        live = LiveServer(*loaded, name, ServeConfig(**config, drafts=DraftSettings(adaptive=False)))
         yield live
         live.close()
 

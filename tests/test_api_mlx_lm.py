@@ -49,7 +49,7 @@ def test_mlx_lm_generate_runs_on_a_loaded_model(pair):
     assert got == mlx_lm.generate(reference, tokenizer, PROMPT, max_tokens=24)
     # mlx-lm's cache of the model is mlx-mtp's, in both hands
     made = mlx_lm.models.cache.make_prompt_cache(model)
-    assert isinstance(made, mlx_mtp.MTPCache)
+    assert isinstance(made, mlx_mtp.StreamCache)
     steps = mlx_lm.stream_generate(
         model, tokenizer, PROMPT, max_tokens=24, prompt_cache=made
     )

@@ -25,6 +25,7 @@ import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.drafts import ModelDrafts
 from mlx_mtp.sampling import SamplingConfig, make_verifier
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.target import output_head
@@ -123,7 +124,7 @@ def test_eight_ragged_streams_in_batch_generate(pair):
 
 def test_eight_concurrent_requests_in_the_server(pair):
     model, tokenizer, _, _ = pair
-    config = ServeConfig(max_batch=8, draft_max=5, adaptive_draft=False)
+    config = ServeConfig(max_batch=8, drafts=DraftSettings(draft_max=5, adaptive=False))
     server = LiveServer(model, tokenizer, "dflash", config)
 
     def ask_all(draft_max):
@@ -249,7 +250,7 @@ def test_the_prompt_cache_keeps_the_drafters_caches(pair):
     and drafter caches (cut back where the prompts part) and answers as
     plain decoding does."""
     model, tokenizer, reference, _ = pair
-    config = ServeConfig(max_batch=2, draft_max=4, adaptive_draft=False)
+    config = ServeConfig(max_batch=2, drafts=DraftSettings(draft_max=4, adaptive=False))
     server = LiveServer(model, tokenizer, "dflash", config)
     prompt = PROMPTS[7]
     try:

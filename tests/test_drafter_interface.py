@@ -23,6 +23,7 @@ from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.drafter import Drafter, Reads
 from mlx_mtp.drafts import ModelDrafts
 from mlx_mtp.errors import MTPError
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.target import output_head
@@ -194,7 +195,7 @@ def test_the_toy_drafts_in_the_servers_batched_rounds(pair):
     """Eight requests at once with the toy's drafts answer as eight without
     drafts (plain decoding, checked against mlx-lm elsewhere) do."""
     model, tokenizer, toy, _ = pair
-    config = ServeConfig(max_batch=8, draft_max=2, adaptive_draft=False)
+    config = ServeConfig(max_batch=8, drafts=DraftSettings(draft_max=2, adaptive=False))
     server = LiveServer(model, tokenizer, "toy", config)
 
     def ask_all(draft_max):

@@ -12,6 +12,7 @@ from tiny import CHAT_TEMPLATE, SPECIALS, byte_tokenizer
 
 import mlx_mtp
 from mlx_mtp.errors import MTPError
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.fim import STYLES, fim_prompt, fim_tokens
 
@@ -52,7 +53,7 @@ def servers(tiny_folders, tmp_path_factory):
     fast = byte_tokenizer(SPECIALS + list(STYLES[0]))
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(fim_folder))
-    config = ServeConfig(adaptive_draft=False)
+    config = ServeConfig(drafts=DraftSettings(adaptive=False))
     plain = LiveServer(*mlx_mtp.load(folder), "tiny", config)
     fim = LiveServer(*mlx_mtp.load(fim_folder), "tiny-fim", config)
     yield plain, fim

@@ -21,6 +21,7 @@ import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads.gemma4_assistant import Gemma4Assistant, SharedKV, kv_layers
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.sampling import SamplingConfig, make_verifier
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
@@ -271,7 +272,7 @@ def test_served_through_the_single_stream_loop(folders, reference):
     from mlx_mtp.serve import ServeConfig
 
     model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["agreeable"])
-    live = LiveServer(model, tokenizer, "g4", ServeConfig(adaptive_draft=False))
+    live = LiveServer(model, tokenizer, "g4", ServeConfig(drafts=DraftSettings(adaptive=False)))
     try:
         prompts = ["abcabcabc", "hello hello hello", "xyz"]
 

@@ -25,6 +25,7 @@ import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.sampling import ExactMatchVerifier
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.decoder import Decoder as BatchDecoder
 from mlx_mtp.drafts import ModelDrafts
@@ -84,12 +85,7 @@ def test_eight_clients_at_once_get_their_answers_alone(folders, family, draft):
     model, tokenizer = mlx_mtp.load(folders(family))
     # no lookup memory: drafts from the answers alone would let the first
     # requests finish before the last has joined (peak_batch below)
-    config = ServeConfig(
-        max_batch=CLIENTS,
-        prompt_cache_entries=0,
-        adaptive_draft=draft == "adaptive",
-        lookup_memory_bytes=0,
-    )
+    config = ServeConfig(max_batch=CLIENTS, prompt_cache_entries=0, lookup_memory_bytes=0, drafts=DraftSettings(adaptive=draft == "adaptive"))
     server = LiveServer(model, tokenizer, family, config)
     try:
         client = server.client()
@@ -130,12 +126,12 @@ def test_recurrent_prompt_cache_resumes_at_a_turn_boundary(folders):
     state kept at the end of the last prompt or answer."""
     family = "qwen3_next"
     model, tokenizer = mlx_mtp.load(folders(family))
-    server = LiveServer(model, tokenizer, family, ServeConfig(adaptive_draft=False))
+    server = LiveServer(model, tokenizer, family, ServeConfig(drafts=DraftSettings(adaptive=False)))
     fresh = LiveServer(
         model,
         tokenizer,
         "fresh",
-        ServeConfig(prompt_cache_entries=0, adaptive_draft=False),
+        ServeConfig(prompt_cache_entries=0, drafts=DraftSettings(adaptive=False)),
     )
     try:
         client, plain = server.client(), fresh.client()

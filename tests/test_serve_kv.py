@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 import mlx_mtp
 from mlx_mtp.batch_cache import RaggedQuantizedKVCache
 from mlx_mtp.kv import KVSettings
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 
 CLIENTS = 8
@@ -61,9 +62,7 @@ def prompts():
 def test_eight_clients_at_once_equal_mlx_lm(models, family, bits):
     model, tokenizer, ref = models(family)
     kv = KVSettings(bits, GROUP, 0)
-    config = ServeConfig(
-        max_batch=CLIENTS, prompt_cache_entries=0, adaptive_draft=False, kv=kv
-    )
+    config = ServeConfig(max_batch=CLIENTS, prompt_cache_entries=0, kv=kv, drafts=DraftSettings(adaptive=False))
     server = LiveServer(model, tokenizer, family, config)
     try:
         assert server.engine.batched
@@ -144,7 +143,7 @@ def test_the_prompt_cache_keeps_quantized_entries(models):
     """A request that extends an earlier one reuses its quantized cache; the
     answer is mlx-lm's over the whole prompt (8 bits: no near-tie flips)."""
     model, tokenizer, ref = models("glm4_moe")
-    config = ServeConfig(adaptive_draft=False, kv=KVSettings(8, GROUP, 0))
+    config = ServeConfig(kv=KVSettings(8, GROUP, 0), drafts=DraftSettings(adaptive=False))
     server = LiveServer(model, tokenizer, "m", config)
     try:
         client = server.client()

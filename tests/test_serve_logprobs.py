@@ -13,6 +13,7 @@ from live_server import LiveServer
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.sampling import SamplingConfig
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 30]
@@ -37,7 +38,7 @@ def served(request, tiny_folders):
     """A batched server (DeepSeek-style caches) and one without a batch form
     (LongCat-Flash: streams run through the single-stream loop)."""
     model, tokenizer = mlx_mtp.load(tiny_folders(request.param)[0])
-    live = LiveServer(model, tokenizer, "tiny", ServeConfig(adaptive_draft=False))
+    live = LiveServer(model, tokenizer, "tiny", ServeConfig(drafts=DraftSettings(adaptive=False)))
     yield live, model, tokenizer
     live.close()
 

@@ -9,6 +9,7 @@ import pytest
 from live_server import LiveServer
 
 import mlx_mtp
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 
 # a pasted block the answer is likely to repeat: lookups have matches
@@ -20,7 +21,7 @@ N = 24
 @pytest.fixture(scope="module", params=["deepseek_v3", "longcat_flash"])
 def server(request, tiny_folders):
     model, tokenizer = mlx_mtp.load(tiny_folders(request.param)[0])
-    live = LiveServer(model, tokenizer, "tiny", ServeConfig(adaptive_draft=False))
+    live = LiveServer(model, tokenizer, "tiny", ServeConfig(drafts=DraftSettings(adaptive=False)))
     yield live
     live.close()
 

@@ -20,6 +20,7 @@ from live_server import LiveServer, module_fixtures
 
 import mlx_mtp
 from mlx_mtp.generate import stream_generate
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 from mlx_mtp.serve.tools import (
     DS_CALL_BEGIN,
@@ -531,7 +532,7 @@ def ds_loaded(tiny_folders, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ds_client(ds_loaded):
     model, tokenizer = ds_loaded
-    config = ServeConfig(adaptive_draft=False, lookup_memory_bytes=0)  # as above
+    config = ServeConfig(lookup_memory_bytes=0, drafts=DraftSettings(adaptive=False))  # as above
     live = LiveServer(model, tokenizer, NAME, config)
     yield live.client()
     live.close()

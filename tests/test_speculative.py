@@ -193,7 +193,7 @@ def test_no_mtp_path_is_plain_greedy(models, family):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
 def test_snapshot_brings_trunk_and_head_back(tiny_folders, family):
-    """``MTPCache.snapshot``/``restore``: generating on from a restored cache
+    """``StreamCache.snapshot``/``restore``: generating on from a restored cache
     gives what generating from the snapshot point gave."""
     import mlx_mtp
     from mlx_mtp.adaptive import FixedDraft

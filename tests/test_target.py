@@ -168,7 +168,7 @@ def test_the_servers_batched_rounds_read_media(models, family):
     loop elsewhere)."""
     model, tokenizer = models(family)
     prompts, plain = _ragged()
-    engine = Engine(model, tokenizer, ServeConfig(prefill_step=5, draft_max=2))
+    engine = Engine(model, tokenizer, ServeConfig(prefill_step=5, drafts=DraftSettings(draft_max=2)))
     engine.start()
     try:
         texts, _ = _serve(engine, prompts + [Prompt(t) for t in plain])
@@ -214,7 +214,7 @@ def test_the_memory_cache_keeps_them_apart(models):
     memory.insert(pa.prefix(len(pa) - 1), cache)
     assert memory.fetch(model, pa)[1] == len(pa) - 1
     # b shares the tokens before its media only (the cut may keep fewer:
-    # ``MTPCache.truncate``)
+    # ``StreamCache.truncate``)
     assert 0 < memory.fetch(model, pb)[1] <= START
 
 
@@ -253,14 +253,14 @@ def test_the_server_never_serves_one_media_prompt_anothers_state(models, tmp_pat
     answers differ between the twins."""
     model, tokenizer = models("qwen3_next")
     pa, pb, a, b = _twins()
-    config = ServeConfig(draft_max=2, prompt_cache_dir=tmp_path / "disk")
+    config = ServeConfig(prompt_cache_dir=tmp_path / "disk", drafts=DraftSettings(draft_max=2))
     engine = Engine(model, tokenizer, config)
     engine.start()
     try:
         got = [_serve(engine, [p]) for p in (pa, pb, pa)]
     finally:
         engine.stop()
-    engine = Engine(model, tokenizer, ServeConfig(draft_max=2))  # no cache
+    engine = Engine(model, tokenizer, ServeConfig(drafts=DraftSettings(draft_max=2)))  # no cache
     engine.start()
     try:
         cold = [_serve(engine, [Prompt(t)])[0] for t in (a, b)]

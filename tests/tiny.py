@@ -297,7 +297,7 @@ def write_trained_head(folder: Path, config: dict, draft_vocab=None, seed: int =
     return folder
 
 
-# -- the MTP head's state in a cache (``MTPCache.drafts["mtp"]``) ---------------
+# -- the MTP head's state in a cache (``StreamCache.drafts["mtp"]``) ---------------
 
 
 def head_offset(cache) -> int:

@@ -75,7 +75,7 @@ class SharedKV:
     """The assistant's place in the head caches: it holds no keys or values,
     only the count of positions it has read (so the round's bookkeeping of
     head caches holds for it as for any other head), and the target's caches,
-    which it reads (``MTPCache`` links them)."""
+    which it reads (``StreamCache`` links them)."""
 
     def __init__(self, offset: int = 0):
         self.offset = offset

@@ -10,8 +10,10 @@ show these defaults cheaply.
 """
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Tuple
+
+from ..draft_settings import DraftSettings
 
 if TYPE_CHECKING:  # (``kv`` loads MLX)
     from ..kv import KVSettings
@@ -40,14 +42,15 @@ API_KEY_ENV = "MLX_MTP_API_KEY"
 
 @dataclass
 class ServeConfig:
-    """How the server runs; per-request fields override ``draft_max`` and
-    ``max_tokens``.
+    """How the server runs; per-request fields override the drafts'
+    ``draft_max`` and ``source``, and ``max_tokens``.
 
-    ``draft_max`` None is the head's recommended count, else
-    ``DEFAULT_DRAFT_MAX``. ``adaptive_draft``: each batched round drafts as
-    deep as pays at the current batch size (measured), a stream served alone
-    as ``CostAwareDraft`` chooses; otherwise every stream drafts its
-    ``draft_max`` every round. ``shutdown_timeout``: seconds the streams
+    ``drafts``: the server's draft settings (``DraftSettings``), where every
+    request's start: its ``draft_max`` None is the head's recommended count;
+    ``adaptive``: each batched round drafts as deep as pays at the current
+    batch size (measured), a stream served alone as ``CostAwareDraft``
+    chooses; otherwise every stream drafts its ``draft_max`` every round;
+    ``mtp`` False: no request drafts, whatever it asks. ``shutdown_timeout``: seconds the streams
     running at SIGINT/SIGTERM may go on before they end (a second signal
     ends them at once).
 
@@ -68,15 +71,12 @@ class ServeConfig:
     restarts (None: in memory only).
     """
 
-    draft_max: Optional[int] = None
+    drafts: DraftSettings = field(default_factory=DraftSettings)
     max_tokens: int = DEFAULT_SERVE_MAX_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_MB << 20
     prefill_step: int = DEFAULT_SERVE_PREFILL_STEP
-    adaptive_draft: bool = True
-    mtp: bool = True  # False: no request drafts, whatever it asks
-    draft_source: str = "auto"  # "mtp", "ngram" or "auto" (a request may choose)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
     api_key: Optional[str] = None
@@ -92,13 +92,14 @@ class ServeConfig:
         for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        names = ("draft_max", "prompt_cache_entries", "prompt_cache_bytes",
+        names = ("prompt_cache_entries", "prompt_cache_bytes",
                  "lookup_memory_bytes", "prompt_cache_disk_bytes")  # fmt: skip
         for name in names + ("shutdown_timeout",):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        self.drafts.validate()  # the one check of the server's draft defaults
 
 
 def __getattr__(name: str):

@@ -30,7 +30,6 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..errors import MTPError
-from ..request import DraftSettings
 from . import DEFAULT_HOST, DEFAULT_PORT, ServeConfig, anthropic, openai, reasoning
 from . import responses
 from .engine import Engine
@@ -186,8 +185,6 @@ def create_app(
     (``engine``: a ``cluster.ClusterEngine`` over processes)."""
     config = config or ServeConfig()
     config.validate()
-    # the server's draft defaults, checked where every request's are
-    DraftSettings(config.draft_source, config.draft_max).validate()
     reasoning.check_parser(config.reasoning_parser)
     service = Service(model, tokenizer, name, config, engine)
     middleware = _middleware(config, service.engine.metrics)

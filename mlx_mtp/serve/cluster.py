@@ -365,7 +365,7 @@ class ClusterEngine(Engine):
         self._drop_cancelled(lambda r: id(r) in gone)
         for key in gone:
             self.live.pop(key, None)
-        for job in list(self.waiting)[: max(0, self.room())]:
+        for job in list(self.waiting)[: max(0, self.free_slots())]:
             request = job.request
             self.ids[id(request)] = self.next_id
             plan.joins.append((self.next_id, request.prompt, _wire(request.params)))

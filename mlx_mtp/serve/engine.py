@@ -44,7 +44,7 @@ from ..prompt_cache import PromptCache
 from ..request import GenerationRequest
 from ..scheduler import Job, Scheduler
 from ..stats import MTPStats
-from ..stream import open_stream
+from ..stream import Serving, open_stream
 from . import ServeConfig
 from .metrics import Metrics, timings
 
@@ -241,7 +241,7 @@ class Engine(Scheduler):
         )
 
     def _policy(self) -> Optional[BatchDraftLength]:
-        return BatchDraftLength() if self.config.adaptive_draft else None
+        return BatchDraftLength() if self.config.drafts.adaptive else None
 
     def notices(self) -> List[str]:
         """What the server says at start of how it holds caches."""
@@ -295,10 +295,10 @@ class Engine(Scheduler):
         """How this engine runs (for ``/health``)."""
         c = self.config
         return {
-            "mtp": bool(self.model.drafters) and c.mtp,
+            "mtp": bool(self.model.drafters) and c.drafts.mtp,
             "batched": self.batched,
             "max_batch": c.max_batch if self.batched else 1,
-            "draft_policy": "adaptive" if c.adaptive_draft else "fixed",
+            "draft_policy": "adaptive" if c.drafts.adaptive else "fixed",
             # rounds per draft length so far (adaptive)
             "draft_lengths": dict(getattr(self.decoder.policy, "chosen", {})),
             # the requests finished so far, per source of drafts
@@ -429,12 +429,10 @@ class Engine(Scheduler):
         job.stream = open_stream(
             self.model,
             request.prompt,
-            request=request.params,
+            request.params,
             cache=cache,
             stop_tokens=self.text_eos(),
-            batched=True,
-            memory=self.memory,
-            history=self.history,
+            serving=Serving(True, self.memory, self.history),
             kv=self.config.kv,
         )
         job.stream.stats.prompt_tokens = len(request.prompt) - job.read

@@ -6,13 +6,13 @@ requests into chat requests and comes here too. A bad field raises
 ``APIError`` naming it.
 """
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..constrain import response_format_grammar
-from ..defaults import MAX_DRAFT_MAX
 from ..errors import MTPError
 from ..prompts import encode, has_chat_template
 from ..request import DraftSettings, GenerationRequest
@@ -175,18 +175,18 @@ def _drafts(service, body: dict) -> DraftSettings:
     """The request's draft settings: ``draft_max`` and ``draft_source`` where
     given, the server's where not; OpenAI's ``prediction`` (the answer as
     the client expects it) as tokens to look drafts up in."""
-    config = service.config
-    drafts = DraftSettings(
+    server = service.config.drafts
+    drafts = dataclasses.replace(
+        server,
         prediction=_prediction(service, body.get("prediction")),
-        source=_get(body, "draft_source", (str,), config.draft_source),
-        draft_max=_get(body, "draft_max", (int,), config.draft_max, 0, MAX_DRAFT_MAX),
-        adaptive=config.adaptive_draft,
-        mtp=config.mtp,
+        source=_get(body, "draft_source", (str,), server.source),
+        draft_max=_get(body, "draft_max", (int,), server.draft_max),
     )
     try:
-        drafts.validate()
+        drafts.validate()  # the one check of the request's draft settings
     except MTPError as e:
-        raise APIError(str(e), param="draft_source", code="invalid_value") from None
+        param = "draft_max" if "draft_max" in str(e) else "draft_source"
+        raise APIError(str(e), param=param, code="invalid_value") from None
     return drafts
 
 

@@ -63,7 +63,7 @@ def per_token(steps):
 
 
 def snapshot(cache):
-    """A function that brings ``cache`` back to now (``MTPCache.snapshot`` where
+    """A function that brings ``cache`` back to now (``StreamCache.snapshot`` where
     the checkout has it, else each cache's mark and the head's pending inputs)."""
     if hasattr(cache, "snapshot"):
         snap = cache.snapshot()
