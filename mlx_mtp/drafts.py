@@ -56,7 +56,7 @@ from .defaults import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_SOURCE,
 )
-from .draft_settings import check_draft_max, check_source_name
+from .draft_settings import check_source_name
 from .errors import MTPError
 from .ngram import Lookup, LookupMemory, MemoryLookup, PredictionLookup, PromptLookup
 from .timing import drafting
@@ -624,8 +624,7 @@ def make_source(
     which takes it afresh. A source that cannot be used here falls back to
     what can: no drafter, no lookup, or plain steps.
     """
-    check_source_name(name)
-    check_draft_max(draft_max)
+    check_source_name(name)  # (the bounds are ``DraftSettings.validate``'s)
     costs = costs or assumed_costs
     models: List[ModelDrafts] = []
     asked = 0  # the most drafts a left-out drafter would have taken
