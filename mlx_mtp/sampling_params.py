@@ -226,6 +226,13 @@ PARAMS: Tuple[Param, ...] = (
         help="greedy: draft the head's top token; sample: sample drafts through the "
         "sampler chain (temp > 0).",
     ),
+    Param(
+        "verify", str, "block", choices=("block", "token"),
+        flag="--verify", panel=SPECULATIVE,
+        help="How sampled drafts are checked at temp > 0: block (keeps at least as "
+        "many as token-wise, same distribution) or token. Greedy drafts keep the "
+        "same either way.",
+    ),
 )  # fmt: skip
 BY_NAME: Dict[str, Param] = {p.name: p for p in PARAMS}
 

@@ -16,6 +16,7 @@ resampling from ``p`` makes it fail.
 
 import json
 import math
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +32,7 @@ from mlx_mtp.adaptive import CostAwareDraft, Costs, FixedDraft
 from mlx_mtp.sampling import (
     SamplingConfig,
     SamplingVerifier,
+    block_sample,
     make_verifier,
     match_sample,
     rejection_sample,
@@ -99,11 +101,12 @@ def fixed_logits(models):
 # --- the verify step sampled many times on fixed logits ---------------------------
 
 
-def simulate(logp, logq, mode: str, seed: int):
+def simulate(logp, logq, mode: str, seed: int, block: bool = False):
     """``TRIALS`` independent rounds; returns per round (accepted, final token, drafts).
 
     ``mode``: ``match`` (greedy drafts, the verifier's rule), ``onehot`` (greedy
-    drafts through the textbook rule: q one-hot), ``sample`` (drafts sampled from q).
+    drafts through the textbook rule: q one-hot), ``sample`` (drafts sampled from q);
+    ``block``: checked by block verification rather than token by token.
     """
     V = logp.shape[-1]
     out = []
@@ -122,7 +125,8 @@ def simulate(logp, logq, mode: str, seed: int):
         if mode == "match":
             a, token = match_sample(mx.broadcast_to(logp, p.shape), drafts, gumbel)
         else:
-            a, token = rejection_sample(p, q, drafts, u, gumbel)
+            rule = block_sample if block else rejection_sample
+            a, token = rule(p, q, drafts, u, gumbel)
         mx.eval(a, token, drafts)
         out.append((np.array(a), np.array(token), np.array(drafts)))
     return [np.concatenate(x) for x in zip(*out)]
@@ -336,3 +340,76 @@ def test_bad_logit_bias_is_one_line(tiny_folders, capsys):
 def test_api_sampler_and_sampling_options_conflict():
     with pytest.raises(ValueError, match="either sampler"):
         make_verifier(SamplingConfig(temp=0.5), sampler=lambda x: mx.argmax(x, -1))
+
+
+# --- block verification ----------------------------------------------------------
+
+
+def completed(logp, a, token, drafts, seed: int):
+    """Each round's tokens at positions 0..K: the drafts it kept, its token,
+    then the main model's own samples (on fixed logits, ``p_j`` whatever came
+    before): what generation would emit there."""
+    p = np.array(mx.exp(logp)).astype(np.float64)
+    p /= p.sum(axis=-1, keepdims=True)
+    rng = np.random.default_rng(seed)
+    n = len(a)
+    out = np.empty((n, K + 1), dtype=np.int64)
+    for j in range(K + 1):
+        own = rng.choice(p.shape[-1], size=n, p=p[j])
+        kept = drafts[:, j] if j < K else own
+        out[:, j] = np.where(a > j, kept, np.where(a == j, token, own))
+    return out, p
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["temp", "chain"])
+@pytest.mark.parametrize("mode", ["onehot", "sample"])
+def test_block_verification_is_lossless(fixed_logits, config, mode):
+    """Every position of what a round emits (completed by the main model's
+    own sampling) follows ``p_j``, with drafts made and partly kept."""
+    verifier = SamplingVerifier(config)
+    logp, logq = (verifier.logprobs(x) for x in fixed_logits)
+    a, token, drafts = simulate(logp, logq, mode, seed=2, block=True)
+    assert (a < K).any() and (a == K).any() and (a > 0).mean() > 0.05
+    seq, p = completed(logp, a, token, drafts, seed=3)
+    for j in range(K + 1):
+        dist, bound = tv(seq[:, j], p[j]), tv_bound(p[j], len(seq))
+        assert dist < bound, f"position {j}: TV {dist:.4f} >= {bound:.4f}"
+
+
+def test_block_verification_check_has_power(fixed_logits, monkeypatch):
+    """The negative control: block verification's kept prefix with the next
+    token drawn from ``p`` instead of the block residual is caught."""
+    verifier = SamplingVerifier(CONFIGS[1])
+    logp, logq = (verifier.logprobs(x) for x in fixed_logits)
+
+    real = block_sample
+
+    def from_p(p, q, drafts, u, gumbel):
+        a, _ = real(p, q, drafts, u, gumbel)
+        tokens = mx.argmax(mx.log(p) + gumbel, axis=-1)
+        return a, mx.take_along_axis(tokens, a[..., None], axis=-1)[..., 0]
+
+    monkeypatch.setattr(sys.modules[__name__], "block_sample", from_p)
+    a, token, drafts = simulate(logp, logq, "sample", seed=2, block=True)
+    seq, p = completed(logp, a, token, drafts, seed=3)
+    report = [(tv(seq[:, j], p[j]), tv_bound(p[j], len(seq))) for j in range(K + 1)]
+    assert any(dist >= bound for dist, bound in report), report
+
+
+@pytest.mark.parametrize("temp", [0.7, 1.0])
+def test_block_verification_keeps_at_least_as_many(fixed_logits, temp):
+    """From the same sampled chains, block verification keeps at least as
+    many drafts on average as token-wise checks (and on one-hot chains the
+    same): printed for docs/performance.md."""
+    config = SamplingConfig(temp=temp)
+    verifier = SamplingVerifier(config)
+    logp, logq = (verifier.logprobs(x) for x in fixed_logits)
+    kept = {}
+    for mode in ("sample", "onehot"):
+        for block in (False, True):
+            a, _, _ = simulate(logp, logq, mode, seed=4, block=block)
+            kept[mode, block] = float(a.mean())
+    print(f"temp {temp}: mean drafts kept of {K}: {kept}")
+    se = 3 * K / math.sqrt(TRIALS)  # a generous bound on the sampling error
+    assert kept["sample", True] >= kept["sample", False] - se
+    assert abs(kept["onehot", True] - kept["onehot", False]) < se
