@@ -11,13 +11,15 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 import glob
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
+from . import vision
 from .cache import MTPCache, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .drafter import Drafter
@@ -40,7 +42,7 @@ from .weights import check_safetensors, read_safetensors
 HEAD_FILE_GLOB = "mtp*.safetensors"
 # Called as ``shard(model, head, config)`` on the loaded model before its
 # weights are read (``mlx_mtp.distributed`` splits it over processes there).
-ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
+ShardHook = Callable[[nn.Module, MTPHead | None, dict[str, Any]], None]
 
 
 @dataclass
@@ -53,16 +55,16 @@ class MTPModel:
     """
 
     target: Target
-    head: Optional[MTPHead]
-    config: Dict[str, Any]
-    notice: Optional[str] = None  # why there is no head, when there is none
-    sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
-    path: Optional[Path] = None  # the model folder
-    head_dir: Optional[Path] = None  # where the MTP config lives
-    head_config: Dict[str, Any] = field(default_factory=dict)  # its parsed content
+    head: MTPHead | None
+    config: dict[str, Any]
+    notice: str | None = None  # why there is no head, when there is none
+    sharding: Any | None = None  # a ``distributed.Sharding`` over processes
+    path: Path | None = None  # the model folder
+    head_dir: Path | None = None  # where the MTP config lives
+    head_config: dict[str, Any] = field(default_factory=dict)  # its parsed content
     # the models that draft for it (``drafter.Drafter``): its MTP head first,
     # when it has one, then any attached drafter (``attach``)
-    drafters: List[Drafter] = field(default_factory=list)
+    drafters: list[Drafter] = field(default_factory=list)
 
     def __post_init__(self):
         if self.head is not None and not self.drafters:
@@ -117,7 +119,7 @@ def _starts_with(path: Path, magic: bytes) -> bool:
         return False
 
 
-def read_config(path: Path) -> Dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     if not path.exists():
         if _REPO_ID.match(str(path)):
             raise MTPError(
@@ -157,7 +159,7 @@ def is_assistant(folder: Path) -> bool:
     return model_type == gemma4_assistant.ASSISTANT_TYPE
 
 
-def read_assistant(folder: Path) -> Tuple[Dict[str, Any], Dict[str, mx.array]]:
+def read_assistant(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
     """(the MTP config naming it, its tensors as the head loads them) of a
     Gemma 4 assistant's folder."""
     folder = Path(folder)
@@ -169,7 +171,7 @@ def read_assistant(folder: Path) -> Tuple[Dict[str, Any], Dict[str, mx.array]]:
     return {"family": "gemma4_assistant", "assistant": config}, weights
 
 
-def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
+def _model_classes(config: dict[str, Any], family, sink: dict[str, mx.array]):
     """mlx-lm's model classes, with MTP tensors moved into ``sink`` on sanitize."""
     from mlx_lm.utils import _get_classes
 
@@ -194,7 +196,7 @@ def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
     return get_classes
 
 
-def _check_model_type(config: Dict[str, Any]) -> None:
+def _check_model_type(config: dict[str, Any]) -> None:
     from mlx_lm.utils import _get_classes
 
     try:
@@ -216,14 +218,14 @@ def sanitize_block(model: nn.Module, family, weights):
 
 
 def load_model(
-    path: Union[str, Path],
-    mtp: Optional[Union[str, Path]] = None,
-    hidden_tap: Optional[str] = None,
+    path: str | Path,
+    mtp: str | Path | None = None,
+    hidden_tap: str | None = None,
     lazy: bool = False,
-    shard: Optional[ShardHook] = None,
-    model_config: Optional[Dict[str, Any]] = None,
-    adapter_path: Optional[Union[str, Path]] = None,
-    draft: Optional[Union[str, Path]] = None,
+    shard: ShardHook | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | Path | None = None,
+    draft: str | Path | None = None,
     target: Callable[..., Target] = Target,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
@@ -242,7 +244,12 @@ def load_model(
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
     family = family_for(config)
-    split: Dict[str, mx.array] = {}
+    if target is Target and vision.is_vision(config):  # Qwen3.5 reads images
+        if vision.available():
+            target = vision.target_for(path, config)
+        else:
+            vision.text_only_notice(path)
+    split: dict[str, mx.array] = {}
     # 1) the trunk, the head's tensors split off on the way
     model, config = _load_trunk(path, config, family, split, model_config)
     if adapter_path is not None:
@@ -403,7 +410,7 @@ def _private_arrays(module: nn.Module) -> list:
     ]
 
 
-def trained_head_family(config: Dict[str, Any], folder: Path):
+def trained_head_family(config: dict[str, Any], folder: Path):
     """The family the MTP config names, if it names one."""
     name = config.get("family")
     if name is None:
@@ -442,19 +449,19 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
 
 
 def load(
-    path: Union[str, Path],
-    tokenizer_config: Optional[Dict[str, Any]] = None,
-    model_config: Optional[Dict[str, Any]] = None,
-    adapter_path: Optional[Union[str, Path]] = None,
+    path: str | Path,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | Path | None = None,
     lazy: bool = False,
     return_config: bool = False,
     *,
-    mtp: Optional[Union[str, Path]] = None,
-    hidden_tap: Optional[str] = None,
-    shard: Optional[ShardHook] = None,
-    draft: Optional[Union[str, Path]] = None,
+    mtp: str | Path | None = None,
+    hidden_tap: str | None = None,
+    shard: ShardHook | None = None,
+    draft: str | Path | None = None,
     target: Callable[..., Target] = Target,
-) -> Union[Tuple[MTPModel, Any], Tuple[MTPModel, Any, Dict[str, Any]]]:
+) -> tuple[MTPModel, Any] | tuple[MTPModel, Any, dict[str, Any]]:
     """Load a model folder: ``(model, tokenizer)``, or with ``return_config``
     ``(model, tokenizer, config)``, like ``mlx_lm.load`` and with its keywords.
 
@@ -492,6 +499,8 @@ def load(
         )
     except Exception as e:
         raise MTPError(f"{path}: cannot load the tokenizer ({first_line(e)})") from None
+    if isinstance(model.target, vision.VisionTarget):
+        tokenizer = vision.processor_for(Path(path), tokenizer)
     if return_config:
         return model, tokenizer, model.config
     return model, tokenizer
