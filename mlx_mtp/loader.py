@@ -11,13 +11,12 @@ configs, fp8 checkpoints) stays mlx-lm's. MTP tensors are also read from
 import glob
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx import nn
+import mlx.nn as nn
 
 from . import vision
 from .cache import MTPCache, can_rollback
@@ -42,7 +41,7 @@ from .weights import check_safetensors, read_safetensors
 HEAD_FILE_GLOB = "mtp*.safetensors"
 # Called as ``shard(model, head, config)`` on the loaded model before its
 # weights are read (``mlx_mtp.distributed`` splits it over processes there).
-ShardHook = Callable[[nn.Module, MTPHead | None, dict[str, Any]], None]
+ShardHook = Callable[[nn.Module, Optional[MTPHead], Dict[str, Any]], None]
 
 
 @dataclass
@@ -55,16 +54,16 @@ class MTPModel:
     """
 
     target: Target
-    head: MTPHead | None
-    config: dict[str, Any]
-    notice: str | None = None  # why there is no head, when there is none
-    sharding: Any | None = None  # a ``distributed.Sharding`` over processes
-    path: Path | None = None  # the model folder
-    head_dir: Path | None = None  # where the MTP config lives
-    head_config: dict[str, Any] = field(default_factory=dict)  # its parsed content
+    head: Optional[MTPHead]
+    config: Dict[str, Any]
+    notice: Optional[str] = None  # why there is no head, when there is none
+    sharding: Optional[Any] = None  # a ``distributed.Sharding`` over processes
+    path: Optional[Path] = None  # the model folder
+    head_dir: Optional[Path] = None  # where the MTP config lives
+    head_config: Dict[str, Any] = field(default_factory=dict)  # its parsed content
     # the models that draft for it (``drafter.Drafter``): its MTP head first,
     # when it has one, then any attached drafter (``attach``)
-    drafters: list[Drafter] = field(default_factory=list)
+    drafters: List[Drafter] = field(default_factory=list)
 
     def __post_init__(self):
         if self.head is not None and not self.drafters:
@@ -119,7 +118,7 @@ def _starts_with(path: Path, magic: bytes) -> bool:
         return False
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> Dict[str, Any]:
     if not path.exists():
         if _REPO_ID.match(str(path)):
             raise MTPError(
@@ -159,7 +158,7 @@ def is_assistant(folder: Path) -> bool:
     return model_type == gemma4_assistant.ASSISTANT_TYPE
 
 
-def read_assistant(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
+def read_assistant(folder: Path) -> Tuple[Dict[str, Any], Dict[str, mx.array]]:
     """(the MTP config naming it, its tensors as the head loads them) of a
     Gemma 4 assistant's folder."""
     folder = Path(folder)
@@ -171,7 +170,7 @@ def read_assistant(folder: Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
     return {"family": "gemma4_assistant", "assistant": config}, weights
 
 
-def _model_classes(config: dict[str, Any], family, sink: dict[str, mx.array]):
+def _model_classes(config: Dict[str, Any], family, sink: Dict[str, mx.array]):
     """mlx-lm's model classes, with MTP tensors moved into ``sink`` on sanitize."""
     from mlx_lm.utils import _get_classes
 
@@ -196,7 +195,7 @@ def _model_classes(config: dict[str, Any], family, sink: dict[str, mx.array]):
     return get_classes
 
 
-def _check_model_type(config: dict[str, Any]) -> None:
+def _check_model_type(config: Dict[str, Any]) -> None:
     from mlx_lm.utils import _get_classes
 
     try:
@@ -218,14 +217,14 @@ def sanitize_block(model: nn.Module, family, weights):
 
 
 def load_model(
-    path: str | Path,
-    mtp: str | Path | None = None,
-    hidden_tap: str | None = None,
+    path: Union[str, Path],
+    mtp: Optional[Union[str, Path]] = None,
+    hidden_tap: Optional[str] = None,
     lazy: bool = False,
-    shard: ShardHook | None = None,
-    model_config: dict[str, Any] | None = None,
-    adapter_path: str | Path | None = None,
-    draft: str | Path | None = None,
+    shard: Optional[ShardHook] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[Union[str, Path]] = None,
+    draft: Optional[Union[str, Path]] = None,
     target: Callable[..., Target] = Target,
 ) -> MTPModel:
     """Load the trunk and MTP head of the model folder ``path``.
@@ -249,7 +248,7 @@ def load_model(
             target = vision.target_for(path, config)
         else:
             vision.text_only_notice(path)
-    split: dict[str, mx.array] = {}
+    split: Dict[str, mx.array] = {}
     # 1) the trunk, the head's tensors split off on the way
     model, config = _load_trunk(path, config, family, split, model_config)
     if adapter_path is not None:
@@ -410,7 +409,7 @@ def _private_arrays(module: nn.Module) -> list:
     ]
 
 
-def trained_head_family(config: dict[str, Any], folder: Path):
+def trained_head_family(config: Dict[str, Any], folder: Path):
     """The family the MTP config names, if it names one."""
     name = config.get("family")
     if name is None:
@@ -449,19 +448,19 @@ def _build_head(model, trunk, family, config, weights) -> MTPHead:
 
 
 def load(
-    path: str | Path,
-    tokenizer_config: dict[str, Any] | None = None,
-    model_config: dict[str, Any] | None = None,
-    adapter_path: str | Path | None = None,
+    path: Union[str, Path],
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[Union[str, Path]] = None,
     lazy: bool = False,
     return_config: bool = False,
     *,
-    mtp: str | Path | None = None,
-    hidden_tap: str | None = None,
-    shard: ShardHook | None = None,
-    draft: str | Path | None = None,
+    mtp: Optional[Union[str, Path]] = None,
+    hidden_tap: Optional[str] = None,
+    shard: Optional[ShardHook] = None,
+    draft: Optional[Union[str, Path]] = None,
     target: Callable[..., Target] = Target,
-) -> tuple[MTPModel, Any] | tuple[MTPModel, Any, dict[str, Any]]:
+) -> Union[Tuple[MTPModel, Any], Tuple[MTPModel, Any, Dict[str, Any]]]:
     """Load a model folder: ``(model, tokenizer)``, or with ``return_config``
     ``(model, tokenizer, config)``, like ``mlx_lm.load`` and with its keywords.
 
