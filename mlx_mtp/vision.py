@@ -125,8 +125,9 @@ class VisionTarget(Target):
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         sections = rope.get("mrope_section", [11, 11, 10])
         layers = self.backbone.layers
-        self._slot = next(i for i, l in enumerate(layers) if l.is_linear)
-        self._attention = next(i for i, l in enumerate(layers) if not l.is_linear)
+        kinds = [layer.is_linear for layer in layers]
+        self._slot = kinds.index(True)
+        self._attention = kinds.index(False)
         self._positions = _Positions()
         for layer in layers:
             if not layer.is_linear:
@@ -208,7 +209,8 @@ def _tower(path: Path, config: dict[str, Any]):
     try:
         tower.load_weights(list(weights.items()))
     except ValueError as e:
-        raise MTPError(f"{path}: the vision tower does not load ({first_line(e)})") from None
+        why = first_line(e)
+        raise MTPError(f"{path}: the vision tower does not load ({why})") from None
     mx.eval(tower.parameters())
     return tower
 
@@ -360,7 +362,8 @@ def processor_for(path: Path, tokenizer) -> "VisionProcessor":
     try:
         processor = load_processor(path, True)
     except Exception as e:
-        raise MTPError(f"{path}: cannot load the image processor ({first_line(e)})") from None
+        why = first_line(e)
+        raise MTPError(f"{path}: cannot load the image processor ({why})") from None
     return VisionProcessor(tokenizer, processor, config)
 
 

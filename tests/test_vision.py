@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed (pip install '.[vision]')")
+pytest.importorskip(
+    "mlx_vlm", reason="mlx-vlm is not installed (pip install '.[vision]')"
+)
 
 import mlx.core as mx  # noqa: E402
 import tiny  # noqa: E402
@@ -61,7 +63,8 @@ def reference(theirs, processor, prompt, n):
         pixels = mx.concatenate(
             [mx.array(s.data["pixel_values"]) for s in prompt.segments]
         )
-        kwargs["image_grid_thw"] = mx.array([s.data["grid_thw"] for s in prompt.segments])
+        grids = [s.data["grid_thw"] for s in prompt.segments]
+        kwargs["image_grid_thw"] = mx.array(grids)
     eos = set(processor.eos_token_ids)
     out = []
     steps = generate_step(mx.array([prompt.tokens]), theirs, pixels, None,
@@ -127,9 +130,39 @@ def test_generate_takes_image_as_mlx_vlm_does(vlm):
     streamed = list(stream_generate(model, processor, prompt, 16, **DRAFTS))
     assert [r.token for r in streamed] == reference(theirs, processor, prompt, 16)
     assert text == "".join(r.text for r in streamed)
-    # the images change the answer
-    assert text != mlx_mtp.generate(model, processor, "what:", image=images[3],
-                                    max_tokens=16)  # fmt: skip
+
+
+def test_logits_are_mlx_vlms_and_depend_on_the_image_and_its_positions(vlm):
+    """Over a whole prompt with two images: mlx-vlm's forward (its input
+    embeddings and multimodal positions) gives our logits; another image, or
+    plain positions, give others."""
+    from mlx_mtp.target import Target
+
+    _, model, processor, theirs, images = vlm
+
+    def ours(prompt, plain=False):
+        forward = Target.forward if plain else VisionTarget.forward
+        cache = model.make_cache().trunk
+        pieces = [prompt.pieces(0, len(prompt))]
+        return forward(model.target, mx.array([prompt.tokens]), cache, pieces)[0]
+
+    block = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = f"two: {block} and {block} end"
+    prompt = processor.prompt(text, images[1:3])
+    ids = mx.array([prompt.tokens])
+    grid = mx.array([s.data["grid_thw"] for s in prompt.segments])
+    pixels = mx.concatenate([mx.array(s.data["pixel_values"]) for s in prompt.segments])
+    made = theirs.get_input_embeddings(ids, pixels, image_grid_thw=grid)
+    want = theirs.language_model(
+        ids, inputs_embeds=made.inputs_embeds,
+        cache=theirs.language_model.make_cache(),
+        position_ids=made.position_ids, rope_deltas=made.rope_deltas,
+    ).logits  # fmt: skip
+    got = ours(prompt)
+    assert mx.abs(got - want).max().item() < 1e-4
+    assert mx.abs(ours(prompt, plain=True) - want).max().item() > 1e-3
+    other = processor.prompt(text, [images[1], images[6]])  # the same sizes
+    assert mx.abs(ours(other)[0, -1] - got[0, -1]).max().item() > 1e-3
 
 
 def test_batch_generate_of_eight_ragged_streams_with_other_images(vlm):
@@ -160,8 +193,8 @@ def test_the_memory_cache_keeps_images_apart_and_reuses_one(vlm):
     prefill(model, cache, pa)
     memory = PromptCache(4, 1 << 30)
     memory.insert(pa.prefix(len(pa) - 1), cache)
-    assert memory.fetch(model, processor.prompt("the same words after it",
-                                                images[0]))[1] == len(pa) - 1  # fmt: skip
+    again = processor.prompt("the same words after it", images[0])
+    assert memory.fetch(model, again)[1] == len(pa) - 1
     assert memory.fetch(model, pb)[1] <= start
 
 
@@ -182,9 +215,16 @@ def _cli(*args):
 
 def test_the_cli_reads_images_and_refuses_bad_ones(vlm, tmp_path):
     folder, _, processor, theirs, images = vlm
-    ok = _cli("--model", str(folder), "--prompt", "see", "--image", str(images[0]),
-              "--image", str(images[1]), "-n", "6", "--json", "--fixed-draft")  # fmt: skip
+    shown = ["--image", str(images[0]), "--image", str(images[1])]
+    ok = _cli("--model", str(folder), "--prompt", "see", *shown, "-n", "6", "--json")
     assert ok.returncode == 0, ok.stderr
+    import json
+
+    cli_prompt = processor.prompt(
+        "<|im_start|>user\n" + processor.with_images("see", 2) + "<|im_end|>\n"
+        "<|im_start|>assistant\n", images[:2]
+    )
+    assert json.loads(ok.stdout)["tokens"] == reference(theirs, processor, cli_prompt, 6)
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     for bad, why in [
