@@ -37,6 +37,7 @@ from mlx import nn
 from .errors import MTPError, first_line
 from .prompt import Prompt, Segment
 from .target import Target
+from .weights import read_safetensors
 
 MLX_VLM_VERSION = "0.7.10"
 INSTALL = "pip install 'mlx-mtp[vision]'"
@@ -192,8 +193,6 @@ def _tower(path: Path, config: dict[str, Any]):
     """mlx-vlm's vision tower for ``config``, with the checkpoint's
     ``model.visual.*`` weights."""
     from mlx_vlm.models import qwen3_5
-
-    from .weights import read_safetensors
 
     vision = qwen3_5.VisionConfig.from_dict(config["vision_config"])
     tower = qwen3_5.VisionModel(vision)
