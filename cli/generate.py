@@ -4,7 +4,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -121,6 +121,12 @@ def generate(
         help="Continue from a prompt read by mlx-mtp cache-prompt: --prompt "
         "follows it in the same user message (only the rest is read).",
     ),
+    images: Optional[List[Path]] = typer.Option(
+        None,
+        "--image",
+        help="An image the prompt shows (repeatable): a vision model (Qwen3.5/3.6, "
+        "with mlx-mtp[vision]) reads it, an image block each in front of the text.",
+    ),
     as_json: bool = typer.Option(
         False,
         "--json",
@@ -145,6 +151,12 @@ def generate(
         raise fail("--prompt-cache-file continues one prompt, not --prompts")
     if prompt_cache_file is not None:  # a damaged or foreign file: before loading
         prompt_file.check(prompt_cache_file)
+    if images:  # a missing or broken image: before loading
+        from mlx_mtp.vision import check_images
+
+        if prompts is not None or prompt_cache_file is not None:
+            raise fail("--image goes with --prompt (not --prompts or a prompt cache)")
+        check_images(images)
     if prompts is not None:
         if group.size() > 1:
             raise fail("--prompts runs in one process, not under mlx.launch")
@@ -170,9 +182,20 @@ def generate(
             cached, loaded, tokenizer, text, system
         )
         resume = {"prompt_cache": cache, "cached_tokens": have}
-    elif not no_chat_template:
-        _say_if_raw(name, tokenizer)
-        text = user_prompt(tokenizer, text, system)
+    else:
+        if images:  # the image blocks go inside the user's message
+            from mlx_mtp.vision import VisionProcessor, with_images
+
+            if not isinstance(tokenizer, VisionProcessor):
+                with_images(loaded, tokenizer, text, images)  # says why not
+            text = tokenizer.with_images(text, len(images))
+        if not no_chat_template:
+            _say_if_raw(name, tokenizer)
+            text = user_prompt(tokenizer, text, system)
+    if images:
+        from mlx_mtp.vision import with_images
+
+        text = with_images(loaded, tokenizer, text, images)
     tokens, pieces, response, finish = [], [], None, None
     bar = PromptProgress(o.speed_notice(loaded, request))
     try:
@@ -185,7 +208,7 @@ def generate(
             remember=True,  # what the drafters were worth in earlier runs
             **resume,
         ):
-            if truncate_prompt and not tokens:
+            if truncate_prompt and not tokens and isinstance(text, str):
                 dropped_notice(tokenizer, text, response.prompt_tokens)
             tokens.append(response.token)
             pieces.append(response.text)

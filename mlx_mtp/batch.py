@@ -31,6 +31,7 @@ from .sampling import Sampler
 from .scheduler import Job, Scheduler
 from .stats import MTPStats
 from .stream import Logprobs, Serving, open_stream
+from .vision import with_images
 
 
 _POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -91,6 +92,7 @@ def batch_generate(
     completion_batch_size: int = 32,
     prefill_batch_size: int = 8,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    images: Optional[Sequence[Any]] = None,
     **kwargs,
 ) -> BatchResponse:
     """Generate a completion of each of ``prompts``, decoding them together.
@@ -114,6 +116,8 @@ def batch_generate(
     ``prefill_batch_size`` of them read their prompts together, in chunks of
     ``prefill_step_size`` tokens. Each round drafts as deep as pays at this
     batch size (by measured time), none where drafts cannot pay.
+    ``images`` gives each prompt its images (a path, a list of paths, or
+    None), as ``stream_generate``'s ``image``.
     """
     if request is not None and kwargs:
         names = ", ".join(sorted(kwargs))
@@ -125,6 +129,10 @@ def batch_generate(
     request.validate(model)
     request.kv.check_model(model)
     n = len(prompts)
+    if images is not None:
+        if len(images) != n:
+            raise ValueError("images needs one entry per prompt")
+        prompts = [with_images(model, tokenizer, p, i) for p, i in zip(prompts, images)]
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     caches = list(prompt_caches) if prompt_caches is not None else [None] * n
     if len(limits) != n or len(caches) != n:
@@ -156,7 +164,7 @@ def _jobs(model, tokenizer, request, sampler, prompts, limits, caches) -> List[J
             raise MTPError(f"prompt {i} is empty")
         if cache is not None and not isinstance(cache, StreamCache):
             raise TypeError(
-                "prompt_caches are MTPCaches (return_prompt_caches=True gives them)"
+                "prompt_caches are StreamCaches (return_prompt_caches=True gives them)"
             )
         tokens, limit = fit_prompt(
             tokens,

@@ -26,6 +26,7 @@ from .errors import MTPError
 from .kv import KVSettings
 from .loader import MTPModel
 from .prompt import Prompt
+from .vision import with_images
 from .prompts import context_length, encode_prompt, fit_prompt
 from .request import DraftSettings, GenerationRequest
 from .sampling import LogitsProcessor, Sampler, SamplingConfig
@@ -84,6 +85,7 @@ def stream_generate(
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     trace: bool = False,
     remember: bool = False,
+    image: Optional[Any] = None,
     **kwargs,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt`` (text, token ids, or a ``prompt.Prompt``:
@@ -133,6 +135,10 @@ def stream_generate(
     processes (``remembered``; the command line's ``generate`` and ``chat``
     keep them). Greedy output stays the same, and sampled output keeps its
     distribution: only which drafts are made changes.
+
+    ``image`` (a path, or a list of paths), as mlx-vlm's ``generate`` takes
+    it: the images a vision model (``vision.py``) reads with the text prompt
+    (an image block per image goes in front where the text names none).
     """
     if request is not None and kwargs:
         names = ", ".join(sorted(kwargs))
@@ -142,6 +148,7 @@ def stream_generate(
     request.validate(model)
     request.kv.check_model(model)
     tic = time.perf_counter()
+    prompt = with_images(model, tokenizer, prompt, image)
     tokens = encode_prompt(tokenizer, prompt)
     if not len(tokens) or (isinstance(prompt, str) and not prompt.strip()):
         raise MTPError("the prompt is empty")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import vision
 from .cache import StreamCache, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .drafter import Drafter
@@ -242,6 +243,11 @@ def load_model(
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
     family = family_for(config)
+    if target is Target and vision.is_vision(config):  # Qwen3.5 reads images
+        if vision.available():
+            target = vision.target_for(path, config)
+        else:
+            vision.text_only_notice(path)
     split: Dict[str, mx.array] = {}
     # 1) the trunk, the head's tensors split off on the way
     model, config = _load_trunk(path, config, family, split, model_config)
@@ -492,6 +498,8 @@ def load(
         )
     except Exception as e:
         raise MTPError(f"{path}: cannot load the tokenizer ({first_line(e)})") from None
+    if isinstance(model.target, vision.VisionTarget):
+        tokenizer = vision.processor_for(Path(path), tokenizer)
     if return_config:
         return model, tokenizer, model.config
     return model, tokenizer
