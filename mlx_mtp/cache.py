@@ -62,8 +62,11 @@ def _mark(c) -> Optional[tuple]:
 
     An attention cache is cut back to its offset (later calls only write past
     it). mlx-lm's recurrent ``ArraysCache`` replaces its arrays on every update
-    and never writes into them, so keeping the arrays is a snapshot.
+    and never writes into them, so keeping the arrays is a snapshot; a cache
+    that knows its own snapshot has ``mark`` and ``restore``.
     """
+    if hasattr(c, "mark"):
+        return ("own", c.mark())
     if not hasattr(c, "rollback") and c.is_trimmable():
         return ("offset", cache_offset(c))
     if isinstance(c, ArraysCache):
@@ -74,6 +77,9 @@ def _mark(c) -> Optional[tuple]:
 def _restore(c, mark: tuple) -> None:
     """Bring cache ``c`` back to where ``_mark(c)`` was taken."""
     kind, value = mark
+    if kind == "own":
+        c.restore(value)
+        return
     if kind == "offset":
         rollback([c], cache_offset(c) - value)
         return

@@ -63,7 +63,10 @@ class Reads:
     def features(self, taps: Taps) -> mx.array:
         """``[B, T, F]``: what this drafter reads of one forward."""
         if self.layers:
+            # a layer handing on more than one vector per position (DeepSeek-V4.1's
+            # hyper-connection streams) is read flattened
             parts = [taps.layers[i] for i in self.layers]
+            parts = [x.reshape(*x.shape[:2], -1) for x in parts]
             return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         return taps.hidden
 

@@ -25,8 +25,6 @@ class Declared(NamedTuple):
 NOT_YET = {
     "longcat_flash_ngram": "no engine source pins how its MTP layer reads the "
     "n-gram embedding",
-    "deepseek_v41": "mlx-lm's LayerCache (sliding window, compressed groups) "
-    "cannot roll back a verify pass",
 }
 
 

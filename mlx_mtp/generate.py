@@ -355,7 +355,8 @@ def mtp_logits(model: MTPModel, tokens: Union[Sequence[int], mx.array]) -> mx.ar
     if model.head is None:
         raise ValueError("this model has no MTP head")
     tokens = mx.array(tokens).reshape(1, -1)
-    _, hidden = model.target(tokens, model.target.make_cache())
+    _, taps = model.target.forward(tokens, model.target.make_cache())
+    hidden = model.drafters[0].features(taps)  # the head's drafter is the first
     logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
     return logits[0]
 

@@ -306,6 +306,11 @@ class KVSettings:
             for width in sorted(set(widths)):
                 if width % self.group_size:
                     raise group_misfit(width, self.group_size)
+            if not any(isinstance(c, QuantizingKVCache) for c in self._trunk(model)):
+                raise MTPError(
+                    f"kv_bits: {model.model_type} has no plain attention cache to "
+                    "quantize (its caches are its own)"
+                )
         if self.max_size is None:
             return
         if any(d.reads.kv for d in model.drafters):

@@ -68,6 +68,8 @@ class MTPModel:
     def __post_init__(self):
         if self.head is not None and not self.drafters:
             self.drafters = [HeadDrafter(self.head)]
+            if self.drafters[0].reads.layers:  # a head that reads a trunk layer
+                self.target.tap_layers(self.drafters[0].reads.layers)
 
     def attach(self, drafter: Drafter) -> None:
         """Draft with ``drafter`` too: the trunk keeps the layer outputs it
@@ -213,7 +215,11 @@ def sanitize_block(model: nn.Module, family, weights):
         layer = layer(model)
     sanitize = getattr(model, "sanitize", lambda w: w)
     out = sanitize({f"{layer}{k}": v for k, v in weights.items()})
-    return {k[len(layer) :]: v for k, v in out.items() if k.startswith(layer)}
+    # (a checkpoint whose layers have no ``model.`` prefix gets mlx-lm's names)
+    named = f"model.{layer}"
+    if not any(k.startswith(named) for k in out):
+        named = layer
+    return {k[len(named) :]: v for k, v in out.items() if k.startswith(named)}
 
 
 def load_model(

@@ -298,7 +298,8 @@ def depth1_hits(
     out = []
     for seq, n in zip(sequences, prompt_lens):
         tokens = mx.array(seq)[None]
-        _, hidden = model.target(tokens, model.target.make_cache())
+        _, taps = model.target.forward(tokens, model.target.make_cache())
+        hidden = model.drafters[0].features(taps)  # the head's drafter is the first
         logits, _ = model.head(hidden[:, :-1], tokens[:, 1:], model.head.make_cache())
         first = max(n - 2, 0)  # row i predicts token i + 2
         out.append((logits[0, first:-1], mx.array(seq[first + 2 :])))

@@ -3,9 +3,7 @@ line, and generate exactly as mlx-lm does.
 
 LongCat-Flash-Ngram (``longcat_flash_ngram``): its token embedding is an n-gram
 embedding (``ngram_embeddings``, holding ``word_embeddings``) and its first
-cache the n-gram context, before one ``CacheList`` per layer. DeepSeek-V4.1
-(``deepseek_v41``): hyper-connections and compressed attention in a
-``LayerCache`` that cannot roll back.
+cache the n-gram context, before one ``CacheList`` per layer.
 """
 
 import mlx.core as mx
@@ -32,17 +30,9 @@ CONFIGS = {
         mla_scale_q_lora=True, mla_scale_kv_lora=True, ngram_vocab_size_ratio=2,
         emb_neighbor_num=3, emb_split_num=2,
     ),
-    "deepseek_v41": dict(
-        _TOP, num_hidden_layers=2, num_attention_heads=4, head_dim=32,
-        q_lora_rank=32, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
-        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-        sliding_window=8, compress_ratios=[1, 4], index_n_heads=2,
-        index_head_dim=16, index_topk=4, hc_mult=2,
-    ),
 }  # fmt: skip
 WHY = {
     "longcat_flash_ngram": "n-gram embedding",
-    "deepseek_v41": "LayerCache",
 }
 
 

@@ -26,8 +26,12 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: MTPHead):
         self.head = head
-        # a head that reads the target's caches (a Gemma 4 assistant) says so
-        self.reads = Reads(kv=hasattr(head.make_cache()[0], "link"))
+        # a head that reads the target's caches (a Gemma 4 assistant), or
+        # a trunk layer's output (DeepSeek-V4.1's streams), says so
+        self.reads = Reads(
+            layers=tuple(getattr(head, "reads_layers", ())),
+            kv=hasattr(head.make_cache()[0], "link"),
+        )
 
     @property
     def num_layers(self) -> int:
