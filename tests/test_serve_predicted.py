@@ -13,6 +13,7 @@ import pytest
 from live_server import LiveServer
 
 import mlx_mtp
+from mlx_mtp.draft_settings import DraftSettings
 from mlx_mtp.serve import ServeConfig
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea."}]
@@ -50,7 +51,10 @@ def ask(server, **extra):
 def no_memory(loaded):
     # fixed draft counts: the batch's draft length, measured, would vary
     live = serve(
-        loaded, lookup_memory_bytes=0, prompt_cache_entries=0, adaptive_draft=False
+        loaded,
+        lookup_memory_bytes=0,
+        prompt_cache_entries=0,
+        drafts=DraftSettings(adaptive=False),
     )
     yield live
     live.close()
