@@ -37,7 +37,9 @@ import mlx.nn as nn
 from .base import MTPHead
 from .qwen3_next import sanitize_block  # noqa: F401  (fused experts -> switch_mlp)
 
-MODEL_TYPES = {"qwen4_exp": "Qwen3.8-Flash-Next"}
+MODEL_TYPES = {
+    "qwen4_exp": "Qwen3.8-Flash-Next (source of truth: mlx-vlm 0.7.10 qwen4_exp_mtp)"
+}
 PREFIX = "mtp."
 DEFAULT_HIDDEN_TAP = "pre"  # the streams before the trunk's mixer
 
