@@ -248,6 +248,8 @@ def load_model(
     """
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
+    if vlm_text.serves(config):  # its family and trunk need mlx-vlm
+        vlm_text.require(config)
     family = family_for(config)
     if target is Target and vlm_text.serves(config):  # mlx-vlm's classes only
         target = vlm_text.VLMTextTarget

@@ -57,6 +57,11 @@ def _module(config: Dict[str, Any]):
         ) from None
 
 
+def require(config: Dict[str, Any]) -> None:
+    """A one-line error where mlx-vlm, which ``config``'s family needs, is missing."""
+    _module(config)
+
+
 def load_trunk(
     path: Path, config: Dict[str, Any], family, split: Dict[str, mx.array]
 ):

@@ -25,7 +25,9 @@ position 0 is kept, the RMSNorms are zero-centred (``1 + w``, mlx-vlm's
 every depth, as mlx-vlm's drafter runs it.
 
 The blocks are mlx-vlm's own (``Qwen4ExpDecoderLayer``,
-``Qwen4ExpGatedResidual``, ``Qwen4ExpRMSNorm``), imported when a head is built.
+``Qwen4ExpGatedResidual``, ``Qwen4ExpRMSNorm``): the family needs mlx-vlm,
+which the loader checks first (``vlm_text.require``), so that its absence is
+one line.
 """
 
 from dataclasses import replace
@@ -33,7 +35,15 @@ from typing import Any, Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_vlm.models.qwen3_5.language import _create_qwen3_5_attention_mask
+from mlx_vlm.models.qwen4_exp.language import (
+    Qwen4ExpDecoderLayer,
+    Qwen4ExpGatedResidual,
+    Qwen4ExpRMSNorm,
+)
 
+from ..recurrent.vlm_cache import RollbackQSACache
+from ..recurrent.vlm_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead
 from .qwen3_next import sanitize_block  # noqa: F401  (fused experts -> switch_mlp)
 
@@ -64,12 +74,6 @@ class Qwen4ExpMTP(MTPHead):
     chain_hidden = "pre"
 
     def __init__(self, args: Any):
-        from mlx_vlm.models.qwen4_exp.language import (
-            Qwen4ExpDecoderLayer,
-            Qwen4ExpGatedResidual,
-            Qwen4ExpRMSNorm,
-        )
-
         super().__init__()
         self.hc = args.hc_count
         self.width = args.hidden_size
@@ -103,8 +107,6 @@ class Qwen4ExpMTP(MTPHead):
         return self.hyper_connection_mixer(x)
 
     def states(self, hidden, tokens, cache):
-        from mlx_vlm.models.qwen3_5.language import _create_qwen3_5_attention_mask
-
         c = cache[0] if cache is not None else None
         x = self.fuse(self.embed(tokens), hidden)
         B, L = tokens.shape
@@ -117,8 +119,6 @@ class Qwen4ExpMTP(MTPHead):
         return self.final_norm(x), x
 
     def make_cache(self) -> List[Any]:
-        from ..recurrent.vlm_cache import RollbackQSACache
-
         return [RollbackQSACache()]
 
 
@@ -152,9 +152,3 @@ def build(
         )
     return Qwen4ExpMTP(args)
 
-
-def patch_trunk(model: nn.Module) -> None:
-    """Give mlx-vlm's gated delta nets and QSA caches rollback."""
-    from ..recurrent.vlm_cache import patch_trunk as patch
-
-    patch(model)
