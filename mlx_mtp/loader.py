@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import vision
+from . import vision, vlm_text
 from .cache import StreamCache, can_rollback
 from .config import HEAD_CONFIG_FILE, apply_draft_vocab, read_head_config
 from .drafter import Drafter
@@ -248,7 +248,11 @@ def load_model(
     """
     path = Path(path)
     config = {**read_config(path), **(model_config or {})}
+    if vlm_text.serves(config):  # its family and trunk need mlx-vlm
+        vlm_text.require(config)
     family = family_for(config)
+    if target is Target and vlm_text.serves(config):  # mlx-vlm's classes only
+        target = vlm_text.VLMTextTarget
     if target is Target and vision.is_vision(config):  # Qwen3.5 reads images
         if vision.available():
             target = vision.target_for(path, config)
@@ -313,12 +317,15 @@ def _load_trunk(path: Path, config, family, split, model_config):
     ``split``; each weight file is checked first, and a failure is one line."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    _check_model_type(config)
+    if not vlm_text.serves(config):
+        _check_model_type(config)
     weight_files = glob.glob(str(path / "model*.safetensors"))
     if not weight_files:
         raise MTPError(f"{path}: no model*.safetensors weights")
     for f in weight_files + glob.glob(str(path / HEAD_FILE_GLOB)):
         check_safetensors(Path(f))
+    if vlm_text.serves(config):  # a language model only mlx-vlm has classes for
+        return vlm_text.load_trunk(path, config, family, split)
     try:
         return mlx_lm_load_model(
             path,

@@ -37,8 +37,10 @@ HIDDEN_TAPS = ("post", "pre")
 # mlx-lm's names for the token embedding and the final norm: most families use
 # the first; Nemotron-H ``embeddings`` / ``norm_f``, Bailing ``word_embeddings``,
 # LongCat-Flash-Ngram ``ngram_embeddings`` (which holds ``word_embeddings``).
+# Qwen3.8-Flash-Next (mlx-vlm's ``qwen4_exp``) closes with no norm but the
+# mixer of its hyper-connection streams: its input ("pre") is what the head reads.
 _EMBEDDINGS = ("embed_tokens", "embeddings", "word_embeddings", "ngram_embeddings")
-_FINAL_NORMS = ("norm", "norm_f")
+_FINAL_NORMS = ("norm", "norm_f", "hyper_connection_mixer")
 
 
 def _first(m: nn.Module, names) -> Optional[str]:
@@ -270,6 +272,11 @@ class Target:
             rows.append(e)
         return mx.concatenate(rows)
 
+    def _logits(self, tokens: mx.array, cache: List[Any], **kwargs) -> mx.array:
+        """The model's logits over ``tokens`` (a target whose model returns
+        more than logits, or takes more, overrides this)."""
+        return self.model(tokens, cache=cache, **kwargs)
+
     def forward(self, tokens: mx.array, cache: List[Any], pieces=None, **kwargs):
         """The logits and every tap (``Taps``: the final hidden state, the
         tapped layers' outputs) over ``tokens`` (``[B, T]``); ``pieces[b]``:
@@ -278,7 +285,7 @@ class Target:
         if pieces is not None and any(pieces):
             self._feed.value = self.input_embeddings(tokens, pieces)
         try:
-            logits = self.model(tokens, cache=cache, **kwargs)
+            logits = self._logits(tokens, cache, **kwargs)
         finally:
             self._feed.value = None
         hidden, self._tap.value = self._tap.value, None

@@ -1,0 +1,263 @@
+"""Qwen3.8-Flash-Next (``qwen4_exp``): a target mlx-lm does not load, rollback, head.
+
+The references are mlx-vlm 0.7.10's own: its loader and language model for
+greedy decoding (a plain loop over ``LanguageModel``, which decodes single
+tokens with its batch-invariant path), and its drafter module
+(``Qwen4ExpMTPDraftModel``) for the head's logits on the same weights and
+hidden states. A numpy reference of QSA (indexer, block pooling, sparse
+selection) would be larger than the head; mlx-vlm's drafter is the check.
+"""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny_qwen4
+from tiny import random_prompt
+from mlx.utils import tree_flatten
+
+import mlx_mtp
+from mlx_mtp.adaptive import FixedDraft
+from mlx_mtp.cache import rollback, start_verify
+from mlx_mtp.recurrent.vlm_cache import RollbackQSACache, VerifyArraysCache
+from mlx_mtp.speculative import speculative_generate_step
+from mlx_mtp.stats import MTPStats
+
+PROMPT = random_prompt(30, seed=3)  # past the QSA budget: sparse attention
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return tiny_qwen4.build_folder(tmp_path_factory.mktemp("qwen4") / "m")
+
+
+@pytest.fixture(scope="module")
+def model(folders):
+    return mlx_mtp.load(folders[0])
+
+
+@pytest.fixture(scope="module")
+def reference(folders):
+    from mlx_vlm.utils import load_model
+
+    return load_model(folders[1]).language_model
+
+
+def vlm_greedy(lm, prompt, n, stop=()):
+    cache = lm.make_cache()
+    logits = lm(mx.array(prompt)[None], cache=cache).logits
+    out = []
+    while len(out) < n:
+        t = int(mx.argmax(logits[0, -1]))
+        out.append(t)
+        if t in stop:
+            break
+        logits = lm(mx.array([[t]]), cache=cache).logits
+    return out
+
+
+def mtp_greedy(m, prompt, n, k, stop=()):
+    stats = MTPStats(trace=[])
+    steps = speculative_generate_step(
+        prompt, m, max_tokens=n, drafts=FixedDraft(k), stop_tokens=stop, stats=stats
+    )
+    return [int(t) for t, _ in steps], stats
+
+
+def test_loads_through_mlx_vlm_with_its_head(model):
+    m, _ = model
+    assert m.head is not None and m.notice is None
+    assert type(m.target).__name__ == "VLMTextTarget"
+    assert m.target.hidden_tap == "pre"
+    # the trunk holds no MTP tensor; the head holds all of them
+    names = [k for k, _ in tree_flatten(m.target.model.parameters())]
+    assert names and not any("mtp" in k for k in names)
+    caches = m.make_cache().trunk
+    assert [type(c) for c in caches] == [
+        VerifyArraysCache, RollbackQSACache, VerifyArraysCache, RollbackQSACache
+    ]
+    assert len(caches[0].cache) == 4  # GDN conv + state, PLE conv + n-gram history
+
+
+def test_head_logits_equal_mlx_vlm_drafter(model, reference, folders):
+    """Teacher-forced: the same pre-mixer streams and tokens through mlx-vlm's
+    drafter (its weights from the same ``mtp.*`` tensors) and through the head."""
+    from mlx_vlm.speculative.drafters.qwen4_exp_mtp import Model, ModelConfig
+    from mlx_mtp.weights import read_safetensors
+
+    m, _ = model
+    config = json.loads((folders[0] / "config.json").read_text())
+    drafter = Model(ModelConfig.from_dict(config))
+    tensors = read_safetensors([folders[0] / "model.safetensors"])
+    drafter.load_weights(list(drafter.sanitize(
+        {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    ).items()))
+    drafter.bind(reference)
+
+    tokens = mx.array(PROMPT)[None]
+    out = reference(tokens, cache=reference.make_cache(), return_hidden=True)
+    streams = out.hidden_states[0]  # mlx-vlm's own pre-mixer capture
+    _, taps = m.target.forward(tokens, m.target.make_cache())
+    np.testing.assert_allclose(np.array(taps.hidden), np.array(streams), atol=1e-5)
+    assert streams.shape[-1] == 2 * 32  # hc_count streams of hidden_size
+
+    nxt = tokens[:, 1:]
+    h = streams[:, :-1]
+    want_hidden, want_pre = drafter._forward_hidden(
+        drafter._input_embed(nxt), h, nxt, drafter.make_cache()
+    )
+    want = np.array(reference.lm_head(want_hidden))[0]
+    got_logits, got_pre = m.head(h, nxt, m.head.make_cache())
+    got = np.array(got_logits)[0]
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    top5 = np.argsort(-want, axis=-1)[:, :5]
+    np.testing.assert_allclose(
+        np.take_along_axis(got, top5, -1), np.take_along_axis(want, top5, -1), atol=1e-4
+    )
+    np.testing.assert_allclose(np.array(got_pre), np.array(want_pre), atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_mlx_vlm_with_drafts_accepted(model, reference, k):
+    m, _ = model
+    expected = vlm_greedy(reference, PROMPT, 40)
+    got, stats = mtp_greedy(m, PROMPT, 40, k)
+    assert got == expected
+    assert 0 < stats.accepted < stats.drafted  # kept and rejected drafts both ran
+    assert stats.generation_tokens == len(got) == stats.rounds + stats.accepted
+
+
+def _accepted_draft(out, trace):
+    pos = 0
+    for r in trace:
+        if r.accepted >= 1 and out[pos] not in out[:pos]:
+            return pos, out[pos]
+        pos += r.accepted + 1
+    return None
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_stop_and_max_tokens_inside_a_draft(model, reference, k):
+    m, _ = model
+    free, stats = mtp_greedy(m, PROMPT, 40, k)
+    pos, stop = _accepted_draft(free, stats.trace)
+    got, _ = mtp_greedy(m, PROMPT, 40, k, stop={stop})
+    assert got == vlm_greedy(reference, PROMPT, 40, stop={stop})
+    assert got[-1] == stop and len(got) == pos + 1
+    got, _ = mtp_greedy(m, PROMPT, pos + 1, k)
+    assert got == vlm_greedy(reference, PROMPT, pos + 1)
+
+
+def _state(c):
+    """Every array a layer's cache holds (None where it holds none)."""
+    if isinstance(c, VerifyArraysCache):
+        assert not c.verifying  # nothing kept after a rollback
+        return list(c.cache)
+    out = [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return out + [c.index_keys, c.index_position_ids, c.index_block_keys]
+
+
+def _same(a, b):
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("n, verified", [(0, 4), (1, 4), (3, 4), (2, 3), (1, 2)])
+def test_rollback_equals_a_decode_that_never_saw_the_draft(model, n, verified):
+    """Verify ``verified`` tokens, reject the last ``n``: every array of every
+    cache (GDN conv and state, the n-gram history and PLE conv, QSA keys,
+    values, indexer keys, positions and block summaries) equals that of a
+    decode of the kept tokens alone; the head's QSA cache too."""
+    m, _ = model
+    t = m.target
+    draft = [5, 77, 130, 9][:verified]
+    cache = t.make_cache()
+    t.forward(mx.array(PROMPT[:-1])[None], cache)  # blocks completed before
+    start_verify(cache)
+    t.forward(mx.array([PROMPT[-1], *draft[:-1]])[None], cache)
+    rollback(cache, n)
+    ref = t.make_cache()
+    t.forward(mx.array(PROMPT[:-1])[None], ref)
+    for tok in [PROMPT[-1], *draft[:-1]][: verified - n]:
+        t.forward(mx.array([[tok]]), ref)
+    for c, r in zip(cache, ref):
+        for a, b in zip(_state(c), _state(r)):
+            _same(a, b)
+    # and the decode goes on as if the rejected tokens were never read
+    a, _ = t.forward(mx.array([[11]]), cache)
+    b, _ = t.forward(mx.array([[11]]), ref)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+
+    head = m.head
+    h = mx.random.normal((1, len(PROMPT) + 3, 64))
+    toks = mx.array(PROMPT + [1, 2, 3])[None]
+    hc = head.make_cache()
+    head(h[:, :-3], toks[:, :-3], hc)
+    head(h[:, -3:], toks[:, -3:], hc)
+    rollback(hc, n)
+    hr = head.make_cache()
+    head(h[:, : h.shape[1] - n], toks[:, : h.shape[1] - n], hr)
+    for a, b in zip(_state(hc[0]), _state(hr[0])):
+        _same(a, b)
+
+
+def test_rollback_of_every_verified_token_is_refused(model):
+    m, _ = model
+    cache = m.target.make_cache()
+    m.target.forward(mx.array(PROMPT)[None], cache)
+    start_verify(cache)
+    m.target.forward(mx.array([[1, 2, 3]]), cache)
+    with pytest.raises(ValueError, match="cannot roll back 3 of 3"):
+        rollback(cache, 3)
+
+
+def test_batch_generate_four_streams_greedy(model, reference):
+    m, tok = model
+    prompts = [random_prompt(20 + 3 * i, seed=10 + i) for i in range(4)]
+    out = mlx_mtp.batch_generate(
+        m, tok, prompts, max_tokens=12, return_token_ids=True, temp=0.0
+    )
+    for p, ids in zip(prompts, out.token_ids):
+        assert list(ids) == vlm_greedy(reference, p, 12)
+    assert sum(s.accepted for s in out.mtp_stats) > 0
+
+
+def test_kv_bits_is_refused_in_one_line(folders):
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "generate", "--model", str(folders[0]),
+         "--prompt", "hi", "--max-tokens", "4", "--kv-bits", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "qwen4_exp" in lines[0] and "kv_bits" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_without_mlx_vlm_the_error_is_one_line(folders, tmp_path):
+    hide = tmp_path / "mlx_vlm"
+    hide.mkdir()
+    (hide / "__init__.py").write_text("raise ImportError('mlx_vlm hidden')\n")
+    env = dict(__import__("os").environ)
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "generate", "--model", str(folders[0]),
+         "--prompt", "hi", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "mlx-vlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_info_lists_the_family_its_layers_and_source():
+    from mlx_mtp import families
+
+    (found,) = [f for f in families.families() if f["model_type"] == "qwen4_exp"]
+    assert found["models"].startswith("Qwen3.8-Flash-Next")
+    assert "mlx-vlm 0.7.10" in found["models"]
+    assert found["mtp_layers"] == 1 and not found["layer_per_depth"]
