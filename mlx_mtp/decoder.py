@@ -263,7 +263,7 @@ class Decoder(DraftView):
         L = max(lengths)
         # caches that hold nothing per position (a Gemma 4 assistant's count)
         # take their padding before each row's inputs: its last input is last
-        left = all(getattr(c, "pads_left", False) for c in caches)
+        left = bool(caches) and all(getattr(c, "pads_left", False) for c in caches)
         like = next(it[0] for it in items if it is not None)
         hidden, tokens = [], []
         for it, n in zip(items, lengths):
