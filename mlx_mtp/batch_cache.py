@@ -22,6 +22,9 @@ masks, each new position quantized on its own.
 
 All build from, and give back, the single-stream caches (``merge``,
 ``extract``), and drop or add streams between rounds (``filter``, ``extend``).
+A drafter's cache of a kind of its own brings its batch form with it
+(``merge_batch``: a Gemma 4 assistant's count of positions read,
+``heads.gemma4_assistant.BatchSharedKV``).
 """
 
 from typing import Any, List, Optional, Sequence, Union
@@ -164,6 +167,18 @@ class RaggedKVCache:
         if min(self.lengths) < 0:
             raise ValueError("rolled back past the start of a stream")
 
+    def dequantized(self):
+        """Keys and values ``[B, H, max(lengths), D]`` in full precision (the
+        entries past a stream's length are stale: a reader masks them), for
+        a drafter that reads the target's caches (a Gemma 4 assistant)."""
+        n = max(self.lengths, default=0)
+        if self._k is None:
+            return None, None
+        return self._full(self._k, n), self._full(self._v, n)
+
+    def _full(self, parts: List[mx.array], n: int) -> mx.array:
+        return parts[0][..., :n, :]
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -265,6 +280,10 @@ class RaggedQuantizedKVCache(RaggedKVCache):
     def _encode(self, x: mx.array) -> List[mx.array]:
         return list(mx.quantize(x, self.group_size, self.bits))
 
+    def _full(self, parts: List[mx.array], n: int) -> mx.array:
+        parts = [x[..., :n, :] for x in parts]
+        return mx.dequantize(*parts, self.group_size, self.bits)
+
 
 def _parts(x) -> List[mx.array]:
     return list(x) if isinstance(x, (tuple, list)) else [x]
@@ -351,7 +370,9 @@ def _stack(parts: Sequence[Optional[mx.array]], counts: Sequence[int]):
 def batchable(caches: Sequence[Any]) -> bool:
     """Whether ``caches`` (one stream's) have batch counterparts here."""
     return all(
-        type(c) is KVCache or isinstance(c, (QuantizingKVCache, KeepStatesCache))
+        type(c) is KVCache
+        or isinstance(c, (QuantizingKVCache, KeepStatesCache))
+        or hasattr(c, "merge_batch")
         for c in caches
     )
 
@@ -364,6 +385,8 @@ def merge(caches: Sequence[Any], convert: bool = True) -> Any:
     Without ``convert`` they must all be in one form (the scheduler reads
     prompts whose caches are still in full precision apart)."""
     first = caches[0]
+    if hasattr(first, "merge_batch"):  # a drafter's cache of a kind of its own
+        return type(first).merge_batch(caches)
     if isinstance(first, QuantizingKVCache):
         if convert:
             for c in caches:

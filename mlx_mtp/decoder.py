@@ -14,8 +14,10 @@ the decoder merges (``merge``, the default), each drafter call's rows are
 right-padded to one length and the padding is rolled back at once; padding
 always sits after a stream's real tokens, where its causal mask hides it,
 and is gone before the next round, so each stream's tokens are those it
-would get alone. Otherwise (``merge=False``: the single-stream API; or caches
-with no batch form here: a Gemma 4 assistant reads the target's caches) the
+would get alone (a drafter's cache that holds nothing per position, a Gemma
+4 assistant's, which reads each stream's rows of the batch's trunk caches,
+takes its padding before the inputs instead). Otherwise (``merge=False``: the
+single-stream API; or caches with no batch form here: a bounded cache) the
 decoder runs a batch of one on the stream's own caches, through the same
 rounds.
 
@@ -194,6 +196,9 @@ class Decoder(DraftView):
         else:
             self._trunk, self._drafts = trunk, drafts
             self.kinds = [type(c) for c in streams[0].cache.trunk]
+            for c in (c for cs in drafts.values() for c in cs):
+                if hasattr(c, "link"):  # it reads the trunk's caches: the batch's
+                    c.link(self._trunk)
         for s in streams:
             s.cache.trunk = []
             for state in s.cache.drafts.values():
@@ -256,6 +261,9 @@ class Decoder(DraftView):
             return one_ragged(call, items, caches)
         lengths = [0 if it is None else it[0].shape[1] for it in items]
         L = max(lengths)
+        # caches that hold nothing per position (a Gemma 4 assistant's count)
+        # take their padding before each row's inputs: its last input is last
+        left = bool(caches) and all(getattr(c, "pads_left", False) for c in caches)
         like = next(it[0] for it in items if it is not None)
         hidden, tokens = [], []
         for it, n in zip(items, lengths):
@@ -263,8 +271,9 @@ class Decoder(DraftView):
             t = t.astype(mx.int32) if isinstance(t, mx.array) else mx.array(t, mx.int32)
             if n < L:
                 pad = mx.zeros((1, L - n, h.shape[2]), h.dtype)
-                h = mx.concatenate([h, pad], axis=1)
-                t = mx.concatenate([t, mx.zeros((L - n,), mx.int32)])
+                h = mx.concatenate([pad, h] if left else [h, pad], axis=1)
+                zeros = mx.zeros((L - n,), mx.int32)
+                t = mx.concatenate([zeros, t] if left else [t, zeros])
             hidden.append(h)
             tokens.append(t)
         h, out = call(mx.concatenate(hidden), mx.stack(tokens), caches)
@@ -273,9 +282,17 @@ class Decoder(DraftView):
         # each stream's state at its last input (a drafter may give its states
         # at its last inputs only: a Gemma 4 assistant)
         skip = L - h.shape[1]
-        at = mx.array([max(n - 1 - skip, 0) for n in lengths], dtype=mx.int32)
-        last = mx.take_along_axis(h, at[:, None, None], axis=1)
-        outs = [out[b : b + 1, :n] if n else None for b, n in enumerate(lengths)]
+        if left:
+            last = h[:, -1:]
+            first = [max(L - n - skip, 0) for n in lengths]
+        else:
+            at = mx.array([max(n - 1 - skip, 0) for n in lengths], dtype=mx.int32)
+            last = mx.take_along_axis(h, at[:, None, None], axis=1)
+            first = [0] * len(lengths)
+        outs = [
+            out[b : b + 1, i : i + n] if n else None
+            for b, (n, i) in enumerate(zip(lengths, first))
+        ]
         return last, outs
 
     def rollback(self, caches: List[Any], counts: List[int]) -> None:

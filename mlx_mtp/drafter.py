@@ -89,7 +89,9 @@ class DraftView:
     ) -> Tuple[List, List]:
         """``call(features [B, L, F], tokens [B, L], caches) -> (states, outs)``
         over each stream's item (None: the stream takes no part), rows
-        right-padded to one length (the padding rolled back after). Returns,
+        right-padded to one length (the padding rolled back after; padded
+        before the inputs where every one of ``caches`` holds nothing per
+        position and says so, ``pads_left``: a Gemma 4 assistant). Returns,
         per stream, ``states`` at its last input (``[1, 1, D]``) and ``outs``
         at its inputs (``[1, L_b, D]``), None for a stream with no item.
         ``states`` may hold fewer positions than the inputs (the last ones)."""

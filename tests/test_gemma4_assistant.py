@@ -1,12 +1,15 @@
 """Gemma 4 assistant drafters through the speculative loop: the same output as
-mlx-lm's model alone (greedy, stops and limits inside drafts, sampling), the
-draft step against a reference written here from the pinned rules, and the
-assistant kept beside a converted model."""
+mlx-lm's model alone (greedy, stops and limits inside drafts, sampling), one
+stream or a ragged batch (``batch_generate``, the server's engine), the draft
+step against a reference written here from the pinned rules, a batch's draft
+step against each stream's alone, and the assistant kept beside a converted
+model."""
 
 import json
 import shutil
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -19,12 +22,18 @@ from test_sampling import first_two_tokens, seeded_first_two
 
 import mlx_mtp
 from mlx_mtp.adaptive import CostAwareDraft, FixedDraft, prior_costs
+from mlx_mtp.decoder import Decoder
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads.gemma4_assistant import Gemma4Assistant, SharedKV, kv_layers
 from mlx_mtp.draft_settings import DraftSettings
-from mlx_mtp.sampling import SamplingConfig, make_verifier
-from mlx_mtp.speculative import speculative_generate_step
+from mlx_mtp.prompt import Prompt
+from mlx_mtp.request import GenerationRequest
+from mlx_mtp.sampling import ExactMatchVerifier, SamplingConfig, make_verifier
+from mlx_mtp.serve import ServeConfig
+from mlx_mtp.serve.engine import Engine, Request
+from mlx_mtp.speculative import prefill, speculative_generate_step
 from mlx_mtp.stats import MTPStats
+from mlx_mtp.stream import Stream
 
 PROMPT = list(range(20, 44)) * 2  # longer than the sliding window (8)
 
@@ -42,6 +51,14 @@ def folders(tmp_path_factory):
             root / "agreeable",
             config=tiny_gemma4.PLAIN_ASSISTANT,
             agree_with=tiny_gemma4.target_weights(),
+        ),
+        # its attention over the target's keys and values weighs in: some
+        # drafts are kept, and which depends on what it reads of each stream
+        "partly": tiny_gemma4.build_assistant(
+            root / "partly",
+            config=tiny_gemma4.PLAIN_ASSISTANT,
+            agree_with=tiny_gemma4.target_weights(),
+            attention=2.0,
         ),
     }
 
@@ -261,18 +278,16 @@ def test_an_assistant_that_does_not_fit_is_one_line(folders, tiny_folders, tmp_p
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_served_through_the_single_stream_loop(folders, reference):
-    """The server decodes a Gemma 4 with its assistant (no batch form: each
-    stream runs the single-stream loop in the engine thread), several
-    requests at once, each as it decodes without drafts."""
+def test_served_through_the_batched_rounds(folders, reference):
+    """The server decodes a Gemma 4 with its assistant in its batched rounds,
+    several requests at once, each as it decodes without drafts."""
     import concurrent.futures
 
     from live_server import LiveServer
 
-    from mlx_mtp.serve import ServeConfig
-
     model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["agreeable"])
-    live = LiveServer(model, tokenizer, "g4", ServeConfig(drafts=DraftSettings(adaptive=False)))
+    config = ServeConfig(drafts=DraftSettings(adaptive=False))
+    live = LiveServer(model, tokenizer, "g4", config)
     try:
         prompts = ["abcabcabc", "hello hello hello", "xyz"]
 
@@ -290,5 +305,199 @@ def test_served_through_the_single_stream_loop(folders, reference):
         ]
         assert sum(r.usage.mtp["accepted"] for r in answers) > 0
         assert all(r.usage.completion_tokens == 20 for r in answers)
+        assert live.get("/health")[1]["batched"] is True
     finally:
         live.close()
+
+
+# -- batched: several streams at their own positions in one forward --------------
+
+# different lengths, most past the sliding window (8); limits end them apart
+LENGTHS = [5, 30, 12, 47, 9, 21, 3, 38]
+LIMITS = [24, 31, 18, 40, 27, 22, 35, 29]
+
+
+def _ragged_prompts():
+    return [[20 + (7 * i + j) % 50 for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+def _stream(model, prompt, max_tokens=8):
+    cache = model.make_cache()
+    prefill(model, cache, prompt, 16, True)
+    s = Stream(list(prompt), cache, ExactMatchVerifier(), max_tokens)
+    s.source = None
+    return s
+
+
+def test_a_batch_drafts_from_each_streams_own_rows(folders):
+    """The assistant's step over a batch (streams at different positions,
+    some past the window, one taking no part, inputs of different lengths)
+    is each stream's step alone: it reads its own rows of the batch's trunk
+    caches, at its own length, and counts its own positions."""
+    model = mlx_mtp.load_model(folders["target"], mtp=folders["random"])
+    head = model.head
+    prompts = _ragged_prompts()[:6]
+    mx.random.seed(3)
+    widths = [1, 3, 0, 2, 1, 4]
+    items = [
+        (mx.random.normal((1, n, 64)), [(5 * b + j) % 280 for j in range(n)])
+        if n else None
+        for b, n in enumerate(widths)
+    ]  # fmt: skip
+    streams = [_stream(model, p) for p in prompts]
+    alone = []
+    for s, it in zip(streams, items):
+        one = Decoder(model, merge=False)
+        copy = Stream(list(s.history), s.cache.copy(), ExactMatchVerifier(), 8)
+        one.add([copy])
+        if it is None:
+            alone.append(None)
+            continue
+        last, outs = one.ragged(head.states, [it], one.caches(model.drafters[0]))
+        alone.append((head.logits(last), outs[0], copy.cache.head[0].offset))
+    batch = Decoder(model)
+    assert batch.batched and batch.capacity == 0
+    batch.add(streams)
+    caches = batch.caches(model.drafters[0])
+    before = list(caches[0].lengths)
+    last, outs = batch.ragged(head.states, items, caches)
+    logits = head.logits(last)
+    for b, want in enumerate(alone):
+        if want is None:
+            assert outs[b] is None and caches[0].lengths[b] == before[b]
+            continue
+        np.testing.assert_allclose(
+            np.array(logits[b : b + 1]), np.array(want[0]), rtol=1e-4, atol=1e-4
+        )
+        np.testing.assert_allclose(
+            np.array(outs[b]), np.array(want[1]), rtol=1e-4, atol=1e-4
+        )
+        assert caches[0].lengths[b] == want[2]
+    # a stream that leaves takes its count back, linked to its own trunk
+    batch.remove(streams[1:2])
+    left = streams[1].cache
+    assert left.head[0].offset == alone[1][2] and left.head[0].trunk is left.trunk
+    assert caches[0].lengths == [want[2] if want else n for want, n in
+                                 zip(alone[:1] + alone[2:], before[:1] + before[2:])]
+
+
+EOS = {258, 287}  # the tiny tokenizer's ends of sequence
+
+
+def _answer(reference, prompt, limit):
+    """mlx-lm's greedy tokens to an end of sequence (``batch_generate`` leaves
+    that token out of its ids)."""
+    out = greedy(reference, prompt, limit, EOS)
+    return out[:-1] if out[-1] in EOS else out
+
+
+def _batch(model, tokenizer, prompts, limits, **kw):
+    return mlx_mtp.batch_generate(
+        model, tokenizer, prompts, max_tokens=limits, return_token_ids=True, **kw
+    )
+
+
+@pytest.mark.parametrize("assistant", ["partly", "agreeable"])
+def test_batch_generate_is_mlx_lm_greedy_on_ragged_streams(
+    folders, reference, assistant
+):
+    """8 prompts of different lengths, at most 5 decoding at once (streams
+    leave at their limits and waiting ones join): each prompt's tokens are
+    mlx-lm's greedy alone, and each stream drafts and keeps what it does
+    alone (fixed depth): the batch changes nothing of any stream's rounds."""
+    model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders[assistant])
+    assert set(tokenizer.eos_token_ids) == EOS
+    prompts = _ragged_prompts()
+    out = _batch(
+        model, tokenizer, prompts, LIMITS, completion_batch_size=5,
+        prefill_step_size=16, draft_max=3, adaptive_draft=False,
+        draft_source="mtp",
+    )  # fmt: skip
+    for i, p in enumerate(prompts):
+        assert out.token_ids[i] == _answer(reference, p, LIMITS[i]), i
+        _, stats = run(model, p, LIMITS[i], FixedDraft(3), stop=EOS)
+        got = out.mtp_stats[i]
+        assert (got.drafted, got.accepted) == (stats.drafted, stats.accepted), i
+    drafted = sum(s.drafted for s in out.mtp_stats)
+    accepted = sum(s.accepted for s in out.mtp_stats)
+    if assistant == "partly":
+        assert 0 < accepted < drafted * 0.8
+    # the streams shared their rounds
+    assert out.stats.generation_steps < sum(s.rounds for s in out.mtp_stats) / 3
+
+
+def test_batch_generate_with_the_batchs_own_draft_length(folders, reference):
+    """The batch's policy picks each round's depth by measured time (a tiny
+    model on a CPU may pick none): the tokens stay mlx-lm's."""
+    model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["partly"])
+    prompts = _ragged_prompts()
+    out = _batch(model, tokenizer, prompts, LIMITS, completion_batch_size=8)
+    for i, p in enumerate(prompts):
+        assert out.token_ids[i] == _answer(reference, p, LIMITS[i]), i
+
+
+def test_batch_sampling_is_exact(folders, reference):
+    """Seeded batches (each stream its own seed) of one prompt beside others
+    of other lengths: the first two tokens of the prompt's streams, whose
+    first round drafts, follow mlx-lm's model sampled alone."""
+    model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["partly"])
+    prompt, temp, top_k, n = PROMPT[:30], 1.0, 4, 300
+    p = first_two_tokens(reference, prompt, temp, top_k)
+    others = [PROMPT[:7], PROMPT[:41]]
+    per = 6  # the prompt's streams in each batch
+    runs = []
+    for call in range(n // per):
+        out = _batch(
+            model, tokenizer, [prompt] * per + others, 2, temp=temp, top_k=top_k,
+            seed=call * (per + 2), draft_max=2, adaptive_draft=False,
+            draft_source="mtp",
+        )  # fmt: skip
+        runs += [(t, s) for t, s in zip(out.token_ids, out.mtp_stats)][:per]
+    it = iter(runs)
+    stats = seeded_first_two(p, len(runs), lambda seed: next(it))
+    assert sum(s.drafted for s in stats) >= len(runs)
+
+
+def test_the_engine_serves_ragged_streams_batched(folders, reference):
+    """The server's engine: 8 requests of different lengths and limits sent
+    at once, at most 5 decoding together: each gets mlx-lm's greedy tokens,
+    drafts are made and partly kept, and the streams share rounds."""
+    model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["partly"])
+    config = ServeConfig(
+        max_batch=5, prompt_cache_entries=0, lookup_memory_bytes=0,
+        prefill_step=16, drafts=DraftSettings(adaptive=False),
+    )  # fmt: skip
+    engine = Engine(model, tokenizer, config)
+    prompts = _ragged_prompts()
+    tokens = [[] for _ in prompts]
+    usages = [None] * len(prompts)
+    done = [threading.Event() for _ in prompts]
+
+    def emit_for(i):
+        def emit(event):
+            tokens[i] += [entry[0] for entry in event.logprobs]
+            if event.finish_reason is not None or event.error is not None:
+                usages[i] = event.usage if event.error is None else event.error
+                done[i].set()
+
+        return emit
+
+    engine.start()
+    try:
+        for i, p in enumerate(prompts):
+            params = GenerationRequest(
+                max_tokens=LIMITS[i], logprobs=0,
+                drafts=DraftSettings(source="mtp", draft_max=3, adaptive=False),
+            )  # fmt: skip
+            engine.submit(Request(prompt=Prompt(p), params=params, emit=emit_for(i)))
+        for d in done:
+            assert d.wait(300)
+        assert engine.batched and engine.counts()["peak_batch"] == 5
+    finally:
+        engine.stop()
+    for i, p in enumerate(prompts):
+        assert isinstance(usages[i], dict), usages[i]
+        assert tokens[i] == greedy(reference, p, LIMITS[i], EOS), i
+    drafted = sum(u["mtp"]["drafted"] for u in usages)
+    accepted = sum(u["mtp"]["accepted"] for u in usages)
+    assert 0 < accepted < drafted

@@ -184,3 +184,23 @@ def test_the_gemma4_assistant_drafts_over_quantized_keys(gemma):
 def test_settings_validate_alone():
     assert KVSettings(bits=8).validate().active
     assert not KVSettings().active
+
+
+def test_a_batch_of_gemma4_streams_drafts_over_quantized_keys(gemma):
+    """Streams at different lengths in one batch, their caches quantized: the
+    assistant reads each stream's quantized rows dequantized, and each
+    stream's tokens are the plain loop's over its own quantized caches."""
+    model, tokenizer = gemma
+    prompts = [list(range(20, 44)) * 2, list(range(30, 39)), list(range(50, 80))]
+    prompts.append(list(range(60, 65)))
+    kv = dict(kv_bits=4, kv_group_size=GROUP, quantized_kv_start=0)
+    out = mlx_mtp.batch_generate(
+        model, tokenizer, prompts, max_tokens=N, return_token_ids=True,
+        draft_max=3, adaptive_draft=False, draft_source="mtp", **kv,
+    )  # fmt: skip
+    for p, got in zip(prompts, out.token_ids):
+        plain = [r.token for r in ours(model, tokenizer, p, mtp=False, **kv)]
+        if plain[-1] in tokenizer.eos_token_ids:  # left out of the batch's ids
+            plain = plain[:-1]
+        assert got == plain
+    assert sum(s.accepted for s in out.mtp_stats) > 0

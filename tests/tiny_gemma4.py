@@ -111,14 +111,20 @@ def build_target(path: Path, seed: int = 0) -> Path:
     return tiny.save_folder(Path(path), dict(TARGET), target_weights(seed))
 
 
-def build_assistant(path: Path, seed: int = 1, config=ASSISTANT, agree_with=None):
+def build_assistant(
+    path: Path, seed: int = 1, config=ASSISTANT, agree_with=None, attention=None
+):
     """The assistant's folder; ``agree_with`` (the target's weights) makes it
-    draft the token it is given (``agreeable``)."""
+    draft the token it is given (``agreeable``); ``attention`` then lets its
+    attention over the target's keys and values weigh in (``partly``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     weights = assistant_weights(seed, config)
     if agree_with is not None:
+        random = weights
         weights = agreeable(weights, agree_with, config)
+        if attention is not None:
+            weights = partly(weights, random, attention)
     if "masked_embedding.token_ordering" in weights:  # int64, as Google stores it
         order = weights["masked_embedding.token_ordering"]
         weights["masked_embedding.token_ordering"] = order.astype(mx.int64)
@@ -143,4 +149,18 @@ def agreeable(weights, target_w, config=ASSISTANT):
         elif k.endswith("norm.weight") and k.startswith("model."):
             out[k] = mx.ones(out[k].shape)
     out["model.embed_tokens.weight"] = target_w["model.embed_tokens.weight"] @ proj.T
+    return out
+
+
+def partly(weights, random, scale: float):
+    """An agreeable assistant's ``weights`` whose attention adds its random
+    output again, weighed by ``scale`` (its post-attention norm): the drafts
+    follow the target's keys and values, and only some are kept (2.0: about
+    a third at a long context, most at a short one)."""
+    out = dict(weights)
+    for k in out:
+        if k.endswith("o_proj.weight"):
+            out[k] = random[k]
+        elif k.endswith("post_attention_layernorm.weight"):
+            out[k] = scale * mx.ones(out[k].shape)
     return out

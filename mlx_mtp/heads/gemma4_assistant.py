@@ -50,7 +50,7 @@ A converted model keeps the assistant as ``mtp.safetensors`` (tensors under
 loads the assistant's own folder as it is.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,12 +77,23 @@ class SharedKV:
     head caches holds for it as for any other head), and the target's caches,
     which it reads (``StreamCache`` links them)."""
 
+    # it holds nothing per position: a batch's rows may be padded before
+    # their inputs, so that each row's last input is the call's last
+    pads_left = True
+
     def __init__(self, offset: int = 0):
         self.offset = offset
         self.trunk: Optional[List[Any]] = None
 
     def link(self, trunk: List[Any]) -> None:
         self.trunk = trunk
+
+    def positions(self) -> List[int]:
+        """Where the round's first token sits: the trunk's length."""
+        return [cache_length(self.trunk)]
+
+    def count(self, n: int) -> None:
+        self.offset += n
 
     def is_trimmable(self) -> bool:
         return True
@@ -102,6 +113,55 @@ class SharedKV:
 
     def __deepcopy__(self, memo) -> "SharedKV":
         return SharedKV(self.offset)  # the copy is linked to its own trunk
+
+    @staticmethod
+    def merge_batch(caches: Sequence["SharedKV"]) -> "BatchSharedKV":
+        """The batch form (``batch_cache.merge``)."""
+        return BatchSharedKV([c.offset for c in caches])
+
+
+class BatchSharedKV:
+    """``SharedKV`` of a batch of streams (``decoder.Decoder``): each stream's
+    count, linked to the batch's trunk caches (``batch_cache.RaggedKVCache``),
+    whose rows the assistant reads, each at its stream's own length."""
+
+    pads_left = True
+
+    def __init__(self, lengths: Sequence[int] = ()):
+        self.lengths = list(lengths)
+        self.trunk: Optional[List[Any]] = None
+
+    def link(self, trunk: List[Any]) -> None:
+        self.trunk = trunk
+
+    def positions(self) -> List[int]:
+        return list(next(c.lengths for c in self.trunk if hasattr(c, "lengths")))
+
+    def count(self, n: int) -> None:
+        self.lengths = [m + n for m in self.lengths]
+
+    def rollback(self, n) -> None:
+        n = [n] * len(self.lengths) if isinstance(n, int) else list(n)
+        self.lengths = [m - k for m, k in zip(self.lengths, n)]
+        if self.lengths and min(self.lengths) < 0:
+            raise ValueError("rolled back past the start of a stream")
+
+    def extend(self, other: "BatchSharedKV") -> None:
+        self.lengths = self.lengths + other.lengths
+
+    def filter(self, keep: Sequence[int]) -> None:
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def extract(self, b: int) -> SharedKV:
+        return SharedKV(self.lengths[b])  # linked to the stream's trunk by it
+
+    @property
+    def state(self) -> List[mx.array]:
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return 0
 
 
 class CentroidHead(nn.Module):
@@ -197,21 +257,33 @@ class Gemma4Assistant(MTPHead):
         if tokens is not None:
             raise ValueError("a Gemma 4 assistant drafts from its own output head")
 
-    def _shared_kv(self, trunk: List[Any], position: int) -> Dict[str, tuple]:
-        """Per layer type, the target's keys and values the query at
-        ``position`` sees (the window's on a sliding layer)."""
-        out = {}
+    def _shared_kv(self, trunk: List[Any], positions: List[int]):
+        """Per layer type, the target's keys and values the query of stream
+        ``b`` at ``positions[b]`` sees (the window's on a sliding layer), and
+        the mask that keeps each stream to its own (None for one position)."""
+        first, last = min(positions), max(positions)
+        window = self.args.sliding_window
+        out, masks = {}, {}
         for kind, i in self._kv_layers.items():
             c = trunk[i]
             start = 0
             if kind == "sliding_attention":
-                start = max(0, position - self.args.sliding_window + 1)
+                start = max(0, first - window + 1)
             if hasattr(c, "dequantized"):  # a quantized cache: read in full
                 keys, values = c.dequantized()
             else:
                 keys, values = c.keys, c.values
-            out[kind] = (keys[..., start:position, :], values[..., start:position, :])
-        return out
+            out[kind] = (keys[..., start:last, :], values[..., start:last, :])
+            masks[kind] = None
+            if first != last:  # each stream sees the keys before its position
+                at = mx.array(positions)[:, None]
+                keys_at = mx.arange(start, last)[None]
+                # (a stream at 0 reads nothing of its own: its row is padding)
+                seen = (keys_at < mx.maximum(at, start + 1))
+                if kind == "sliding_attention":
+                    seen = seen & (keys_at > at - window)
+                masks[kind] = seen[:, None, None, :]  # [B, 1, 1, keys]
+        return out, masks
 
     def __call__(
         self, hidden: mx.array, tokens: mx.array, cache: List[Any]
@@ -226,24 +298,26 @@ class Gemma4Assistant(MTPHead):
     def states(
         self, hidden: mx.array, tokens: mx.array, cache: List[Any]
     ) -> Tuple[mx.array, mx.array]:
-        """``__call__`` before the output projection (``MTPHead.states``)."""
+        """``__call__`` before the output projection (``MTPHead.states``).
+        In a batch each row's last input is its own (rows are padded before
+        their inputs: ``SharedKV.pads_left``) and each reads its stream's
+        rows of the batch's trunk caches at that stream's length."""
         if cache is None or cache[0].trunk is None:
             raise ValueError(
                 "a Gemma 4 assistant drafts only beside its target's caches"
             )
         c = cache[0]
-        position = cache_length(c.trunk)  # the round's first token's position
+        positions = c.positions()  # each round's first token's position
         e = self.embed(tokens[:, -1:]) * self._embed_scale
         x = mx.concatenate([e, hidden[:, -1:].astype(e.dtype)], axis=-1)
         h = self.pre_projection(x)
-        kv = self._shared_kv(c.trunk, position)
-        offset = mx.array(position)
+        kv, masks = self._shared_kv(c.trunk, positions)
+        offset = mx.array(positions if len(set(positions)) > 1 else positions[0])
         for layer in self.model.layers:
-            h, _, _ = layer(
-                h, None, None, shared_kv=kv[layer.layer_type], offset=offset
-            )
+            kind = layer.layer_type
+            h, _, _ = layer(h, masks[kind], None, shared_kv=kv[kind], offset=offset)
         h = self.model.norm(h)
-        c.offset += tokens.shape[1]
+        c.count(tokens.shape[1])
         return h, self.post_projection(h)
 
 
