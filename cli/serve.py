@@ -126,9 +126,6 @@ def serve(
     ),
     max_body_mb: int = typer.Option(
         DEFAULT_MAX_BODY_MB,
-    DEFAULT_MAX_IMAGE_MB,
-    DEFAULT_MAX_IMAGE_PIXELS,
-    DEFAULT_MAX_IMAGES,
         "--max-body-mb",
         min=1,
         help="Request bodies larger than this many MiB get a 413 before they are read.",

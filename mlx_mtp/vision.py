@@ -294,7 +294,7 @@ def decode_image(data: bytes, where: str, max_pixels: "int | None" = None) -> Pi
     return Picture(data, picture)
 
 
-def _images(image) -> list:
+def image_list(image) -> list:
     """``image`` (None, a path, bytes, a ``Picture``, or a list of them) as a list."""
     if image is None:
         return []
@@ -328,7 +328,7 @@ def as_picture(image) -> Picture:
 
 def check_images(image) -> None:
     """Every image of ``image`` can be read (before a model is loaded)."""
-    for p in _images(image):
+    for p in image_list(image):
         as_picture(p)
 
 
@@ -363,7 +363,7 @@ class VisionProcessor:
 
         if not isinstance(text, str):
             raise MTPError("a prompt with images is text, not token ids")
-        read = [as_picture(i) for i in _images(image)]
+        read = [as_picture(i) for i in image_list(image)]
         text = self.with_images(text, len(read))
         if text.count(self.image_token) != len(read):
             raise MTPError(
@@ -421,10 +421,21 @@ def processor_for(path: Path, tokenizer) -> "VisionProcessor":
     return VisionProcessor(tokenizer, processor, config)
 
 
+def image_blocks(model, tokenizer, text: str, image) -> str:
+    """``text`` with an image block per image of ``image`` in front, where
+    it names none (a model that reads no images: a one-line error)."""
+    n = len(image_list(image))
+    if not n:
+        return text
+    if not isinstance(tokenizer, VisionProcessor):
+        with_images(model, tokenizer, text, image)  # says why not
+    return tokenizer.with_images(text, n)
+
+
 def with_images(model, tokenizer, prompt, image) -> Prompt | Any:
     """``prompt`` read with ``image`` (a path, image bytes, a ``Picture``, or
     a list of them; None: as it is)."""
-    if not _images(image):
+    if not image_list(image):
         return prompt
     if isinstance(tokenizer, VisionProcessor):
         return tokenizer.prompt(prompt, image)

@@ -148,8 +148,8 @@ def _image(source, at: str) -> dict:
     elif kind == "url" and isinstance(source.get("url"), str):
         url = source["url"]
     else:
-        raise _bad(f'{at}.source: must be {{"type": "base64", "media_type", '
-                   f'"data"}} or {{"type": "url", "url"}}')  # fmt: skip
+        raise _bad(f'{at}.source: an image\'s source must be {{"type": "base64", '
+                   f'"media_type", "data"}} or {{"type": "url", "url"}}')  # fmt: skip
     return {"type": "image_url", "image_url": {"url": url}}
 
 
