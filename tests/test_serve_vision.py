@@ -13,8 +13,12 @@ import base64
 import http.server
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +34,8 @@ from live_server import LiveServer  # noqa: E402
 
 import mlx_mtp  # noqa: E402
 from mlx_mtp import prompt_file  # noqa: E402
+from mlx_mtp.chat import ChatSession  # noqa: E402
+from mlx_mtp.errors import MTPError  # noqa: E402
 from mlx_mtp.draft_settings import DraftSettings  # noqa: E402
 from mlx_mtp.prompt import digest_of, segment_key  # noqa: E402
 from mlx_mtp.prompts import chat_text  # noqa: E402
@@ -45,12 +51,16 @@ def fixed(**config) -> ServeConfig:
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+def folder(tmp_path_factory):
+    return tiny_vlm.build_folder(tmp_path_factory.mktemp("vlm") / "qwen3_5-vl")
+
+
+@pytest.fixture(scope="module")
+def vlm(folder):
     """(model, processor, image paths)."""
-    root = tmp_path_factory.mktemp("vlm")
-    folder = tiny_vlm.build_folder(root / "qwen3_5-vl")
     images = [
-        tiny_vlm.write_image(root / f"i{k}.png", k, SIZES[k % 4]) for k in range(8)
+        tiny_vlm.write_image(folder.parent / f"i{k}.png", k, SIZES[k % 4])
+        for k in range(8)
     ]
     model, processor = mlx_mtp.load(folder)
     return model, processor, images
@@ -445,3 +455,79 @@ def test_prompt_caches_key_on_the_images(vlm, tmp_path):
             assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     finally:
         again.close()
+
+
+# -- the command line and the chat session ---------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, stdin=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "mlx_mtp", *args], input=stdin,
+                          capture_output=True, text=True, env=env,
+                          cwd="/")  # fmt: skip
+
+
+def test_a_cached_image_prompt_continues_only_with_its_images(vlm, folder, tmp_path):
+    _, processor, images = vlm
+    cache = tmp_path / "seen.safetensors"
+    made = _cli("cache-prompt", "--model", str(folder), "--prompt", "Look. ",
+                "--image", str(images[0]),
+                "--prompt-cache-file", str(cache))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    header = prompt_file.peek(cache)
+    assert [s.digest for s in header.segments] == [digest_of(images[0].read_bytes())]
+    go = ["generate", "--model", str(folder), "--prompt-cache-file", str(cache),
+          "--prompt", "What is it?", "-n", str(N), "--json"]  # fmt: skip
+    resumed = _cli(*go, "--image", str(images[0]))
+    assert resumed.returncode == 0, resumed.stderr
+    block = processor.image_block
+    want = reference(vlm, [{"role": "user", "content": block + "Look. What is it?"}],
+                     [images[0]])  # fmt: skip
+    assert json.loads(resumed.stdout)["text"] == want
+    for wrong in ([], ["--image", str(images[1])]):
+        refused = _cli(*go, *wrong)
+        assert refused.returncode != 0
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and "pass the same with --image" in lines[0], lines
+        assert "Traceback" not in refused.stderr
+
+
+def test_chat_session_turns_with_images_reuse_the_cache(vlm):
+    model, processor, images = vlm
+    block = processor.image_block
+    session = ChatSession(model, processor, max_tokens=N, temp=0.0)
+    first = "".join(r.text for r in session.send("What is it?", image=images[2]))
+    turns = [{"role": "user", "content": block + "What is it?"}]
+    assert first == reference(vlm, turns, [images[2]])
+    second = "".join(r.text for r in session.send("And this?", image=images[3]))
+    turns += [{"role": "assistant", "content": first},
+              {"role": "user", "content": block + "And this?"}]  # fmt: skip
+    assert second == reference(vlm, turns, images[2:4])
+    # what the cache holds is keyed by both images
+    assert [s.digest for s in session.cached_segments] == [
+        digest_of(p.read_bytes()) for p in images[2:4]
+    ]
+    third = "".join(r.text for r in session.send("Same?"))
+    turns += [{"role": "assistant", "content": second},
+              {"role": "user", "content": "Same?"}]  # fmt: skip
+    assert third == reference(vlm, turns, images[2:4])
+    with pytest.raises(MTPError, match="no such file"):
+        list(session.send("x", image="/nonexistent.png"))
+    assert len(session.messages) == 6  # the refused turn left nothing
+
+
+def test_chat_cli_shows_an_image_with_the_next_message(vlm, folder):
+    _, processor, images = vlm
+    lines = f"/image {images[4]}\nWhat is it?\n/image /nonexistent.png\n/quit\n"
+    out = _cli("chat", "--model", str(folder), "-n", str(N), "--temp", "0",
+               stdin=lines)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    turns = [{"role": "user", "content": processor.image_block + "What is it?"}]
+    want = reference(vlm, turns, [images[4]])
+    assert want.rsplit("\t", 1)[-1] in out.stdout  # (the terminal expands tabs)
+    shown = processor.prompt(chat_text(processor, turns), [images[4]])
+    assert f"prompt {len(shown)}," in out.stderr  # the image's tokens were read
+    assert "shown with the next message" in out.stdout
+    assert "/nonexistent.png: no such file" in out.stdout
