@@ -4,7 +4,7 @@
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -37,6 +37,13 @@ def cache_prompt(
     no_chat_template: bool = typer.Option(
         False, "--no-chat-template", help="Cache the prompt as is."
     ),
+    images: Optional[List[Path]] = typer.Option(
+        None,
+        "--image",
+        help="An image the prompt shows (repeatable; a vision model), an image "
+        "block each in front of the text; the file keeps their digests, and "
+        "generate/chat continue it only with the same --image files.",
+    ),
     kv=None,  # the KV cache options (o.kv_options)
 ):
     """Read a prompt once (trunk, MTP head, drafters) and write its cache to a file.
@@ -47,12 +54,17 @@ def cache_prompt(
     from mlx_mtp import prompt_file
 
     text = read_prompt(prompt)
+    if images:  # a missing or broken image: before loading
+        from mlx_mtp.vision import check_images
+
+        check_images(images)
     _, loaded, tokenizer = o.load_model(model, mtp, hidden_tap)
     tic = time.perf_counter()
     bar = PromptProgress()
     n = prompt_file.cache_prompt(
         loaded, tokenizer, text, prompt_cache_file, system=system,
         chat_template=not no_chat_template, kv=kv, progress=bar,
+        image=images or None,
     )  # fmt: skip
     bar.close()
     seconds = time.perf_counter() - tic

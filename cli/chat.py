@@ -15,6 +15,7 @@ from .app import OUTPUT, app, fail
 from .progress import PromptProgress
 
 HELP = """\
+/image PATH  show an image with the next message (a vision model; repeatable)
 /reset  forget the conversation (the system prompt stays)
 /stats  speculative decoding totals for this conversation
 /help   this list
@@ -76,13 +77,14 @@ class _Waiting:
             self.status = None
 
 
-def _answer(console, err, session, text: str, show_drafts: bool, progress):
+def _answer(console, err, session, text: str, show_drafts: bool, progress,
+            images=()):  # fmt: skip
     """Stream one answer; Ctrl-C stops it and the session drops the turn.
 
     The footer goes to ``err`` (stderr), as ``generate`` writes its stats;
     ``progress`` (the session's ``prefill_progress``) shows in the spinner.
     """
-    stream = session.send(text)
+    stream = session.send(text, image=list(images) or None)
     response = None
     waiting = _Waiting(console, "thinking")
     progress.status, progress.after = waiting.status, "thinking"
@@ -117,14 +119,19 @@ def _answer(console, err, session, text: str, show_drafts: bool, progress):
         err.print(footer(response.stats, width), style="dim", markup=False)
 
 
-def _command(console, session, line: str, why: str | None) -> bool:
+def _command(console, session, line: str, why: str | None, images=None) -> bool:
     """Run a /command; returns False when the chat should end (``why``: why
-    the session drafts nothing, where that is known)."""
+    the session drafts nothing, where that is known; ``images``: those the
+    next message shows, which ``/image`` adds to)."""
     name = line.split()[0].lower()
+    images = images if images is not None else []
     if name in ("/quit", "/exit"):
         return False
-    if name == "/reset":
+    if name == "/image":
+        _add_image(console, session, line[len(name) :].strip(), images)
+    elif name == "/reset":
         session.reset()
+        images.clear()
         console.print("conversation reset", style="dim")
     elif name == "/stats":
         console.print(session.total.summary(why), markup=False, soft_wrap=True)
@@ -140,6 +147,23 @@ def _command(console, session, line: str, why: str | None) -> bool:
     else:
         console.print(f"unknown command {name} (/help lists them)", markup=False)
     return True
+
+
+def _add_image(console, session, path: str, images: list) -> None:
+    """``/image PATH``: read the image now (a bad one is said at once), shown
+    with the next message."""
+    from mlx_mtp.vision import image_blocks, read_image
+
+    if not path:
+        console.print("usage: /image PATH", markup=False)
+        return
+    try:
+        image_blocks(session.model, session.tokenizer, "", [path])  # or why not
+        images.append(read_image(Path(path).expanduser()))
+    except MTPError as e:
+        console.print(f"error: {e}", markup=False, soft_wrap=True)
+        return
+    console.print(f"{path}: shown with the next message", style="dim", markup=False)
 
 
 def _read(console) -> Optional[str]:
@@ -239,6 +263,11 @@ def chat(
         cached = prompt_file.load(prompt_cache_file, loaded)
         if not cached.chat_template:
             raise fail(f"{prompt_cache_file}: written without the chat template")
+        if cached.segments:
+            raise fail(
+                f"{prompt_cache_file}: read with images, which chat does not "
+                "continue (generate --prompt-cache-file --image does)"
+            )
         system = system if system is not None else cached.system
     session = ChatSession(
         loaded,
@@ -257,6 +286,7 @@ def chat(
     console.print("Type a message; /help lists the commands.", style="dim")
     if show_drafts:
         console.print("tokens from accepted drafts", style=DRAFT_STYLE)
+    images = []  # shown with the next message (/image)
     while True:
         line = _read(console)
         if line is None:
@@ -265,7 +295,8 @@ def chat(
         if not line:
             continue
         if line.startswith("/"):
-            if not _command(console, session, line, why):
+            if not _command(console, session, line, why, images):
                 break
             continue
-        _answer(console, err, session, line, show_drafts, progress)
+        _answer(console, err, session, line, show_drafts, progress, images)
+        images.clear()

@@ -154,8 +154,8 @@ def generate(
     if images:  # a missing or broken image: before loading
         from mlx_mtp.vision import check_images
 
-        if prompts is not None or prompt_cache_file is not None:
-            raise fail("--image goes with --prompt (not --prompts or a prompt cache)")
+        if prompts is not None:
+            raise fail("--image goes with --prompt (not --prompts)")
         check_images(images)
     if prompts is not None:
         if group.size() > 1:
@@ -179,16 +179,15 @@ def generate(
     if prompt_cache_file is not None:
         cached = prompt_file.load(prompt_cache_file, loaded)
         text, have, cache = prompt_file.continue_from(
-            cached, loaded, tokenizer, text, system
+            cached, loaded, tokenizer, text, system, images or None
         )
+        images = None  # read with the cached prompt
         resume = {"prompt_cache": cache, "cached_tokens": have}
     else:
         if images:  # the image blocks go inside the user's message
-            from mlx_mtp.vision import VisionProcessor, with_images
+            from mlx_mtp.vision import image_blocks
 
-            if not isinstance(tokenizer, VisionProcessor):
-                with_images(loaded, tokenizer, text, images)  # says why not
-            text = tokenizer.with_images(text, len(images))
+            text = image_blocks(loaded, tokenizer, text, images)
         if not no_chat_template:
             _say_if_raw(name, tokenizer)
             text = user_prompt(tokenizer, text, system)

@@ -2,6 +2,7 @@
 
 import signal
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -9,9 +10,13 @@ import typer
 from mlx_mtp.serve import (
     API_KEY_ENV,
     DEFAULT_HOST,
+    DEFAULT_IMAGE_FETCH_TIMEOUT,
     DEFAULT_LOOKUP_MEMORY_MB,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_IMAGE_MB,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
     DEFAULT_PORT,
     DEFAULT_PROMPT_CACHE_DISK_GB,
     DEFAULT_PROMPT_CACHE_ENTRIES,
@@ -24,6 +29,7 @@ from . import options as o
 from .app import SPECULATIVE, app, fail
 
 SERVER = "Server"
+IMAGES = "Images (a vision model)"
 
 
 @app.command()
@@ -150,6 +156,50 @@ def serve(
         "model, instead of serving it under any name.",
         rich_help_panel=SERVER,
     ),
+    max_images: int = typer.Option(
+        DEFAULT_MAX_IMAGES,
+        "--max-images",
+        min=0,
+        help="Images one request may hold (0: none).",
+        rich_help_panel=IMAGES,
+    ),
+    max_image_mb: float = typer.Option(
+        DEFAULT_MAX_IMAGE_MB,
+        "--max-image-mb",
+        min=0.001,
+        help="Bytes each image may take, in MiB (larger: a 400 before decoding).",
+        rich_help_panel=IMAGES,
+    ),
+    max_image_pixels: int = typer.Option(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        "--max-image-pixels",
+        min=1,
+        help="Pixels each image may have (from its header, before decoding).",
+        rich_help_panel=IMAGES,
+    ),
+    allow_image_urls: bool = typer.Option(
+        False,
+        "--allow-image-urls",
+        help="Fetch http(s) image URLs (off: data: URLs only). A server that "
+        "fetches URLs can be made to reach hosts its clients cannot: allow it "
+        "only where its clients may reach what it can.",
+        rich_help_panel=IMAGES,
+    ),
+    allow_image_files: Optional[Path] = typer.Option(
+        None,
+        "--allow-image-files",
+        metavar="DIR",
+        help="Read images named by a path or file:// URL under DIR (and only "
+        "there).",
+        rich_help_panel=IMAGES,
+    ),
+    image_fetch_timeout: float = typer.Option(
+        DEFAULT_IMAGE_FETCH_TIMEOUT,
+        "--image-fetch-timeout",
+        min=0.001,
+        help="Seconds an image URL's fetch may take, all of it.",
+        rich_help_panel=IMAGES,
+    ),
     draft_max: o.DraftMax = None,
     draft_source: o.DraftSourceOption = o.DraftSource.auto,
     fixed_draft: bool = typer.Option(
@@ -178,6 +228,8 @@ def serve(
         check_parser(reasoning_parser)
     except ValueError as e:
         raise fail(f"--reasoning-parser: {e}") from None
+    if allow_image_files is not None and not allow_image_files.is_dir():
+        raise fail(f"--allow-image-files: {allow_image_files} is not a folder")
     config = ServeConfig(
         drafts=DraftSettings(
             source=o.DraftSource(draft_source).value,
@@ -199,6 +251,12 @@ def serve(
         kv=kv,
         prompt_cache_dir=prompt_cache_dir,
         prompt_cache_disk_bytes=int(prompt_cache_disk_gb * 2**30),
+        max_images=max_images,
+        max_image_bytes=max(1, int(max_image_mb * 2**20)),
+        max_image_pixels=max_image_pixels,
+        allow_image_urls=allow_image_urls,
+        image_dir=str(allow_image_files) if allow_image_files else None,
+        image_fetch_timeout=image_fetch_timeout,
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if group.size() > 1:

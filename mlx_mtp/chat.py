@@ -13,18 +13,24 @@ An interrupted answer (``KeyboardInterrupt`` inside the stream, or a consumer
 that stops reading and closes it) drops the whole turn: the conversation goes
 back to the last complete turn, and the cache to what it held when the turn
 started (after the cut to the new prompt's common prefix).
+
+A vision model's turn may show images (``send(text, image=...)``): each
+goes in front of the message's text as an image block, and every later turn
+reads the conversation with all of them, its cache compared by the images'
+digests as well as the tokens (``Prompt.keys``).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .cache import StreamCache, Snapshot, truncatable, truncate
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import GenerationResponse, stream_generate
 from .loader import MTPModel
-from .prompt import common_prefix
+from .prompt import Prompt, Segment, common_prefix
 from .prompts import chat_text, encode
 from .stats import MTPStats
+from .vision import as_picture, image_blocks, image_list, with_images
 
 
 @dataclass
@@ -33,6 +39,7 @@ class _Saved:
 
     messages: int
     tokens: List[int]
+    segments: Tuple[Segment, ...]
     cache: Optional[Snapshot]  # None: the caches cannot be brought back
 
 
@@ -78,6 +85,8 @@ class ChatSession:
             self.messages.append({"role": "system", "content": self.system})
         self.cache: StreamCache = self.model.make_cache()
         self.cached_tokens: List[int] = []  # exactly what the trunk has read
+        self.cached_segments: Tuple[Segment, ...] = ()  # the images among them
+        self.images: List[Any] = []  # the conversation's images (``Picture`` s)
         self._open: Optional[_Saved] = None
         self.opening = ""  # text the next user message starts with (``resume``)
 
@@ -91,17 +100,31 @@ class ChatSession:
         """The templated conversation, encoded as ``generate`` encodes a prompt."""
         return encode(self.tokenizer, chat_text(self.tokenizer, messages))
 
-    def send(self, text: str) -> Iterator[GenerationResponse]:
-        """Stream the answer to the user message ``text``.
+    @property
+    def cached(self) -> Prompt:
+        """What the trunk has read, images and all."""
+        return Prompt(tuple(self.cached_tokens), self.cached_segments)
+
+    def send(self, text: str, image=None) -> Iterator[GenerationResponse]:
+        """Stream the answer to the user message ``text`` (showing ``image``:
+        a path, image bytes, or a list of them, for a vision model).
 
         The turn counts once its last token has been yielded; if the stream is
         interrupted or closed before that, the turn is dropped.
         """
         if self._open is not None:  # an earlier stream was abandoned unclosed
             self._undo()
+        pictures = [as_picture(i) for i in image_list(image)]
+        content = image_blocks(self.model, self.tokenizer, self.opening + text,
+                               pictures)  # fmt: skip
+        images = self.images + pictures
         n_messages = len(self.messages)
-        self.messages.append({"role": "user", "content": self.opening + text})
-        prompt = self.prompt_tokens(self.messages)
+        self.messages.append({"role": "user", "content": content})
+        try:
+            prompt = self._prompt(images)
+        except BaseException:
+            del self.messages[n_messages:]
+            raise
         suffix = self._prepare(prompt)
         # saved after the cut: the turn only writes past this point
         self._open = mine = self._save(n_messages)
@@ -113,36 +136,48 @@ class ChatSession:
                 suffix,
                 self.max_tokens,
                 prompt_cache=self.cache,
-                cached_tokens=self.cached_tokens,
+                cached_tokens=self.cached,
                 **self.generate_kwargs,
             ):
                 tokens.append(response.token)
                 pieces.append(response.text)
                 if response.finish_reason is not None:
                     self._commit(prompt, tokens, "".join(pieces), response.stats)
+                    self.images = images
                 yield response
         finally:
             if self._open is mine:  # not a stale stream closed after a newer turn
                 self.last.interrupted = True
                 self._undo()
 
-    def _prepare(self, prompt: List[int]) -> List[int]:
+    def _prompt(self, images: List[Any]) -> Prompt:
+        """The templated conversation as a prompt (with ``images``, the
+        vision processor's, a segment per image)."""
+        if not images:
+            return Prompt(tuple(self.prompt_tokens(self.messages)))
+        text = chat_text(self.tokenizer, self.messages)
+        return with_images(self.model, self.tokenizer, text, images)
+
+    def _prepare(self, prompt: Prompt) -> Prompt:
         """Cut the cache back to what ``prompt`` shares with it; return the rest."""
-        keep = common_prefix(self.cached_tokens, prompt)
-        keep = min(keep, len(prompt) - 1)  # the last token must be fed to be read
+        keep = common_prefix(self.cached.keys(), prompt.keys())
+        # the last token must be fed to be read; no cut inside an image
+        keep = prompt.cut(min(keep, len(prompt) - 1))
         rebuilt = False
         if keep < len(self.cached_tokens):
             if truncatable(self.cache):
                 keep = truncate(self.model, self.cache, keep)
-            else:
+            if not truncatable(self.cache) or prompt.cut(keep) != keep:
                 self.cache, keep, rebuilt = self.model.make_cache(), 0, True
-        self.cached_tokens = prompt[:keep]
+        self.cached_tokens = list(prompt.tokens[:keep])
+        self.cached_segments = prompt.prefix(keep).segments
         self.last = TurnInfo(len(prompt), keep, rebuilt)
-        return prompt[keep:]
+        return prompt.after(keep)
 
     def _commit(self, prompt, tokens, text, stats) -> None:
         # the trunk has read the prompt and every answer token but the last
-        self.cached_tokens = prompt + tokens[:-1]
+        self.cached_tokens = list(prompt.tokens) + tokens[:-1]
+        self.cached_segments = prompt.segments
         self.messages.append({"role": "assistant", "content": text})
         self.opening = ""
         self.total.add(stats)
@@ -150,7 +185,8 @@ class ChatSession:
         self._open = None
 
     def _save(self, n_messages: int) -> _Saved:
-        return _Saved(n_messages, list(self.cached_tokens), self.cache.snapshot())
+        return _Saved(n_messages, list(self.cached_tokens), self.cached_segments,
+                      self.cache.snapshot())  # fmt: skip
 
     def _undo(self) -> None:
         """Back to the saved turn boundary (or to an empty cache if it cannot be)."""
@@ -158,6 +194,7 @@ class ChatSession:
         del self.messages[saved.messages :]
         if saved.cache is None:
             self.cache, self.cached_tokens = self.model.make_cache(), []
+            self.cached_segments = ()
             return
         self.cache.restore(saved.cache)
-        self.cached_tokens = saved.tokens
+        self.cached_tokens, self.cached_segments = saved.tokens, saved.segments

@@ -125,6 +125,15 @@ class Prompt:
             raise MTPError(f"a prefix of {n} positions would split a media segment")
         return Prompt(self.tokens[:n], tuple(s for s in self.segments if s.end <= n))
 
+    def after(self, n: int) -> "Prompt":
+        """Its positions from ``n`` on (``n`` splits no segment), as a prompt
+        of their own: what is left to read once a cache holds ``prefix(n)``."""
+        if self.cut(n) != n:
+            raise MTPError(f"a suffix from {n} would split a media segment")
+        return Prompt(
+            self.tokens[n:], tuple(s.shifted(-n) for s in self.segments if s.start >= n)
+        )
+
     def cut(self, n: int) -> int:
         """The longest prefix of at most ``n`` positions that splits no segment."""
         for s in self.segments:

@@ -55,6 +55,7 @@ from .kv import KVSettings, QuantizingKVCache, RollingKVCache
 from .prompt import Prompt, Segment, as_prompt, common_prefix
 from .prompts import encode, has_chat_template, user_prompt
 from .speculative import prefill
+from .vision import as_picture, image_blocks, image_list, with_images
 from .weights import check_safetensors
 
 FORMAT = "mlx-mtp prompt cache 1"
@@ -586,12 +587,19 @@ def cache_prompt(
     kv: Optional[KVSettings] = None,
     step: int = DEFAULT_PREFILL_STEP,
     progress=None,
+    image=None,
 ) -> int:
     """Read ``prompt`` (trunk, head and drafters) and write its cache to
     ``path``; returns how many tokens it holds. ``progress(done, total)``
-    hears the reading."""
+    hears the reading. ``image`` (a path or paths): the images a vision
+    model reads with it (an image block each in front, where the text names
+    none); the file keeps their digests, and a continuation must show the
+    same images (``continue_from``)."""
     template = chat_template and has_chat_template(tokenizer)
-    tokens = encode(tokenizer, prompt_text(tokenizer, prompt, system, template))
+    prompt = image_blocks(model, tokenizer, prompt, image)
+    text = prompt_text(tokenizer, prompt, system, template)
+    read = as_prompt(with_images(model, tokenizer, text, image) if image
+                     else encode(tokenizer, text))  # fmt: skip
     kv = kv or KVSettings()
     kv.validate()
     kv.check_model(model)
@@ -599,32 +607,64 @@ def cache_prompt(
     kv.apply(cache)
     # the trunk reads every token (the placeholder after them is where a
     # continuation starts: ``prefill`` leaves a prompt's last token unread)
-    prefill(model, cache, tokens + [0], step, progress=progress)
-    save(path, model, cache, tokens, prompt=prompt, system=system,
+    prefill(model, cache, Prompt(read.tokens + (0,), read.segments), step,
+            progress=progress)  # fmt: skip
+    save(path, model, cache, read, prompt=prompt, system=system,
          chat_template=template, kv=kv)  # fmt: skip
-    return len(tokens)
+    return len(read)
+
+
+def _same_images(cached: "PromptFile", image) -> list:
+    """The images ``image`` names, which must be those ``cached`` read (by
+    digest, in order); a one-line error where they are not."""
+    pictures = [as_picture(i) for i in image_list(image)]
+    want = [s.digest for s in cached.segments if s.kind == "image"]
+    if [p.digest for p in pictures] != want:
+        if not want:
+            raise MTPError("the prompt cache holds no images: continue it "
+                           "without --image")  # fmt: skip
+        names = ", ".join(d[:12] for d in want)
+        given = f"{len(pictures)} other" if pictures else "none"
+        raise MTPError(
+            f"the prompt cache was read with {len(want)} image(s) (sha256 "
+            f"{names}) and {given} given: pass the same with --image"
+        )
+    return pictures
 
 
 def continue_from(
-    cached: PromptFile, model, tokenizer, text: str, system: Optional[str] = None
-) -> Tuple[List[int], List[int], StreamCache]:
+    cached: PromptFile,
+    model,
+    tokenizer,
+    text: str,
+    system: Optional[str] = None,
+    image=None,
+):
     """The prompt of ``cached.prompt`` followed by ``text`` (one user message
     through the chat template when the file was made with it), as
-    ``(tokens still to read, tokens the cache holds, the cache)``: the cache
-    is cut back to what the prompt shares with it, so the output is that of
-    reading the whole prompt."""
+    ``(what is still to read, what the cache holds, the cache)``: token ids,
+    or, for a file read with images, ``Prompt`` s; the cache is cut back to
+    what the prompt shares with it, so the output is that of reading the
+    whole prompt. ``image``: the images the file was read with (the same
+    ones, by digest; else a one-line ``MTPError``)."""
+    pictures = _same_images(cached, image) if cached.segments or image else []
     whole = cached.prompt + text
     if cached.chat_template:
         full = user_prompt(tokenizer, whole, system if system else cached.system)
     else:
         full = whole
-    tokens = encode(tokenizer, full)
-    keep = min(common_prefix(cached.keys, tokens), len(tokens) - 1)
+    read = as_prompt(
+        with_images(model, tokenizer, full, pictures) if pictures
+        else encode(tokenizer, full)
+    )  # fmt: skip
+    keep = read.cut(min(common_prefix(cached.keys, read.keys()), len(read) - 1))
     cache = cached.cache
     if keep < len(cached.tokens):
         if truncatable(cache):
             keep = cache.truncate(keep, model.drafters)
-        else:
+        if not truncatable(cache) or read.cut(keep) != keep:
             cache, keep = model.make_cache(), 0
             cached.kv.apply(cache)
-    return tokens[keep:], tokens[:keep], cache
+    if not pictures:
+        return list(read.tokens[keep:]), list(read.tokens[:keep]), cache
+    return read.after(keep), read.prefix(keep), cache

@@ -239,18 +239,73 @@ def text_only_notice(path: Path) -> None:
 # -- the processor -------------------------------------------------------------
 
 
-def _paths(image) -> list[Path]:
-    if image is None:
-        return []
-    if isinstance(image, (str, Path)):
-        return [Path(image)]
-    return [Path(i) for i in image]
+# the image formats read (by their first bytes), as media types
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 
 
-def read_image(path: Path):
-    """``path``'s bytes and the decoded RGB image, or a one-line error."""
+def sniff(data: bytes) -> "str | None":
+    """The media type of ``IMAGE_TYPES`` that ``data`` begins as, or None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
+    return None
+
+
+class Picture:
+    """An image read: its bytes (whose sha256 is its segment's digest) and
+    the decoded RGB image the processor takes."""
+
+    def __init__(self, data: bytes, image):
+        self.data, self.image = data, image
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def decode_image(data: bytes, where: str, max_pixels: "int | None" = None) -> Picture:
+    """``data`` decoded (``where`` names it in errors); with ``max_pixels``,
+    an image larger than that is refused from its header, before its pixels
+    are decoded."""
+    import io
+
     from PIL import Image, UnidentifiedImageError
 
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if max_pixels is not None and im.width * im.height > max_pixels:
+                raise MTPError(
+                    f"{where}: {im.width} x {im.height} pixels, more than the "
+                    f"{max_pixels} allowed"
+                )
+            im.load()
+            picture = im.convert("RGB")
+    except UnidentifiedImageError:
+        raise MTPError(f"{where}: not an image file this can read") from None
+    except Image.DecompressionBombError as e:
+        raise MTPError(f"{where}: too large ({first_line(e)})") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise MTPError(f"{where}: a broken image ({first_line(e)})") from None
+    return Picture(data, picture)
+
+
+def image_list(image) -> list:
+    """``image`` (None, a path, bytes, a ``Picture``, or a list of them) as a list."""
+    if image is None:
+        return []
+    if isinstance(image, (str, Path, bytes, Picture)):
+        return [image]
+    return list(image)
+
+
+def read_image(path: Path) -> Picture:
+    """``path`` read and decoded, or a one-line error."""
+    path = Path(path)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -259,21 +314,22 @@ def read_image(path: Path):
         raise MTPError(f"image {path}: a folder, not an image file") from None
     except OSError as e:
         raise MTPError(f"image {path}: cannot read it ({type(e).__name__})") from None
-    try:
-        with Image.open(path) as im:
-            im.load()
-            picture = im.convert("RGB")
-    except UnidentifiedImageError:
-        raise MTPError(f"image {path}: not an image file this can read") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise MTPError(f"image {path}: a broken image ({first_line(e)})") from None
-    return data, picture
+    return decode_image(data, f"image {path}")
+
+
+def as_picture(image) -> Picture:
+    """A path, bytes or ``Picture`` as a ``Picture``."""
+    if isinstance(image, Picture):
+        return image
+    if isinstance(image, bytes):
+        return decode_image(image, "image")
+    return read_image(Path(image))
 
 
 def check_images(image) -> None:
     """Every image of ``image`` can be read (before a model is loaded)."""
-    for p in _paths(image):
-        read_image(p)
+    for p in image_list(image):
+        as_picture(p)
 
 
 class VisionProcessor:
@@ -300,23 +356,23 @@ class VisionProcessor:
         return text if self.image_token in text else self.image_block * n + text
 
     def prompt(self, text, image) -> Prompt:
-        """The ``Prompt`` of ``text`` with the images ``image`` (a path or
-        paths), each image's placeholder tokens a segment."""
+        """The ``Prompt`` of ``text`` with the images ``image`` (a path,
+        image bytes, a ``Picture``, or a list of them), each image's
+        placeholder tokens a segment."""
         from mlx_vlm.utils import prepare_inputs
 
-        paths = _paths(image)
         if not isinstance(text, str):
             raise MTPError("a prompt with images is text, not token ids")
-        read = [read_image(p) for p in paths]
-        text = self.with_images(text, len(paths))
-        if text.count(self.image_token) != len(paths):
+        read = [as_picture(i) for i in image_list(image)]
+        text = self.with_images(text, len(read))
+        if text.count(self.image_token) != len(read):
             raise MTPError(
                 f"the prompt names {text.count(self.image_token)} images "
-                f"({self.image_token}) and {len(paths)} were given"
+                f"({self.image_token}) and {len(read)} were given"
             )
         try:
             inputs = prepare_inputs(
-                self.processor, images=[pic for _, pic in read], prompts=[text]
+                self.processor, images=[pic.image for pic in read], prompts=[text]
             )
         except Exception as e:
             raise MTPError(f"cannot prepare the images ({first_line(e)})") from None
@@ -324,15 +380,14 @@ class VisionProcessor:
         pixels = np.array(inputs["pixel_values"])
         grids = np.array(inputs["image_grid_thw"]).reshape(-1, 3).tolist()
         runs = _runs(tokens, self.image_token_id)
-        if len(runs) != len(paths):
-            raise MTPError(f"the processor made {len(runs)} images of {len(paths)}")
+        if len(runs) != len(read):
+            raise MTPError(f"the processor made {len(runs)} images of {len(read)}")
         segments, row = [], 0
-        for (start, length), grid, (data, _) in zip(runs, grids, read):
+        for (start, length), grid, pic in zip(runs, grids, read):
             rows = int(np.prod(grid))
             content = {"pixel_values": pixels[row : row + rows], "grid_thw": grid}
             row += rows
-            digest = hashlib.sha256(data).hexdigest()
-            segments.append(Segment(start, length, digest, "image", content))
+            segments.append(Segment(start, length, pic.digest, "image", content))
         return Prompt(tuple(tokens), tuple(segments)).check_ends_in_text()
 
 
@@ -366,9 +421,21 @@ def processor_for(path: Path, tokenizer) -> "VisionProcessor":
     return VisionProcessor(tokenizer, processor, config)
 
 
+def image_blocks(model, tokenizer, text: str, image) -> str:
+    """``text`` with an image block per image of ``image`` in front, where
+    it names none (a model that reads no images: a one-line error)."""
+    n = len(image_list(image))
+    if not n:
+        return text
+    if not isinstance(tokenizer, VisionProcessor):
+        with_images(model, tokenizer, text, image)  # says why not
+    return tokenizer.with_images(text, n)
+
+
 def with_images(model, tokenizer, prompt, image) -> Prompt | Any:
-    """``prompt`` read with ``image`` (a path or paths; None: as it is)."""
-    if image is None or (not isinstance(image, (str, Path)) and not list(image)):
+    """``prompt`` read with ``image`` (a path, image bytes, a ``Picture``, or
+    a list of them; None: as it is)."""
+    if not image_list(image):
         return prompt
     if isinstance(tokenizer, VisionProcessor):
         return tokenizer.prompt(prompt, image)

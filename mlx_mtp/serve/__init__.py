@@ -36,6 +36,12 @@ DEFAULT_MAX_BODY_MB = 16
 # The lookup memory of recent prompts and answers that every request's drafts
 # may come from (0: none).
 DEFAULT_LOOKUP_MEMORY_MB = 64
+# Images a request may hold (0: none), each at most so many bytes and pixels;
+# a fetched image URL's fetch (``--allow-image-urls``) gives up after so long.
+DEFAULT_MAX_IMAGES = 8
+DEFAULT_MAX_IMAGE_MB = 10
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+DEFAULT_IMAGE_FETCH_TIMEOUT = 10.0
 # Where ``--api-key`` may come from instead, out of the process list.
 API_KEY_ENV = "MLX_MTP_API_KEY"
 
@@ -69,6 +75,13 @@ class ServeConfig:
     None: full precision). ``prompt_cache_dir``: where the prompt cache keeps
     its entries on disk as well (at most ``prompt_cache_disk_bytes``), across
     restarts (None: in memory only).
+
+    Images (``serve/images.py``): ``max_images`` per request, each at most
+    ``max_image_bytes`` and ``max_image_pixels``; ``allow_image_urls``: http(s)
+    image URLs are fetched (within ``image_fetch_timeout`` seconds), and
+    ``image_dir``: local image files under it are read (both off by default:
+    a server that fetches or reads what a request names can be made to reach
+    what its clients cannot).
     """
 
     drafts: DraftSettings = field(default_factory=DraftSettings)
@@ -87,16 +100,26 @@ class ServeConfig:
     kv: Optional["KVSettings"] = None
     prompt_cache_dir: Optional[str] = None
     prompt_cache_disk_bytes: int = int(DEFAULT_PROMPT_CACHE_DISK_GB * 2**30)
+    max_images: int = DEFAULT_MAX_IMAGES
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_MB << 20
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allow_image_urls: bool = False
+    image_dir: Optional[str] = None
+    image_fetch_timeout: float = DEFAULT_IMAGE_FETCH_TIMEOUT
 
     def validate(self) -> None:
-        for name in ("max_tokens", "max_batch", "prefill_step", "max_body_bytes"):
+        at_least_one = ("max_tokens", "max_batch", "prefill_step", "max_body_bytes",
+                        "max_image_bytes", "max_image_pixels")  # fmt: skip
+        for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         names = ("prompt_cache_entries", "prompt_cache_bytes",
                  "lookup_memory_bytes", "prompt_cache_disk_bytes")  # fmt: skip
-        for name in names + ("shutdown_timeout",):
+        for name in names + ("shutdown_timeout", "max_images"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be at least 0")
+        if not self.image_fetch_timeout > 0:
+            raise ValueError("image_fetch_timeout must be more than 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         self.drafts.validate()  # the one check of the server's draft defaults

@@ -29,10 +29,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from .. import vision
 from ..sampling_params import PARAMS
 from . import parse
 from .http import APIError, read_body
 from .middleware import note_usage
+from .service import token_ids
 from .tools import Part, ToolError, split, tool_plan
 
 _ERROR_TYPES = {
@@ -90,7 +92,9 @@ def _turns(m, i: int) -> List[dict]:
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and m["role"] == "user":
+            texts.append(_image(block.get("source"), at))
         elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(block.get("name"), str):
                 raise _bad(f"{at}.name: must be a string")
@@ -118,11 +122,35 @@ def _turns(m, i: int) -> List[dict]:
             continue  # the model's own reasoning: chat templates drop it too
         else:
             raise _bad(f"{at}: blocks of type {json.dumps(kind)} are not supported")
-    text = "".join(texts)
     if m["role"] == "assistant":
+        text = "".join(t["text"] for t in texts)
         turn = {"role": "assistant", "content": text or (None if calls else "")}
         return [dict(turn, tool_calls=calls) if calls else turn]
-    return results + ([{"role": "user", "content": text}] if texts else [])
+    return results + ([{"role": "user", "content": texts}] if texts else [])
+
+
+def _image(source, at: str) -> dict:
+    """An ``image`` block as the chat request's ``image_url`` part: a base64
+    ``source`` as a data URL, a ``url`` one as its URL (which the server
+    fetches only with ``--allow-image-urls``)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in vision.IMAGE_TYPES:
+            raise APIError(
+                f"{at}.source.media_type: must be one of "
+                f"{', '.join(vision.IMAGE_TYPES)}, got {json.dumps(media)}",
+                code="unsupported_value",
+            )
+        if not isinstance(data, str):
+            raise _bad(f"{at}.source.data: must be a base64 string")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise _bad(f'{at}.source: an image\'s source must be {{"type": "base64", '
+                   f'"media_type", "data"}} or {{"type": "url", "url"}}')  # fmt: skip
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tools(body: dict) -> Tuple[Optional[list], object]:
@@ -360,7 +388,8 @@ async def messages(service, http: HTTPRequest, count: bool = False):
         "role": "assistant",
         "model": service.name,
     }
-    reasoning = service.reasoning.splitter(tokens) if service.reasoning else None
+    ids = token_ids(tokens)
+    reasoning = service.reasoning.splitter(ids) if service.reasoning else None
     answer = _Answer(service, http, submitted, plan.splitter(), stops, reasoning)
     if p.stream:
         usage = {"input_tokens": len(tokens), "output_tokens": 0}

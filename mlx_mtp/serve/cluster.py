@@ -251,6 +251,8 @@ class ClusterEngine(Engine):
     """The serving engine on one rank of several: rank 0 plans each turn and
     serves HTTP (``start``/``stop`` as ``Engine``); the others ``follow``."""
 
+    reads_media = False  # the plan ships prompts as token ids
+
     def __init__(self, model, tokenizer, config, group, liveness: "Liveness"):
         if config is not None and config.prompt_cache_dir is not None:
             raise MTPError("a prompt cache on disk serves one process, not several")

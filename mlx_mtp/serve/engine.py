@@ -204,6 +204,8 @@ def usage(
 class Engine(Scheduler):
     """Runs requests on ``model`` in a thread of its own (``start``/``stop``)."""
 
+    reads_media = True  # its requests' prompts may hold images (``Prompt``)
+
     def __init__(self, model, tokenizer, config: Optional[ServeConfig] = None):
         self.config = config = config or ServeConfig()
         if config.kv is not None:

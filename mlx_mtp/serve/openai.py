@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from . import parse
 from .http import APIError, read_body
 from .middleware import note_usage
-from .service import Service, Submitted
+from .service import Service, Submitted, token_ids
 from .tools import ToolError, ToolPlan, split, tool_plan
 
 
@@ -66,7 +66,7 @@ def _prompt(service: Service, body: dict, kind: str):
         held = bool(plan.prefix) or p.grammar is not None
         tokens = parse.chat_tokens(service, body, plan, held)
         if service.reasoning is not None:
-            reasoning = service.reasoning.splitter(tokens)
+            reasoning = service.reasoning.splitter(token_ids(tokens))
     else:
         parse.chat_only(body)
         tokens = parse.completion_tokens(service, body)

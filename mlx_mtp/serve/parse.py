@@ -20,6 +20,7 @@ from ..sampling import SamplingConfig
 from ..sampling_params import PARAMS, Param, SamplingError
 from .fim import fim_prompt, fim_tokens
 from .http import APIError
+from .images import Images
 from .reasoning import EFFORTS, EFFORTS_OFF, left_open
 from .tools import ToolPlan, render, template_message
 
@@ -257,11 +258,14 @@ def _logit_bias(p: Param, bias: Optional[dict]) -> Optional[Dict[int, float]]:
 
 def chat_tokens(
     service, body: dict, plan: Optional[ToolPlan] = None, held: bool = False
-) -> List[int]:
+):
     """The chat template's rendering of ``messages`` (and the tools, and
-    ``chat_template_kwargs``), tokenized. ``held``: the answer is held to a
-    grammar from its start (a forced tool call, ``response_format``), so a
-    thinking model's thinking, if the template opens it, is closed first."""
+    ``chat_template_kwargs``), tokenized: token ids, or, where the messages
+    hold images (``image_url`` parts), a ``Prompt`` with a segment per image
+    (the vision processor's, as ``generate --image`` makes it). ``held``: the
+    answer is held to a grammar from its start (a forced tool call,
+    ``response_format``), so a thinking model's thinking, if the template
+    opens it, is closed first."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(
@@ -282,7 +286,8 @@ def chat_tokens(
             code="unsupported_value",
         )
     plan = plan or ToolPlan()
-    turns = [_message(m, i) for i, m in enumerate(messages)]
+    images = Images(service)
+    turns = [_message(m, i, images) for i, m in enumerate(messages)]
     kwargs = template_kwargs(body)
     try:
         text = render(service.tokenizer, turns, plan.tools, **kwargs)
@@ -294,7 +299,13 @@ def chat_tokens(
     if held and fmt is not None and left_open(fmt, text[-256:]):
         text += fmt.close  # an answer held from its start does not think first
     service.bound(text + plan.prefix, "messages")
-    return encode(service.tokenizer, text + plan.prefix)
+    if not images.parts:
+        return encode(service.tokenizer, text + plan.prefix)
+    pictures = images.read()
+    try:
+        return service.tokenizer.prompt(text + plan.prefix, pictures)
+    except MTPError as e:  # the template dropped an image, say
+        raise APIError(str(e), param="messages", code="invalid_value") from None
 
 
 # the chat template's own arguments, which a request may not set
@@ -377,7 +388,7 @@ def completion_tokens(service, body: dict) -> List[int]:
     )
 
 
-def _message(m: Any, i: int) -> dict:
+def _message(m: Any, i: int, images: Images) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise APIError(f"'{where}' must be an object", param=where, code="invalid_type")
@@ -396,19 +407,35 @@ def _message(m: Any, i: int) -> dict:
         )
     if role == "developer":  # chat templates know it as system
         role = "system"
-    content = _content(m.get("content"), where, calls=bool(m.get("tool_calls")))
+    images = images if role == "user" else None
+    content = _content(
+        m.get("content"), where, bool(m.get("tool_calls")), images
+    )
     return template_message(m, {"role": role, "content": content}, where)
 
 
-def _content(content, where: str, calls: bool) -> str:
-    """A message's text; only an assistant's tool calls may stand without it."""
+def _content(content, where: str, calls: bool, images: Optional[Images]) -> str:
+    """A message's text, an image part's image block (``images.add``) where
+    it stands; only an assistant's tool calls may stand without text."""
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and images is not None:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                texts.append(images.add(url, f"{where}.content[{j}]"))
+                continue
+            if kind == "image_url":
                 raise APIError(
-                    f"'{where}.content' parts must be text parts",
+                    f"'{where}.content': image_url parts go in user messages",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
+            if not (kind == "text" and isinstance(part.get("text"), str)):
+                what = "text or image_url parts" if images is not None else "text parts"
+                raise APIError(
+                    f"'{where}.content' parts must be {what}",
                     param=f"{where}.content",
                     code="unsupported_value",
                 )

@@ -19,7 +19,9 @@ from ..constrain import (
     TriggeredConstraint,
     grammar_tokenizer,
 )
+from .. import vision
 from ..errors import MTPError
+from ..prompt import Prompt, as_prompt
 from ..prompts import context_length, fit_context
 from ..sampling_params import vocab_size
 from . import ServeConfig, reasoning, tool_grammar
@@ -58,6 +60,25 @@ class Service:
         # how its thinking is told from its answer (None: it is not)
         fmt = reasoning.choose(tokenizer, config.reasoning_parser)
         self.reasoning = reasoning.Markers(fmt, tokenizer) if fmt else None
+        # a vision model's processor reads images (``serve/images.py``), on
+        # an engine that takes prompts with media
+        self.reads_images = isinstance(tokenizer, vision.VisionProcessor) and (
+            getattr(self.engine, "reads_media", False)
+        )
+
+    def why_no_images(self) -> str:
+        """Why this server's model takes no images, naming it."""
+        if isinstance(self.tokenizer, vision.VisionProcessor):
+            return (
+                f"the model '{self.name}' is served by several processes here, "
+                "which read text only"
+            )
+        if vision.is_vision(getattr(self.model, "config", None) or {}):
+            return (
+                f"the model '{self.name}' has a vision tower, but this server "
+                f"reads text only: it needs mlx-vlm ({vision.INSTALL})"
+            )
+        return f"the model '{self.name}' reads text only: it cannot read images"
 
     def grammars(self, param: str) -> Grammars:
         """The grammars compiled for this tokenizer (llguidance's view of it
@@ -153,8 +174,10 @@ class Service:
         return {"id": self.name, "object": "model", "created": self.created,
                 "owned_by": "mlx-mtp"}  # fmt: skip
 
-    def fit(self, tokens: List[int], max_tokens: int, param: str) -> int:
-        """``max_tokens``, cut where the context ends; a prompt past it is refused."""
+    def fit(self, tokens, max_tokens: int, param: str) -> int:
+        """``max_tokens``, cut where the context ends; a prompt (token ids or
+        a ``Prompt``) past it is refused."""
+        tokens = list(as_prompt(tokens).tokens)
         if not tokens:
             raise APIError("the prompt is empty", param=param, code="invalid_value")
         try:
@@ -179,9 +202,10 @@ class Service:
                 code="context_length_exceeded",
             )
 
-    def submit(self, http, tokens: List[int], params, param: str) -> "Submitted":
-        """Hand a checked request to the engine (``params``: ``parse.Params``;
-        ``param``: the field holding the prompt, named in errors)."""
+    def submit(self, http, tokens, params, param: str) -> "Submitted":
+        """Hand a checked request to the engine (``tokens``: token ids, or a
+        ``Prompt`` with images; ``params``: ``parse.Params``; ``param``: the
+        field holding the prompt, named in errors)."""
         submitted = Submitted(self.engine)
         request = engine_request(self, tokens, params, param, submitted.emit)
         submitted.start(request, http)
@@ -200,6 +224,12 @@ def _token_chars(tokenizer) -> Optional[int]:
     return 2 * max((len(t) for t in vocab), default=0) or None
 
 
+def token_ids(prompt) -> List[int]:
+    """The token ids of a prompt (ids, or a ``Prompt``: its image
+    placeholders among them)."""
+    return list(prompt.tokens) if isinstance(prompt, Prompt) else list(prompt)
+
+
 def engine_request(service: Service, tokens, params, param: str, emit) -> Request:
     """The engine's record of a checked request: the one place it is built,
     its generation complete (limit, constraint, a thinking model's markers
@@ -207,11 +237,12 @@ def engine_request(service: Service, tokens, params, param: str, emit) -> Reques
     without one: every process of a server draws the same) and not changed
     after."""
     changes = {"max_tokens": service.fit(tokens, params.max_tokens, param)}
+    ids = token_ids(tokens)
     processors = []
     if params.grammar is not None:
-        processors.append(service.constraint(params, len(tokens)))
+        processors.append(service.constraint(params, len(ids)))
     if service.reasoning is not None:
-        thinking = service.reasoning.thinking(tokens, params.max_thinking_tokens)
+        thinking = service.reasoning.thinking(ids, params.max_thinking_tokens)
         changes["thinking"] = thinking
         if thinking.processor() is not None:  # last: what it writes, goes
             processors.append(thinking.processor())
