@@ -163,7 +163,10 @@ def _add_image(console, session, path: str, images: list) -> None:
     except MTPError as e:
         console.print(f"error: {e}", markup=False, soft_wrap=True)
         return
-    console.print(f"{path}: shown with the next message", style="dim", markup=False)
+    console.print(
+        f"{path}: shown with the next message", style="dim", markup=False,
+        soft_wrap=True,  # a long path must not break the line
+    )
 
 
 def _read(console) -> Optional[str]:
