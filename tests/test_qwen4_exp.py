@@ -15,7 +15,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_qwen4
+
+pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed (pip install '.[vision]')")
+
+import tiny_qwen4  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
