@@ -23,7 +23,7 @@ save unchanged.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,21 +96,29 @@ class _Tap:
         self.value: Optional[mx.array] = None
 
 
-def _install_tap(norm: nn.Module, tap: _Tap) -> None:
-    base = type(norm)
-    if getattr(base, "_mtp_tapped", False):
+def _wrap_call(module: nn.Module, marker: str, wrap: Callable) -> Callable:
+    """Swap ``module``'s class for a subclass whose ``__call__`` is
+    ``wrap(call)``, ``call`` the class's own (returned); the module keeps its
+    parameter path, so weights load and save unchanged. A module ``marker``
+    wrapped before is wrapped afresh, not twice."""
+    base = type(module)
+    if getattr(base, marker, False):
         base = base.__mro__[1]
+    attrs = {marker: True, "__call__": wrap(base.__call__)}
+    module.__class__ = type(base.__name__, (base,), attrs)
+    return base.__call__
 
-    class Tapped(base):
-        _mtp_tapped = True
 
+def _install_tap(norm: nn.Module, tap: _Tap) -> None:
+    def wrap(call):
         def __call__(self, x, *args, **kwargs):
-            y = base.__call__(self, x, *args, **kwargs)
+            y = call(self, x, *args, **kwargs)
             tap.value = y if tap.where == "post" else x
             return y
 
-    Tapped.__name__ = base.__name__
-    norm.__class__ = Tapped
+        return __call__
+
+    _wrap_call(norm, "_mtp_tapped", wrap)
 
 
 @dataclass
@@ -124,20 +132,16 @@ class Taps:
 
 def _install_layer_tap(layer: nn.Module, i: int, taken: Dict[int, mx.array]) -> None:
     """Record ``layer``'s output (the first array of a tuple) in ``taken[i]``."""
-    base = type(layer)
-    if getattr(base, "_mtp_layer_tap", False):
-        base = base.__mro__[1]
 
-    class TappedLayer(base):
-        _mtp_layer_tap = True
-
+    def wrap(call):
         def __call__(self, *args, **kwargs):
-            out = base.__call__(self, *args, **kwargs)
+            out = call(self, *args, **kwargs)
             taken[i] = out[0] if isinstance(out, (tuple, list)) else out
             return out
 
-    TappedLayer.__name__ = base.__name__
-    layer.__class__ = TappedLayer
+        return __call__
+
+    _wrap_call(layer, "_mtp_layer_tap", wrap)
 
 
 class _Feed:
@@ -150,21 +154,16 @@ class _Feed:
 
 
 def _install_feed(embed: nn.Module, feed: _Feed) -> None:
-    base = type(embed)
-    if getattr(base, "_mtp_fed", False):
-        base = base.__mro__[1]
-
-    class Fed(base):
-        _mtp_fed = True
-
+    def wrap(call):
         def __call__(self, x, *args, **kwargs):
             if feed.value is not None and feed.value.shape[:2] == x.shape[:2]:
                 return feed.value
-            return base.__call__(self, x, *args, **kwargs)
+            return call(self, x, *args, **kwargs)
 
-    Fed.__name__ = base.__name__
-    embed.__class__ = Fed
-    feed.plain = lambda x: base.__call__(embed, x)
+        return __call__
+
+    call = _wrap_call(embed, "_mtp_fed", wrap)
+    feed.plain = lambda x: call(embed, x)
 
 
 class Target:
