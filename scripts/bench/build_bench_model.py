@@ -7,7 +7,7 @@ head whose drafts are (almost) never kept. float32 weights, for the
 memory-bound regime of docs/performance.md.
 
     python scripts/bench/build_bench_model.py OUT [--family mimo] [--hidden 1024]
-        [--layers 8] [--vocab N] [--experts N] [--disagreeable]
+        [--layers 8] [--vocab N] [--experts N] [--disagreeable] [--mrope]
 
 Families: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (dense or MoE as their
 tiny configs), qwen3_next (MoE, gated delta net), qwen3_5 (dense GDN),
@@ -35,6 +35,11 @@ def main():
     ap.add_argument("--experts-per-token", type=int)
     ap.add_argument("--disagreeable", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--mrope",
+        action="store_true",
+        help="qwen3_5*: add the mrope_section that mlx-vlm's config needs",
+    )
     args = ap.parse_args()
     h = args.hidden
     common = dict(
@@ -77,6 +82,17 @@ def main():
     full, _ = build(
         args.out, args.family, args.seed, agreeable=not args.disagreeable, **over
     )
+    if args.mrope:
+        import json
+
+        for folder in (full, _):
+            cfg = Path(folder) / "config.json"
+            c = json.loads(cfg.read_text())
+            rope = c.get("text_config", c)["rope_parameters"]
+            rotary = int(rope.get("partial_rotary_factor", 1.0) * over["head_dim"])
+            half = rotary // 2  # the frequencies, split over (t, h, w)
+            rope["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+            cfg.write_text(json.dumps(c, indent=2))
     print(full)
 
 
