@@ -333,3 +333,96 @@ def test_moe_batch_of_ragged_streams_with_other_images(moe_vlm):
         ended = want[-1] in processor.eos_token_ids  # (not among the ids)
         assert ids == (want[:-1] if ended else want)
     assert sum(s.accepted for s in out.mtp_stats) > 0
+
+
+# -- quantized and bounded attention caches after an image ----------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(our model, our processor, mlx-vlm's model, an image prompt's
+    ``Prompt``) of a tiny Qwen3.5 VLM with 32-wide heads (keys quantize in
+    groups of 32 at the least)."""
+    import mlx_vlm
+
+    root = tmp_path_factory.mktemp("vlm-wide")
+    folder = tiny_vlm.build_folder(root / "wide", head_dim=32)
+    image = tiny_vlm.write_image(root / "i.png", 3, (64, 32))
+    model, processor = mlx_mtp.load(folder)
+    theirs, _ = mlx_vlm.load(str(folder))
+    return model, processor, theirs, processor.prompt("look at this:", image)
+
+
+def _their_steps(theirs, processor, prompt, n, **kw):
+    """mlx-vlm's plain greedy (token, logprobs) for the image prompt, to an
+    end token."""
+    from mlx_vlm.generate import generate_step
+
+    (s,) = prompt.segments
+    grid = mx.array([s.data["grid_thw"]])
+    steps = generate_step(mx.array([prompt.tokens]), theirs,
+                          mx.array(s.data["pixel_values"]), None, max_tokens=n,
+                          temperature=0.0, image_grid_thw=grid, **kw)  # fmt: skip
+    out = []
+    for t, lp in steps:
+        out.append((int(t), lp))
+        if int(t) in processor.eos_token_ids:
+            break
+    return out
+
+
+def _close_to(got, want):
+    assert [r.token for r in got] == [t for t, _ in want]
+    for r, (_, lp) in zip(got, want):
+        assert mx.allclose(r.logprobs, lp, atol=1e-5)
+    assert len(want) > 16
+
+
+@pytest.mark.parametrize("bits, start", [(4, 0), (8, 20)])
+def test_quantized_keys_after_an_image_are_mlx_vlms(wide, bits, start):
+    """``kv_bits`` with an image prompt: mlx-vlm's own generation with the
+    same setting, at every draft count."""
+    model, processor, theirs, prompt = wide
+    kv = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+    n = 40
+    want = _their_steps(theirs, processor, prompt, n, **kv)
+    full = _their_steps(theirs, processor, prompt, n)
+    # the setting changes the distributions by more than twice the
+    # tolerance below (8 bits: 6e-5): the test sees it
+    assert max(mx.abs(a[1] - b[1]).max().item() for a, b in zip(want, full)) > 2e-5
+    for k in (0, 1, 3):
+        got = list(stream_generate(model, processor, prompt, n, draft_max=k,
+                                   mtp=k > 0, adaptive_draft=False, **kv))  # fmt: skip
+        _close_to(got, want)
+        if k:
+            assert 0 < got[-1].stats.accepted < got[-1].stats.drafted
+
+
+def test_a_bounded_cache_after_an_image_is_a_rotating_one(wide, monkeypatch):
+    """``max_kv_size`` with an image prompt (its image inside the window
+    at first, dropped from it later): mlx-vlm's language model over mlx's
+    rotating cache (mlx-vlm's Qwen3.5 makes its own caches and ignores
+    ``max_kv_size``), at every draft count."""
+    from mlx_vlm.models import cache as vlm_cache
+
+    from mlx_mtp.kv import RollingKVCache
+
+    monkeypatch.setattr(RollingKVCache, "step", 16)  # drop often
+    model, processor, theirs, prompt = wide
+    bound, n = 48, 60
+    assert len(prompt) < bound < len(prompt) + n
+    caches = [
+        vlm_cache.RotatingKVCache(max_size=bound, keep=4)
+        if type(c).__name__ == "KVCache" else c
+        for c in theirs.language_model.make_cache()
+    ]  # fmt: skip
+    want = _their_steps(theirs, processor, prompt, n, prompt_cache=caches)
+    full = _their_steps(theirs, processor, prompt, n)
+    assert max(mx.abs(a[1] - b[1]).max().item() for a, b in zip(want, full)) > 1e-3
+    for k in (0, 2):
+        got = list(stream_generate(model, processor, prompt, n, draft_max=k,
+                                   mtp=k > 0, adaptive_draft=False,
+                                   max_kv_size=bound))  # fmt: skip
+        _close_to(got, want)
+        if k:
+            assert got[-1].stats.accepted > 0

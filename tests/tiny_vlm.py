@@ -64,10 +64,11 @@ def config(seed_config: dict) -> dict:
     text = dict(seed_config["text_config"])
     # every dimension rotates (16 = 8 frequencies), so that the multimodal
     # rope's three sections (time, height, width) all have frequencies
+    quarter = text["head_dim"] // 4
     text["rope_parameters"] = {
         **text["rope_parameters"],
         "partial_rotary_factor": 1.0,
-        "mrope_section": [4, 2, 2],
+        "mrope_section": [quarter, quarter // 2, quarter // 2],
         "type": "default",
     }
     return {
@@ -100,13 +101,20 @@ def write_tokenizer(path: Path) -> None:
 
 
 def build_folder(
-    path: Path, seed: int = 0, agreeable: bool = True, model_type: str = "qwen3_5"
+    path: Path,
+    seed: int = 0,
+    agreeable: bool = True,
+    model_type: str = "qwen3_5",
+    **overrides,
 ) -> Path:
     """A Qwen3.5 VLM folder (``model_type`` "qwen3_5_moe": Qwen3.6's MoE, its
     experts fused as published, float32 since MLX's CPU MoE kernel takes no
     other): language model, vision tower, ``mtp.*`` head, tokenizer and
-    image processor config."""
-    seed_config, trunk_w, mtp_w = tiny_hybrid.build_weights(model_type, seed, agreeable)
+    image processor config. ``overrides`` change the text config (wider
+    heads: ``head_dim=32``, which quantized keys need)."""
+    seed_config, trunk_w, mtp_w = tiny_hybrid.build_weights(
+        model_type, seed, agreeable, **overrides
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     weights = {**trunk_w, **vision_weights(seed), **mtp_w}
