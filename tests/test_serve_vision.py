@@ -492,6 +492,21 @@ def test_a_cached_image_prompt_continues_only_with_its_images(vlm, folder, tmp_p
         lines = refused.stderr.strip().splitlines()
         assert len(lines) == 1 and "pass the same with --image" in lines[0], lines
         assert "Traceback" not in refused.stderr
+    # the same text with the other image: another file, keyed by that image
+    other = tmp_path / "other.safetensors"
+    made = _cli("cache-prompt", "--model", str(folder), "--prompt", "Look. ",
+                "--image", str(images[4]),
+                "--prompt-cache-file", str(other))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    second = prompt_file.peek(other)
+    assert second.tokens == header.tokens  # (images 0 and 4: the same size)
+    assert [s.digest for s in second.segments] == [digest_of(images[4].read_bytes())]
+    go[go.index(str(cache))] = str(other)
+    resumed = _cli(*go, "--image", str(images[4]))
+    assert resumed.returncode == 0, resumed.stderr
+    want = reference(vlm, [{"role": "user", "content": block + "Look. What is it?"}],
+                     [images[4]])  # fmt: skip
+    assert json.loads(resumed.stdout)["text"] == want
 
 
 def test_chat_session_turns_with_images_reuse_the_cache(vlm):
