@@ -176,9 +176,12 @@ def _summary(path: Path) -> None:
         )
         return
     mtp = format_precision(info.mtp_precision) if info.mtp_layers else "none"
+    tower = ""
+    if info.vision_precision:
+        tower = f"; vision tower {format_precision(info.vision_precision)}"
     print(
         f"{info.architecture}: {info.layers} layers, "
         f"trunk {format_precision(info.trunk_precision)}; MTP layers "
-        f"{info.mtp_layers} ({mtp}); {format_size(info.size_bytes)} on disk",
+        f"{info.mtp_layers} ({mtp}){tower}; {format_size(info.size_bytes)} on disk",
         file=sys.stderr,
     )

@@ -30,8 +30,16 @@ def info_lines(info) -> list:
             if info.mtp_layers
             else "none",
         ),
+        *_vision_line(info, format_precision, format_size),
         ("size on disk", format_size(info.size_bytes)),
     ]
+
+
+def _vision_line(info, format_precision, format_size) -> list:
+    if not info.vision_precision:
+        return []
+    precision = format_precision(info.vision_precision)
+    return [("vision tower", f"{precision} ({format_size(info.vision_bytes)})")]
 
 
 def _drafter_lines(info, format_precision, format_size) -> list:

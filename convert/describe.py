@@ -1,4 +1,5 @@
-"""What a model file holds: architecture, layers, MTP layers, precision per part, size.
+"""What a model file holds: architecture, layers, MTP layers, vision tower,
+precision per part, size.
 
 Reads headers only (safetensors headers, GGUF metadata): no tensor is loaded.
 """
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from mlx_mtp import vision
 from mlx_mtp.config import read_head_config
 from mlx_mtp.drafters import read_drafter_config
 from mlx_mtp.errors import MTPError, first_line
@@ -39,6 +41,9 @@ class ModelInfo:
     trained_head: bool = False  # the head came from train-head (mtp_config.json)
     # a drafter checkpoint's kind and shape (its weights count as the trunk's)
     drafter: Dict[str, Any] = field(default_factory=dict)
+    # a vision checkpoint's tower (its tensors are not the trunk's)
+    vision_precision: Dict[str, int] = field(default_factory=dict)
+    vision_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -118,8 +123,12 @@ def describe_folder(path: Path) -> ModelInfo:
         is_mlx = is_mlx or meta.get("format") == "mlx"
     if family is not None:
         mtp.update(k for k in entries if family.is_mtp_key(k, config))
-    trunk = {k: v for k, v in entries.items() if k not in mtp}
+    tower = set()
+    if "vision_config" in config:
+        tower = {k for k in entries if k not in mtp and vision.is_tower_key(k)}
+    trunk = {k: v for k, v in entries.items() if k not in mtp and k not in tower}
     head = {k: v for k, v in entries.items() if k in mtp}
+    seen = {k: entries[k] for k in tower}
     quant = config.get("quantization") or {}
     return ModelInfo(
         path=str(path),
@@ -133,6 +142,8 @@ def describe_folder(path: Path) -> ModelInfo:
         mtp_bytes=sum(_nbytes(e) for e in head.values()),
         size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
         trained_head=trained is not None,
+        vision_precision=dict(_folder_precision(seen, quant)),
+        vision_bytes=sum(_nbytes(e) for e in seen.values()),
     )
 
 

@@ -3,7 +3,9 @@
 ``mtp.safetensors`` keeps the checkpoint names (``model.layers.{N}.eh_proj.weight``,
 ``model.mtp_layers.0.*``, ``mtp.*``) with the block in sanitized form (stacked
 experts, split MLA projections): plain ``mlx_lm.load`` never opens it, and
-``mlx_mtp.load`` finds it beside ``model*.safetensors``.
+``mlx_mtp.load`` finds it beside ``model*.safetensors``. A vision
+checkpoint's tower goes to ``model-vision.safetensors`` as it is (see
+``split_tower``), its text model quantized as mlx-vlm would quantize it.
 """
 
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
+from mlx_mtp import vision
 from mlx_mtp.drafters import is_drafter
 from mlx_mtp.errors import MTPError
 
@@ -46,13 +49,16 @@ from .precision import (
 from .source import Source, read_hf_folder
 
 HEAD_FILE = "mtp.safetensors"
+TOWER_FILE = "model-vision.safetensors"  # a vision checkpoint's tower
 PathLike = Union[str, Path]
 
 
 def write_config(config: Dict[str, Any], path: Path) -> None:
     from mlx_lm.utils import save_config
 
-    save_config(dict(config), path)
+    # (mlx-lm drops ``vision_config`` unless told: a folder that keeps its
+    # tower keeps it)
+    save_config(dict(config), path, keep_vision_config=vision.is_vision(config))
 
 
 def convert_source(
@@ -78,9 +84,10 @@ def _convert(
     if source.write_tokenizer is None:
         raise MTPError(f"{source.path}: no tokenizer to write")
     config = normalize_config(source.config)
-    trunk_w, mtp_w = split_mtp(config, source.weights)
+    weights, tower_w = split_tower(source.path, config, source.weights, precision)
+    trunk_w, mtp_w = split_mtp(config, weights)
     model = build_trunk(config, trunk_w)
-    apply_trunk(model, precision)
+    apply_trunk(model, precision, as_vlm=bool(tower_w))
     head_w, head_q = _heads(model, config, mtp_w, precision)
     quant = quantization_config(quantized_modules(model), head_q)
     if quant is not None:
@@ -92,7 +99,8 @@ def _convert(
     from mlx_lm.utils import save_model
 
     trunk_params = dict(tree_flatten(model.parameters()))
-    nbytes = sum(v.nbytes for v in [*trunk_params.values(), *head_w.values()])
+    every = [*trunk_params.values(), *head_w.values(), *tower_w.values()]
+    nbytes = sum(v.nbytes for v in every)
     with atomic_folder(out, force) as tmp:
         check_space(tmp, nbytes, out)
         if said is not None:
@@ -101,6 +109,10 @@ def _convert(
         materialize(trunk_params, "trunk", bar)
         with writing(out):
             save_model(tmp, model, donate_model=True)
+        if tower_w:
+            materialize(tower_w, "vision tower", bar)
+            with writing(out):
+                write_tower(tmp, tower_w)
         if head_w:
             materialize(head_w, "MTP", bar)
             with writing(out):
@@ -111,7 +123,58 @@ def _convert(
             write_config(config, tmp / "config.json")
             source.write_tokenizer(tmp)
         _check_tokenizer(tmp, config)
+        if tower_w:
+            _check_processor(tmp)
     return Path(out)
+
+
+def split_tower(path, config, weights, precision: Precision):
+    """(the other tensors, the vision tower's) of a vision checkpoint
+    (``vision.is_vision``; others: all, none). The tower keeps its names
+    and precision (``--dtype`` casts its floats): mlx-vlm never quantizes
+    it, and both loaders read it from the names Hugging Face gives it."""
+    if not vision.is_vision(config):
+        return weights, {}
+    tower = {k: v for k, v in weights.items() if vision.is_tower_key(k)}
+    if not tower:
+        raise MTPError(
+            f"{path}: its config has a vision tower and no tensor holds one "
+            f"(names starting {vision.TOWER_PREFIXES[0]})"
+        )
+    if precision.dtype:
+        target = getattr(mx, precision.dtype)
+        tower = {
+            k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in tower.items()
+        }
+    return {k: v for k, v in weights.items() if k not in tower}, tower
+
+
+def write_tower(folder: Path, tower: Dict[str, mx.array]) -> None:
+    """The tower into ``TOWER_FILE``, listed in the index ``save_model``
+    wrote: mlx-vlm reads the files the index names, mlx-lm and mlx-mtp
+    every ``model*.safetensors`` (mlx-lm's Qwen3.5 drops the tower's names)."""
+    import json
+
+    mx.save_safetensors(str(folder / TOWER_FILE), tower, metadata={"format": "mlx"})
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({k: TOWER_FILE for k in tower})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    meta = index.setdefault("metadata", {})
+    added = sum(v.nbytes for v in tower.values())
+    meta["total_size"] = meta.get("total_size", 0) + added
+    meta.pop("total_parameters", None)  # (it counted the text model only)
+    index_file.write_text(json.dumps(index, indent=4))
+
+
+def _check_processor(folder: Path) -> None:
+    """The image processor loads from ``folder`` (where mlx-vlm is here to
+    load it): a folder that would refuse images at load is not written."""
+    if vision.available():
+        from mlx_lm.utils import load_tokenizer
+
+        vision.processor_for(folder, load_tokenizer(folder, {}))
 
 
 def _heads(model, config, mtp_w, precision: Precision):

@@ -91,14 +91,28 @@ def cast(model: nn.Module, dtype: Optional[str]) -> None:
     model.update(tree_map_with_path(to, model.parameters()))
 
 
-def quantize(model: nn.Module, group_size: int, bits: int) -> None:
-    """Quantize every float module whose input width the group size divides."""
+def quantize(model: nn.Module, group_size: int, bits: int, own=None) -> None:
+    """Quantize every float module whose input width the group size divides.
+
+    ``own``: the model's ``quant_predicate`` (path, module -> False, True or
+    the module's own parameters), which mlx-vlm's converter follows (0.7.10,
+    ``quant_utils.quantize_model``): Qwen3.5 MoE's router gates at 8 bits.
+    A module whose width the default group or its own does not divide stays
+    a float there too.
+    """
 
     def predicate(path, module):
-        return (
-            hasattr(module, "to_quantized")
-            and module.weight.shape[-1] % group_size == 0
-        )
+        if not hasattr(module, "to_quantized"):
+            return False
+        width = module.weight.shape[-1]
+        if width % group_size:
+            return False
+        asked = True if own is None else own(path, module)
+        if isinstance(asked, dict):
+            if width % asked.get("group_size", group_size):
+                return False
+            return {"group_size": group_size, "bits": bits, **asked}
+        return bool(asked)
 
     nn.quantize(model, group_size, bits, class_predicate=predicate)
 
@@ -109,12 +123,15 @@ def dequantize(model: nn.Module) -> None:
     dequantize_model(model)
 
 
-def apply_trunk(model: nn.Module, p: Precision) -> None:
+def apply_trunk(model: nn.Module, p: Precision, as_vlm: bool = False) -> None:
+    """``as_vlm``: the text model of a vision checkpoint, quantized as
+    mlx-vlm's converter quantizes it (``quantize``'s ``own``)."""
     if p.dequantize:
         dequantize(model)
     cast(model, p.dtype)
     if p.quantize:
-        quantize(model, p.q_group_size, p.q_bits)
+        own = getattr(model, "quant_predicate", None) if as_vlm else None
+        quantize(model, p.q_group_size, p.q_bits, own)
     elif p.nearest:
         quantize_nearest(model, p.nearest)
 

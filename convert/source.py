@@ -19,7 +19,8 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.loader import read_config
 from mlx_mtp.weights import read_safetensors
 
-# Files a Hugging Face folder keeps its tokenizer and chat template in.
+# Files a Hugging Face folder keeps its tokenizer, chat template and
+# image processor in.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -31,6 +32,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    # a vision model's image processor (mlx-vlm's, transformers')
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 

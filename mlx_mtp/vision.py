@@ -44,11 +44,18 @@ INSTALL = "pip install 'mlx-mtp[vision]'"
 # the families whose language model mlx-lm loads and whose tower mlx-vlm does
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 _DELTA_SLOT = 2  # the slot after a GDN cache's [conv window, state]
+# where a checkpoint keeps the vision tower: Hugging Face's names, an older
+# layout's, and mlx-vlm's own (a folder its converter wrote)
+TOWER_PREFIXES = ("model.visual.", "model.language_model.visual.", "vision_tower.")
 
 
 def is_vision(config: dict[str, Any]) -> bool:
     """Whether a checkpoint's config has a vision tower this module reads."""
     return "vision_config" in config and config.get("model_type") in FAMILIES
+
+
+def is_tower_key(key: str) -> bool:
+    return key.startswith(TOWER_PREFIXES)
 
 
 def available() -> bool:
@@ -196,10 +203,9 @@ def _tower(path: Path, config: dict[str, Any]):
 
     vision = qwen3_5.VisionConfig.from_dict(config["vision_config"])
     tower = qwen3_5.VisionModel(vision)
-    prefixes = ("model.visual.", "model.language_model.visual.", "vision_tower.")
     weights = {}
     for key, value in read_safetensors(sorted(path.glob("model*.safetensors"))).items():
-        for pre in prefixes:
+        for pre in TOWER_PREFIXES:
             if key.startswith(pre):
                 weights[key[len(pre) :]] = value
     if not weights:
@@ -408,11 +414,15 @@ def _runs(tokens: Sequence[int], token: int) -> list[tuple]:
 
 def processor_for(path: Path, tokenizer) -> "VisionProcessor":
     """mlx-vlm's processor of ``path`` behind the tokenizer's interface."""
+    import importlib
     import json
 
     from mlx_vlm.utils import load_processor
 
     config = json.loads((path / "config.json").read_text())
+    # the family's module registers its processor class with transformers
+    # (without it, transformers asks for torchvision)
+    importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
     try:
         processor = load_processor(path, True)
     except Exception as e:

@@ -492,6 +492,21 @@ def test_a_cached_image_prompt_continues_only_with_its_images(vlm, folder, tmp_p
         lines = refused.stderr.strip().splitlines()
         assert len(lines) == 1 and "pass the same with --image" in lines[0], lines
         assert "Traceback" not in refused.stderr
+    # the same text with the other image: another file, keyed by that image
+    other = tmp_path / "other.safetensors"
+    made = _cli("cache-prompt", "--model", str(folder), "--prompt", "Look. ",
+                "--image", str(images[4]),
+                "--prompt-cache-file", str(other))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    second = prompt_file.peek(other)
+    assert second.tokens == header.tokens  # (images 0 and 4: the same size)
+    assert [s.digest for s in second.segments] == [digest_of(images[4].read_bytes())]
+    go[go.index(str(cache))] = str(other)
+    resumed = _cli(*go, "--image", str(images[4]))
+    assert resumed.returncode == 0, resumed.stderr
+    want = reference(vlm, [{"role": "user", "content": block + "Look. What is it?"}],
+                     [images[4]])  # fmt: skip
+    assert json.loads(resumed.stdout)["text"] == want
 
 
 def test_chat_session_turns_with_images_reuse_the_cache(vlm):
@@ -531,3 +546,111 @@ def test_chat_cli_shows_an_image_with_the_next_message(vlm, folder):
     assert f"prompt {len(shown)}," in out.stderr  # the image's tokens were read
     assert "shown with the next message" in out.stdout
     assert "/nonexistent.png: no such file" in out.stdout
+
+
+# -- the Responses API ---------------------------------------------------------------
+
+
+def input_image(url: str) -> dict:
+    return {"type": "input_image", "image_url": url, "detail": "auto"}
+
+
+def input_text(text: str) -> dict:
+    return {"type": "input_text", "text": text}
+
+
+def _responses(client, content, stream=False, **kw):
+    """The answer's text to one user message of ``content``."""
+    r = client.responses.create(
+        model="vl", input=[{"role": "user", "content": content}],
+        max_output_tokens=N, temperature=0.0, stream=stream, **kw,
+    )  # fmt: skip
+    if not stream:
+        return r.output_text, r
+    deltas, final = [], None
+    for event in r:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response  # (incomplete: it ran to max_output_tokens)
+    assert final is not None and final.output_text == "".join(deltas)
+    return final.output_text, final
+
+
+def test_responses_input_image_answers_as_the_cli_does(vlm, folder, server):
+    _, processor, images = vlm
+    cli = _cli("generate", "--model", str(folder), "--prompt", "Describe it.",
+               "--image", str(images[7]), "-n", str(N), "--temp", "0",
+               "--json")  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    want = json.loads(cli.stdout)["text"]
+    assert want == reference(vlm, [{"role": "user", "content": processor.image_block
+                                    + "Describe it."}], [images[7]])  # fmt: skip
+    client = server.client()
+    content = [input_image(data_url(images[7])), input_text("Describe it.")]
+    text, r = _responses(client, content)
+    assert text == want and r.usage.input_tokens > 4
+    assert _responses(client, content, stream=True)[0] == want
+    # an image in an earlier turn (previous_response_id) stays where it was
+    later = client.responses.create(
+        model="vl", previous_response_id=r.id, input="And now?",
+        max_output_tokens=N, temperature=0.0,
+    )  # fmt: skip
+    turns = [{"role": "user", "content": processor.image_block + "Describe it."},
+             {"role": "assistant", "content": want},
+             {"role": "user", "content": "And now?"}]  # fmt: skip
+    assert later.output_text == reference(vlm, turns, [images[7]])
+
+
+def _post_responses(server, content, role="user", **body):
+    body = {"model": "vl", "max_output_tokens": 4,
+            "input": [{"role": role, "content": content}], **body}  # fmt: skip
+    status, raw = server.post("/v1/responses", json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+@pytest.mark.parametrize("case", ["broken", "too many pixels", "a URL", "a file"])
+def test_a_bad_input_image_is_a_400_naming_its_part(vlm, server, case):
+    url, says = BAD[case]
+    # (with instructions: the chat path's first message is the system's)
+    status, body = _post_responses(server, [input_text("Hi"), input_image(url)],
+                                   instructions="Be brief.")  # fmt: skip
+    assert status == 400, body
+    error = body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert says in error["message"] and error["param"] == "input[0].content[1]"
+    assert "messages[" not in error["message"]
+    with pytest.raises(openai.BadRequestError, match=says):
+        _responses(server.client(), [input_image(url), input_text("Hi")])
+
+
+def test_responses_refuse_what_the_chat_path_refuses(vlm, server):
+    images = vlm[2]
+    parts = [input_image(data_url(p)) for p in images[:4]]
+    status, body = _post_responses(server, parts)
+    assert status == 400 and "more than 3 images" in body["error"]["message"]
+    assert body["error"]["param"] == "input[0].content[3]"
+    status, body = _post_responses(server, parts[:1], role="assistant")
+    assert status == 400 and "user messages" in body["error"]["message"]
+    status, body = _post_responses(server, [{"type": "input_image",
+                                             "file_id": "file-1"}])  # fmt: skip
+    assert status == 400 and "keeps no files" in body["error"]["message"]
+    status, body = _post_responses(server, [{"type": "input_image", "image_url": 3}])
+    assert status == 400 and body["error"]["param"] == "input[0].content[0]"
+    # and it serves on
+    content = [input_image(data_url(images[0])), input_text("Describe it.")]
+    want = reference(vlm, [{"role": "user", "content": vlm[1].image_block
+                            + "Describe it."}], [images[0]])  # fmt: skip
+    assert _responses(server.client(), content)[0] == want
+
+
+def test_responses_input_image_to_a_text_model_names_the_model(tmp_path):
+    folder, _ = tiny_hybrid.build_folder(tmp_path / "text", "qwen3_5")
+    model, tokenizer = mlx_mtp.load(folder)
+    live = LiveServer(model, tokenizer, "texty", fixed())
+    try:
+        status, body = _post_responses(live, [input_image(_url(_png()))])
+        assert status == 400 and body["error"]["param"] == "input[0].content[0]"
+        assert "'texty' reads text only" in body["error"]["message"]
+    finally:
+        live.close()

@@ -23,7 +23,6 @@ pytest.importorskip(
 import mlx.core as mx  # noqa: E402
 import tiny  # noqa: E402
 import tiny_vlm  # noqa: E402
-from mlx_vlm.generate import generate_step  # noqa: E402
 
 import mlx_mtp  # noqa: E402
 from mlx_mtp.batch import batch_generate  # noqa: E402
@@ -57,23 +56,7 @@ def vlm(tmp_path_factory):
 def reference(theirs, processor, prompt, n):
     """mlx-vlm's greedy tokens for ``prompt`` (a ``Prompt`` our processor
     made), to an end token."""
-    kwargs = {}
-    pixels = None
-    if prompt.segments:
-        pixels = mx.concatenate(
-            [mx.array(s.data["pixel_values"]) for s in prompt.segments]
-        )
-        grids = [s.data["grid_thw"] for s in prompt.segments]
-        kwargs["image_grid_thw"] = mx.array(grids)
-    eos = set(processor.eos_token_ids)
-    out = []
-    steps = generate_step(mx.array([prompt.tokens]), theirs, pixels, None,
-                          max_tokens=n, temperature=0.0, **kwargs)  # fmt: skip
-    for t, _ in steps:
-        out.append(int(t))
-        if int(t) in eos:
-            break
-    return out
+    return tiny_vlm.mlx_vlm_greedy(theirs, processor, prompt, n)
 
 
 def test_load_gives_a_vision_target_with_its_head(vlm):
@@ -242,3 +225,204 @@ def test_the_cli_reads_images_and_refuses_bad_ones(vlm, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         "error: the model (mimo) reads text only: it cannot read an image"
     )
+
+
+# -- exact sampling after an image ---------------------------------------------------
+
+
+def _their_next(theirs, tokens, segments, temp, top_k):
+    """mlx-vlm's distribution of the token after ``tokens`` (its input
+    embeddings and multimodal positions), top-k filtered, at ``temp``."""
+    import numpy as np
+    from mlx_lm.sample_utils import apply_top_k
+
+    ids = mx.array([list(tokens)])
+    pixels = mx.concatenate([mx.array(s.data["pixel_values"]) for s in segments])
+    grid = mx.array([s.data["grid_thw"] for s in segments])
+    made = theirs.get_input_embeddings(ids, pixels, image_grid_thw=grid)
+    logits = theirs.language_model(
+        ids, inputs_embeds=made.inputs_embeds,
+        cache=theirs.language_model.make_cache(),
+        position_ids=made.position_ids, rope_deltas=made.rope_deltas,
+    ).logits[0, -1:]  # fmt: skip
+    logp = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), top_k)
+    return np.array(mx.softmax(logp / temp, axis=-1))[0].astype(np.float64)
+
+
+def test_sampling_after_an_image_is_exact_with_drafts_made_and_partly_kept(vlm):
+    """Seeded runs at temperature 0.5 (top-k 4), two drafts a round: the
+    first two tokens after an image prompt follow mlx-vlm's model sampled
+    alone (a chi-square test at alpha 1e-3, as the text models' tests)."""
+    import numpy as np
+    from test_dflash_rounds import chi2_passes
+
+    _, model, processor, theirs, images = vlm
+    prompt = processor.prompt("what is it?", images[1])
+    temp, top_k, n = 0.5, 4, 300
+
+    def p_next(tokens):
+        return _their_next(theirs, tokens, prompt.segments, temp, top_k)
+
+    p0 = p_next(prompt.tokens)
+    p1 = sum(p0[t] * p_next(prompt.tokens + (int(t),)) for t in np.flatnonzero(p0))
+    runs = []
+    for seed in range(n):
+        out = list(stream_generate(model, processor, prompt, 2, temp=temp,
+                                   top_k=top_k, seed=seed, **DRAFTS))  # fmt: skip
+        runs.append(([r.token for r in out], out[-1].stats))
+    for i, p in enumerate([p0, p1]):
+        assert chi2_passes(np.array([tokens[i] for tokens, _ in runs]), p, n), i
+    # the check has power: the second tokens are not the first's distribution
+    assert not chi2_passes(np.array([tokens[1] for tokens, _ in runs]), p0, n)
+    accepted = sum(s.accepted for _, s in runs)
+    drafted = sum(s.drafted for _, s in runs)
+    assert n / 10 < accepted < drafted  # the second token was often a kept draft
+
+
+# -- Qwen3.6-MoE ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_vlm(tmp_path_factory):
+    """(our model, our processor, mlx-vlm's model, image paths) of a tiny
+    Qwen3.6-MoE VLM (``qwen3_5_moe``, float32, fused experts as published)."""
+    import mlx_vlm
+
+    root = tmp_path_factory.mktemp("vlm-moe")
+    folder = tiny_vlm.build_folder(root / "qwen3_6-moe-vl", model_type="qwen3_5_moe")
+    images = [tiny_vlm.write_image(root / f"i{k}.png", k, (48, 32)) for k in range(2)]
+    model, processor = mlx_mtp.load(folder)
+    theirs, _ = mlx_vlm.load(str(folder))
+    return model, processor, theirs, images
+
+
+@pytest.mark.parametrize("which", ["text", "image"])
+def test_moe_greedy_tokens_are_mlx_vlms(moe_vlm, which):
+    model, processor, theirs, images = moe_vlm
+    assert isinstance(model.target, VisionTarget) and model.head is not None
+    if which == "image":
+        prompt = processor.prompt("look:", images[0])
+    else:
+        prompt = mlx_mtp.prompt.Prompt(tuple(processor.encode("look: nothing")))
+    want = reference(theirs, processor, prompt, 24)
+    assert len(want) > 8
+    for step in (3, 64):
+        plain = list(stream_generate(model, processor, prompt, 24, mtp=False,
+                                     prefill_step_size=step))  # fmt: skip
+        drafted = list(stream_generate(model, processor, prompt, 24,
+                                       prefill_step_size=step, **DRAFTS))  # fmt: skip
+        assert [r.token for r in plain] == want
+        assert [r.token for r in drafted] == want
+        stats = drafted[-1].stats
+        assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+
+
+def test_moe_batch_of_ragged_streams_with_other_images(moe_vlm):
+    model, processor, theirs, images = moe_vlm
+    texts = ["one:", "two: and more words", "three"]
+    shown = [images[0], images[1], None]
+    out = batch_generate(model, processor, texts, images=shown, max_tokens=10,
+                         return_token_ids=True, **DRAFTS)  # fmt: skip
+    for ids, text, image in zip(out.token_ids, texts, shown):
+        prompt = (
+            processor.prompt(text, image)
+            if image is not None
+            else mlx_mtp.prompt.Prompt(tuple(processor.encode(text)))
+        )
+        want = reference(theirs, processor, prompt, 10)
+        ended = want[-1] in processor.eos_token_ids  # (not among the ids)
+        assert ids == (want[:-1] if ended else want)
+    assert sum(s.accepted for s in out.mtp_stats) > 0
+
+
+# -- quantized and bounded attention caches after an image ----------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(our model, our processor, mlx-vlm's model, an image prompt's
+    ``Prompt``) of a tiny Qwen3.5 VLM with 32-wide heads (keys quantize in
+    groups of 32 at the least)."""
+    import mlx_vlm
+
+    root = tmp_path_factory.mktemp("vlm-wide")
+    folder = tiny_vlm.build_folder(root / "wide", head_dim=32)
+    image = tiny_vlm.write_image(root / "i.png", 3, (64, 32))
+    model, processor = mlx_mtp.load(folder)
+    theirs, _ = mlx_vlm.load(str(folder))
+    return model, processor, theirs, processor.prompt("look at this:", image)
+
+
+def _their_steps(theirs, processor, prompt, n, **kw):
+    """mlx-vlm's plain greedy (token, logprobs) for the image prompt, to an
+    end token."""
+    from mlx_vlm.generate import generate_step
+
+    (s,) = prompt.segments
+    grid = mx.array([s.data["grid_thw"]])
+    steps = generate_step(mx.array([prompt.tokens]), theirs,
+                          mx.array(s.data["pixel_values"]), None, max_tokens=n,
+                          temperature=0.0, image_grid_thw=grid, **kw)  # fmt: skip
+    out = []
+    for t, lp in steps:
+        out.append((int(t), lp))
+        if int(t) in processor.eos_token_ids:
+            break
+    return out
+
+
+def _close_to(got, want):
+    assert [r.token for r in got] == [t for t, _ in want]
+    for r, (_, lp) in zip(got, want):
+        assert mx.allclose(r.logprobs, lp, atol=1e-5)
+    assert len(want) > 16
+
+
+@pytest.mark.parametrize("bits, start", [(4, 0), (8, 20)])
+def test_quantized_keys_after_an_image_are_mlx_vlms(wide, bits, start):
+    """``kv_bits`` with an image prompt: mlx-vlm's own generation with the
+    same setting, at every draft count."""
+    model, processor, theirs, prompt = wide
+    kv = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+    n = 40
+    want = _their_steps(theirs, processor, prompt, n, **kv)
+    full = _their_steps(theirs, processor, prompt, n)
+    # the setting changes the distributions by more than twice the
+    # tolerance below (8 bits: 6e-5): the test sees it
+    assert max(mx.abs(a[1] - b[1]).max().item() for a, b in zip(want, full)) > 2e-5
+    for k in (0, 1, 3):
+        got = list(stream_generate(model, processor, prompt, n, draft_max=k,
+                                   mtp=k > 0, adaptive_draft=False, **kv))  # fmt: skip
+        _close_to(got, want)
+        if k:
+            assert 0 < got[-1].stats.accepted < got[-1].stats.drafted
+
+
+def test_a_bounded_cache_after_an_image_is_a_rotating_one(wide, monkeypatch):
+    """``max_kv_size`` with an image prompt (its image inside the window
+    at first, dropped from it later): mlx-vlm's language model over mlx's
+    rotating cache (mlx-vlm's Qwen3.5 makes its own caches and ignores
+    ``max_kv_size``), at every draft count."""
+    from mlx_vlm.models import cache as vlm_cache
+
+    from mlx_mtp.kv import RollingKVCache
+
+    monkeypatch.setattr(RollingKVCache, "step", 16)  # drop often
+    model, processor, theirs, prompt = wide
+    bound, n = 48, 60
+    assert len(prompt) < bound < len(prompt) + n
+    caches = [
+        vlm_cache.RotatingKVCache(max_size=bound, keep=4)
+        if type(c).__name__ == "KVCache" else c
+        for c in theirs.language_model.make_cache()
+    ]  # fmt: skip
+    want = _their_steps(theirs, processor, prompt, n, prompt_cache=caches)
+    full = _their_steps(theirs, processor, prompt, n)
+    assert max(mx.abs(a[1] - b[1]).max().item() for a, b in zip(want, full)) > 1e-3
+    for k in (0, 2):
+        got = list(stream_generate(model, processor, prompt, n, draft_max=k,
+                                   mtp=k > 0, adaptive_draft=False,
+                                   max_kv_size=bound))  # fmt: skip
+        _close_to(got, want)
+        if k:
+            assert got[-1].stats.accepted > 0

@@ -1,4 +1,5 @@
-"""Tiny random Qwen3.5 vision-language checkpoints in the published layout.
+"""Tiny random Qwen3.5 and Qwen3.6-MoE vision-language checkpoints in the
+published layout.
 
 The text model and its ``mtp.*`` head are ``tiny_hybrid``'s Qwen3.5 (tensors
 under ``model.language_model``); the vision tower is mlx-vlm 0.7.10's own
@@ -51,27 +52,35 @@ PREPROCESSOR = dict(
 )
 
 
+ARCHITECTURES = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # Qwen3.6-35B-A3B's
+}
+
+
 def config(seed_config: dict) -> dict:
     """The text model's config with the vision tower's and the image tokens."""
+    model_type = seed_config["model_type"]
     text = dict(seed_config["text_config"])
     # every dimension rotates (16 = 8 frequencies), so that the multimodal
     # rope's three sections (time, height, width) all have frequencies
+    quarter = text["head_dim"] // 4
     text["rope_parameters"] = {
         **text["rope_parameters"],
         "partial_rotary_factor": 1.0,
-        "mrope_section": [4, 2, 2],
+        "mrope_section": [quarter, quarter // 2, quarter // 2],
         "type": "default",
     }
     return {
         **seed_config,
         "text_config": text,
-        "vision_config": dict(VISION),
+        "vision_config": {**VISION, "model_type": model_type},
         "image_token_id": IMAGE_PAD,
         "video_token_id": VIDEO_PAD,
         "vision_start_token_id": VISION_START,
         "vision_end_token_id": VISION_END,
         "vocab_size": tiny.VOCAB,
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": [ARCHITECTURES[model_type]],
     }
 
 
@@ -91,10 +100,21 @@ def write_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def build_folder(path: Path, seed: int = 0, agreeable: bool = True) -> Path:
-    """A Qwen3.5 VLM folder: language model, vision tower, ``mtp.*`` head,
-    tokenizer and image processor config."""
-    seed_config, trunk_w, mtp_w = tiny_hybrid.build_weights("qwen3_5", seed, agreeable)
+def build_folder(
+    path: Path,
+    seed: int = 0,
+    agreeable: bool = True,
+    model_type: str = "qwen3_5",
+    **overrides,
+) -> Path:
+    """A Qwen3.5 VLM folder (``model_type`` "qwen3_5_moe": Qwen3.6's MoE, its
+    experts fused as published, float32 since MLX's CPU MoE kernel takes no
+    other): language model, vision tower, ``mtp.*`` head, tokenizer and
+    image processor config. ``overrides`` change the text config (wider
+    heads: ``head_dim=32``, which quantized keys need)."""
+    seed_config, trunk_w, mtp_w = tiny_hybrid.build_weights(
+        model_type, seed, agreeable, **overrides
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     weights = {**trunk_w, **vision_weights(seed), **mtp_w}
@@ -103,6 +123,30 @@ def build_folder(path: Path, seed: int = 0, agreeable: bool = True) -> Path:
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     write_tokenizer(path)
     return path
+
+
+def mlx_vlm_greedy(theirs, processor, prompt, n: int) -> list:
+    """mlx-vlm's own plain greedy tokens (``generate_step``, no drafter) for
+    ``prompt`` (a ``Prompt`` mlx-mtp's processor made) on ``theirs`` (the
+    model ``mlx_vlm.load`` loads), to an end token."""
+    from mlx_vlm.generate import generate_step
+
+    kwargs, pixels = {}, None
+    if prompt.segments:
+        pixels = mx.concatenate(
+            [mx.array(s.data["pixel_values"]) for s in prompt.segments]
+        )
+        grids = [s.data["grid_thw"] for s in prompt.segments]
+        kwargs["image_grid_thw"] = mx.array(grids)
+    eos = set(processor.eos_token_ids)
+    out = []
+    steps = generate_step(mx.array([prompt.tokens]), theirs, pixels, None,
+                          max_tokens=n, temperature=0.0, **kwargs)  # fmt: skip
+    for t, _ in steps:
+        out.append(int(t))
+        if int(t) in eos:
+            break
+    return out
 
 
 def write_image(path: Path, seed: int, size=(32, 32)) -> Path:

@@ -2,10 +2,12 @@
 
 A request is translated into the chat completions request it means
 (``instructions`` as the system prompt; input messages, ``function_call``
-and ``function_call_output`` items as the conversation; the flat function
-tools and ``tool_choice``; ``text.format`` as ``response_format``;
-``max_output_tokens``; ``reasoning.effort`` as ``reasoning_effort``) and
-served by the same path, drafts and all. The answer is a ``response`` whose
+and ``function_call_output`` items as the conversation, a user's
+``input_image`` parts as the chat path's ``image_url`` parts, read, limited
+and refused as there; the flat function tools and ``tool_choice``;
+``text.format`` as ``response_format``; ``max_output_tokens``;
+``reasoning.effort`` as ``reasoning_effort``) and served by the same path,
+drafts and all. The answer is a ``response`` whose
 output items are a thinking model's ``reasoning`` (its thinking as
 ``reasoning_text``, and as the summary where ``reasoning.summary`` asks
 for one), ``message`` items with ``output_text`` and ``function_call``
@@ -16,6 +18,7 @@ items; streamed, the semantic events that build them, each with its
 
 import copy
 import json
+import re
 import time
 import uuid
 import weakref
@@ -92,38 +95,88 @@ def _type(value, kinds, name: str, what: str):
 # -- the request -------------------------------------------------------------------
 
 
-def _text(content, where: str) -> str:
-    """A string, or the text of text parts (``input_text``, ``output_text``)."""
+def _text(content, where: str, role: Optional[str] = None):
+    """A string, or the text of text parts (``input_text``, ``output_text``);
+    a user's content with ``input_image`` parts: the chat request's content
+    parts, one per part (an image as an ``image_url`` part, which the chat
+    path reads and checks as it reads its own)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts, images = [], False
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            at = f"{where}[{j}]"
             if kind in ("input_text", "output_text") and isinstance(
                 part.get("text"), str
             ):
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             elif kind == "refusal" and isinstance(part.get("refusal"), str):
-                texts.append(part["refusal"])
+                parts.append({"type": "text", "text": part["refusal"]})
+            elif kind == "input_image" and role == "user":
+                parts.append(_image(part, at))
+                images = True
+            elif kind == "input_image":
+                raise _bad(f"'{at}': input_image parts go in user messages", at,
+                           "unsupported_value")  # fmt: skip
             else:
+                also = ", input_image" if role == "user" else ""
                 raise _bad(
-                    f"'{where}[{j}]': parts of type {json.dumps(kind)} are not "
-                    "supported (this server reads text: input_text, output_text)",
-                    f"{where}[{j}]",
+                    f"'{at}': parts of type {json.dumps(kind)} are not "
+                    f"supported (this server reads input_text, output_text{also})",
+                    at,
                     "unsupported_value",
                 )
-        return "".join(texts)
+        return parts if images else "".join(p["text"] for p in parts)
     raise _bad(f"'{where}' must be a string or an array of text parts", where,
                "invalid_type")  # fmt: skip
 
 
-def input_messages(items) -> List[dict]:
+def _image(part: dict, at: str) -> dict:
+    """An ``input_image`` part as the chat request's ``image_url`` part: its
+    ``image_url`` a data URL (an http(s) URL or a file only where the server
+    allows them, as on the chat path); a ``file_id`` names an upload this
+    server does not keep."""
+    url = part.get("image_url")
+    if url is None and part.get("file_id") is not None:
+        raise _bad(
+            f"'{at}.file_id': this server keeps no files; send the image as a "
+            "data: URL in 'image_url'",
+            at,
+            "unsupported_value",
+        )
+    if not isinstance(url, str) or not url:
+        raise _bad(f"'{at}.image_url' must be a string (a data: URL)", at,
+                   "invalid_type")  # fmt: skip
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _relabel(e: APIError, places: List[str]) -> APIError:
+    """A chat-path error about ``messages[i]`` as one about the request's
+    own field that made message ``i`` (``places``)."""
+
+    def place(m):
+        i = int(m.group(1))
+        return places[i] if i < len(places) else m.group(0)
+
+    e.message = _MESSAGE.sub(place, e.message)
+    if isinstance(e.param, str):
+        e.param = _MESSAGE.sub(place, e.param)
+    return e
+
+
+_MESSAGE = re.compile(r"messages\[(\d+)\](?:\.content)?")
+
+
+def input_messages(items, places: Optional[List[str]] = None) -> List[dict]:
     """``input`` (a string or input items) as chat messages: a run of
     ``function_call`` items joins the assistant message before it as its
     tool calls; ``reasoning`` items are left out, as chat templates leave
-    earlier thinking out."""
+    earlier thinking out. ``places``: gets the field each message came
+    from (``input[i].content``)."""
+    places = [] if places is None else places
     if isinstance(items, str):
+        places.append("input")
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
         raise _bad("'input' must be a string or an array of input items", "input",
@@ -142,8 +195,9 @@ def input_messages(items) -> List[dict]:
                     f"{json.dumps(role)}",
                     f"{at}.role",
                 )
-            out.append({"role": role, "content": _text(item.get("content"),
-                                                       f"{at}.content")})  # fmt: skip
+            content = _text(item.get("content"), f"{at}.content", role)
+            out.append({"role": role, "content": content})
+            places.append(f"{at}.content")
         elif kind == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(name), str):
@@ -159,6 +213,7 @@ def input_messages(items) -> List[dict]:
             else:
                 out.append({"role": "assistant", "content": None,
                             "tool_calls": [call]})  # fmt: skip
+                places.append(at)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"'{at}.call_id' must be a string", f"{at}.call_id",
@@ -166,6 +221,7 @@ def input_messages(items) -> List[dict]:
             output = _text(item.get("output"), f"{at}.output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output})  # fmt: skip
+            places.append(f"{at}.output")
         elif kind == "reasoning":
             continue
         else:
@@ -279,8 +335,12 @@ class _Request:
         self.reasoning = _reasoning(body.get("reasoning"))
         max_tokens = parse._get(body, "max_output_tokens", (int,), low=1)
         history = store_of(service).get(self.previous) if self.previous else []
+        # the field each chat message comes from, for the chat path's errors
+        self.places = (["instructions"] if self.instructions else []) + [
+            "previous_response_id"
+        ] * len(history)
         # the conversation this response ends, kept if it is stored
-        self.history = history + input_messages(body["input"])
+        self.history = history + input_messages(body["input"], self.places)
         system = [{"role": "system", "content": self.instructions}]
         chat = {
             "messages": (system if self.instructions else []) + self.history,
@@ -474,6 +534,7 @@ def _usage(usage: Optional[dict]) -> Optional[dict]:
 
 async def create(service, http: HTTPRequest):
     """``POST /v1/responses``."""
+    request = None
     try:
         body = await read_body(http, service.config.max_body_bytes)
         request = _Request(service, body)
@@ -487,7 +548,7 @@ async def create(service, http: HTTPRequest):
     except ToolError as e:
         return APIError(str(e), param=e.param, code=e.code).response()
     except APIError as e:
-        return e.response()
+        return (e if request is None else _relabel(e, request.places)).response()
     thinking = service.reasoning.splitter(tokens) if service.reasoning else None
     answer = _Answer(service, http, submitted, request, p, plan.splitter(), thinking)
     if p.stream:
