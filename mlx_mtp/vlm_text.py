@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx import nn
 
+from .cache import cache_length
 from .errors import MTPError, first_line
 from .target import Target
 from .weights import read_safetensors
@@ -37,6 +38,7 @@ MLX_VLM_VERSION = "0.7.10"
 INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
+FAMILIES["glm5_next"] = "glm5_next"  # GLM-5.3-Flash
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -137,7 +139,9 @@ class VLMTextTarget(Target):
 
     def _positions(self, tokens: mx.array, cache: Optional[List[Any]]) -> mx.array:
         B, T = tokens.shape
-        offset = 0 if not cache else cache[self._offset_layer].offset
+        offset = 0 if not cache else getattr(cache[self._offset_layer], "offset", None)
+        if offset is None:  # a recurrent layer first (GLM-5.3): the first that counts
+            offset = cache_length(cache)
         if isinstance(offset, mx.array):
             offset = offset.reshape(-1, 1)
         return (mx.arange(T, dtype=mx.int32)[None] + offset) * mx.ones(
