@@ -70,11 +70,7 @@ def load_trunk(
     """mlx-vlm's language model for ``path`` (lazy), MTP tensors moved into
     ``split``; returns ``(language model, config)``. Failures are one line."""
     arch = _module(config)  # first: without mlx-vlm, one line saying so
-    from mlx_vlm.utils import (
-        load_model_weights,
-        sanitize_weights,
-        update_module_configs,
-    )
+    from mlx_vlm.utils import load_model_weights
 
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
@@ -82,30 +78,51 @@ def load_trunk(
     config = dict(config)
     config.setdefault("vision_config", {})
     try:
-        model_config = arch.ModelConfig.from_dict(config)
-        model_config = update_module_configs(
-            model_config, arch, config, ["text", "vision"]
-        )
-        model = arch.Model(model_config)
         weights = read_safetensors(files)
         if family is not None:
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
-        weights = sanitize_weights(model, weights)
-        weights = sanitize_weights(
-            arch.VisionModel, weights, model_config.vision_config
-        )
-        weights = sanitize_weights(
-            arch.LanguageModel, weights, model_config.text_config
-        )
-        if not any(k.startswith("vision_tower.") for k in weights):
-            model.vision_tower = None  # a text-only checkpoint: no tower to load
+        model, weights = _sanitized(arch, config, weights)
         model = load_model_weights(model, config, weights, path, lazy=True)
     except MTPError:
         raise
     except Exception as e:
         raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
     return model.language_model, config
+
+
+def _sanitized(arch, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """mlx-vlm's model for ``config`` and ``weights`` as its sanitize steps
+    leave them (the tower dropped where the weights hold none)."""
+    from mlx_vlm.utils import sanitize_weights, update_module_configs
+
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    weights = sanitize_weights(model, weights)
+    weights = sanitize_weights(arch.VisionModel, weights, model_config.vision_config)
+    weights = sanitize_weights(arch.LanguageModel, weights, model_config.text_config)
+    if not any(k.startswith("vision_tower.") for k in weights):
+        model.vision_tower = None  # a text-only checkpoint: no tower to load
+    return model, weights
+
+
+def build_model(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
+    """mlx-vlm's whole model holding ``weights`` (the trunk's tensors, checkpoint
+    names, no MTP tensor), as ``convert`` quantizes and writes it; ``load_trunk``
+    reads what it writes. Failures are one line."""
+    arch = _module(config)
+    config = dict(config)
+    config.setdefault("vision_config", {})
+    try:
+        model, weights = _sanitized(arch, config, dict(weights))
+        model.load_weights(list(weights.items()), strict=True)
+    except Exception as e:
+        raise MTPError(
+            f"the weights do not fit {config['model_type']} ({first_line(e)})"
+        ) from None
+    model.eval()
+    return model
 
 
 class _ModulesPath:
