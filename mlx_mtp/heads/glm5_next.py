@@ -88,7 +88,9 @@ class Glm5NextMTP(FusedHead):
 
     def states(self, hidden, tokens, cache):
         c = cache[0] if cache is not None else None
-        e = _zero_position_0(self.embed(tokens), 0 if c is None else c.offset)
+        e = self.embed(tokens)
+        if self.zero_first_embedding:
+            e = _zero_position_0(e, 0 if c is None else c.offset)
         x = self.block(self.fuse(e, hidden.astype(e.dtype)), c)
         h = self.final_norm(x)
         return h, h
