@@ -17,7 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed (pip install '.[vision]')")
+pytest.importorskip(
+    "mlx_vlm", reason="mlx-vlm is not installed (pip install '.[vision]')"
+)
 
 import tiny_glm5  # noqa: E402
 from tiny import random_prompt
@@ -345,8 +347,8 @@ def test_a_served_batch_answers_each_client_as_alone(model, reference):
         alone = [ask(p) for p in prompts]
         together = [None] * len(prompts)
         threads = [
-            threading.Thread(target=lambda i=i: together.__setitem__(i, ask(prompts[i])))
-            for i in range(len(prompts))
+            threading.Thread(target=lambda i=i: together.__setitem__(i, ask(p)))
+            for i, p in enumerate(prompts)
         ]
         for t in threads:
             t.start()
@@ -358,3 +360,53 @@ def test_a_served_batch_answers_each_client_as_alone(model, reference):
         assert sum(u.mtp["accepted"] for _, u in together) > 0
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def dflash_pair(tmp_path_factory):
+    """A GLM-5.3 trunk (no head) whose mask token embeds to zero, and a DFlash 2
+    drafter (block 8) in z-lab's layout reading its layers 1 and 3."""
+    import tiny_dflash
+
+    root = tmp_path_factory.mktemp("glm5-dflash")
+    _, trunk = tiny_glm5.build_folder(root / "m", silent=[tiny_dflash.MASK])
+    drafter = tiny_dflash.build_drafter(
+        root / "dflash2", [1, 3], 4, agreeable=True, kind="dflash2",
+        layout="nested", block_size=8, hidden_size=32,
+    )  # fmt: skip
+    return trunk, drafter
+
+
+def test_a_dflash2_drafter_drafts_greedy_tokens_unchanged(dflash_pair):
+    from mlx_mtp.drafts import ModelDrafts
+
+    trunk, drafter = dflash_pair
+    m, _ = mlx_mtp.load(trunk, draft=drafter)
+    assert [d.name for d in m.drafters] == ["dflash2"]
+    # a layer's streams [B, L, hc, H] reach the drafter as their mean
+    m.target.tap_layers([1])
+    _, taps = m.target.forward(mx.array(PROMPT)[None], m.target.make_cache())
+    assert taps.layers[1].shape == (1, len(PROMPT), 32)
+    expected = vlm_greedy(_vlm_lm(trunk), PROMPT, 24)
+    for k in (1, 3, 7):
+        stats = MTPStats(trace=[])
+        steps = speculative_generate_step(
+            PROMPT, m, max_tokens=24, stats=stats,
+            drafts=ModelDrafts(FixedDraft(k), "dflash2"),
+        )  # fmt: skip
+        assert [int(t) for t, _ in steps] == expected
+        assert 0 < stats.accepted < stats.drafted
+
+
+def test_a_drafter_of_other_shapes_is_refused_in_one_line(dflash_pair, tmp_path):
+    import tiny_dflash
+
+    trunk, _ = dflash_pair
+    wide = tiny_dflash.build_drafter(
+        tmp_path / "wide", [1, 3], 4, kind="dflash2", layout="nested"
+    )  # hidden size 64, the target's is 32
+    r = _cli("generate", "--model", trunk, "--draft", wide, "--prompt", "hi",
+             "--max-tokens", "4")  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hidden size 64" in lines[0]

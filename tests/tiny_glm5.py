@@ -176,8 +176,9 @@ def _randomize(params: Dict[str, mx.array]) -> None:
             params[k] = mx.log(mx.random.uniform(0.5, 2.0, v.shape))  # mild decays
 
 
-def build_weights(seed: int = 0, agreeable: bool = True, **overrides):
-    """(config, trunk tensors, MTP tensors), named as the checkpoint has them."""
+def build_weights(seed: int = 0, agreeable: bool = True, silent=(), **overrides):
+    """(config, trunk tensors, MTP tensors), named as the checkpoint has them;
+    the tokens ``silent`` embed to zero (a DFlash drafter's mask token)."""
     from mlx_vlm.models.glm5_next import Model, ModelConfig
     from mlx_vlm.speculative.drafters.glm5_next_mtp import Model as Drafter
     from mlx_vlm.speculative.drafters.glm5_next_mtp import (
@@ -194,6 +195,8 @@ def build_weights(seed: int = 0, agreeable: bool = True, **overrides):
         _shrink_outputs(lm, 0.1)
     embed = "model.embed_tokens.weight"
     lm[embed] = mx.random.normal(lm[embed].shape)
+    for t in silent:
+        lm[embed][t] = 0.0
     layers, rest = _by_layer(lm, "model.layers.")
     trunk = {}
     for i, params in layers.items():
@@ -221,9 +224,11 @@ def build_weights(seed: int = 0, agreeable: bool = True, **overrides):
     return config, trunk, out
 
 
-def build_folder(path: Path, seed: int = 0, agreeable: bool = True, **overrides):
+def build_folder(
+    path: Path, seed: int = 0, agreeable: bool = True, silent=(), **overrides
+):
     """A folder with trunk + MTP layer, and ``path-trunk`` without it."""
-    config, trunk, mtp = build_weights(seed, agreeable, **overrides)
+    config, trunk, mtp = build_weights(seed, agreeable, silent, **overrides)
     full = save_folder(Path(path), config, trunk, mtp)
     trunk_only = save_folder(Path(str(path) + "-trunk"), config, trunk)
     return full, trunk_only

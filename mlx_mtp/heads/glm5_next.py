@@ -104,6 +104,14 @@ class Glm5NextMTP(FusedHead):
         ]
 
 
+def layer_view(x: mx.array) -> mx.array:
+    """A decoder layer's output ``[B, L, hc, H]`` as a drafter (DFlash) reads
+    it: the mean of its streams, the trunk's own collapse before its final
+    norm. Unverified: no public runtime taps GLM-5.3's layers for a drafter
+    (mlx-vlm 0.7.10's ``glm5_next`` ignores ``capture_layer_ids``)."""
+    return x.mean(axis=2)
+
+
 def _text(config: Dict[str, Any]) -> Dict[str, Any]:
     return config.get("text_config", config)
 
