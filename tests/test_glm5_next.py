@@ -347,7 +347,7 @@ def test_a_served_batch_answers_each_client_as_alone(model, reference):
         alone = [ask(p) for p in prompts]
         together = [None] * len(prompts)
         threads = [
-            threading.Thread(target=lambda i=i: together.__setitem__(i, ask(p)))
+            threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, ask(p)))
             for i, p in enumerate(prompts)
         ]
         for t in threads:
