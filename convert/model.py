@@ -55,7 +55,7 @@ def _pre_quantized(weights: Dict[str, mx.array]):
 
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
-    if vlm_text.serves(config):  # a language model only mlx-vlm has classes for
+    if vlm_text.converts(config):  # a language model only mlx-vlm has classes for
         return vlm_text.build_model(config, weights)
     model_class, args_class = model_classes(config)
     try:
@@ -83,7 +83,7 @@ def build_heads(
     family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
-    if vlm_text.serves(config):  # the head is built on the language model
+    if vlm_text.converts(config):  # the head is built on the language model
         model = model.language_model
     args = getattr(model, "args", None)
     backbone = find_backbone(model)

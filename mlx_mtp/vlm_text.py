@@ -39,6 +39,10 @@ INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
 FAMILIES["glm5_next"] = "glm5_next"  # GLM-5.3-Flash
+# the families ``convert`` writes (mlx-vlm and mlx-mtp read the folder back:
+# tests/test_glm5_next.py); Qwen3.8's own quantization rules (router gates at
+# 8 bits, n-gram rows in groups of 32) are not followed yet
+CONVERTS = {"glm5_next"}
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -57,6 +61,11 @@ def _module(config: Dict[str, Any]):
             f"{config['model_type']} is loaded with mlx-vlm {MLX_VLM_VERSION}: "
             f"{INSTALL}"
         ) from None
+
+
+def converts(config: Dict[str, Any]) -> bool:
+    """Whether ``convert`` builds ``config``'s model with mlx-vlm's classes."""
+    return config.get("model_type") in CONVERTS
 
 
 def require(config: Dict[str, Any]) -> None:
