@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_mtp import vlm_text
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import sanitize_block
@@ -54,6 +55,8 @@ def _pre_quantized(weights: Dict[str, mx.array]):
 
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
+    if vlm_text.converts(config):  # a language model only mlx-vlm has classes for
+        return vlm_text.build_model(config, weights)
     model_class, args_class = model_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -80,6 +83,8 @@ def build_heads(
     family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
+    if vlm_text.converts(config):  # the head is built on the language model
+        model = model.language_model
     args = getattr(model, "args", None)
     backbone = find_backbone(model)
     # a family whose block tensors the trunk's sanitize cannot take brings its own

@@ -264,6 +264,7 @@ def load_model(
     if adapter_path is not None:
         model = _load_adapters(model, Path(adapter_path))
     trunk = target(model, hidden_tap or getattr(family, "DEFAULT_HIDDEN_TAP", "post"))
+    trunk.layer_view = getattr(family, "layer_view", None)
     # 2) the head: from ``mtp`` or the folder, built where the family has one
     head_dir, head_config, head_weights = _head_source(path, mtp, split)
     family = trained_head_family(head_config, head_dir) or family

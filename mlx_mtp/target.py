@@ -177,6 +177,9 @@ class Target:
     # segments' embeddings kept for the chunks that read them (a segment split
     # over chunks is embedded once)
     KEPT_SEGMENTS = 4
+    # a tapped layer's output as a drafter reads it (None: as the layer gives
+    # it); a family whose layers carry several streams sets it (``layer_view``)
+    layer_view: Optional[Callable[[mx.array], mx.array]] = None
 
     def __init__(self, model: nn.Module, hidden_tap: str = "post"):
         self.model = model
@@ -289,4 +292,6 @@ class Target:
             self._feed.value = None
         hidden, self._tap.value = self._tap.value, None
         layers = {i: self._taken.pop(i) for i in self.tapped if i in self._taken}
+        if self.layer_view is not None:  # layers of several streams (GLM-5.3)
+            layers = {i: self.layer_view(x) for i, x in layers.items()}
         return logits, Taps(hidden, layers)

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx import nn
 
+from .cache import cache_length
 from .errors import MTPError, first_line
 from .target import Target
 from .weights import read_safetensors
@@ -37,6 +38,11 @@ MLX_VLM_VERSION = "0.7.10"
 INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
+FAMILIES["glm5_next"] = "glm5_next"  # GLM-5.3-Flash
+# the families ``convert`` writes (mlx-vlm and mlx-mtp read the folder back:
+# tests/test_glm5_next.py); Qwen3.8's own quantization rules (router gates at
+# 8 bits, n-gram rows in groups of 32) are not followed yet
+CONVERTS = {"glm5_next"}
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -57,6 +63,11 @@ def _module(config: Dict[str, Any]):
         ) from None
 
 
+def converts(config: Dict[str, Any]) -> bool:
+    """Whether ``convert`` builds ``config``'s model with mlx-vlm's classes."""
+    return config.get("model_type") in CONVERTS
+
+
 def require(config: Dict[str, Any]) -> None:
     """A one-line error where mlx-vlm, which ``config``'s family needs, is missing."""
     _module(config)
@@ -68,11 +79,7 @@ def load_trunk(
     """mlx-vlm's language model for ``path`` (lazy), MTP tensors moved into
     ``split``; returns ``(language model, config)``. Failures are one line."""
     arch = _module(config)  # first: without mlx-vlm, one line saying so
-    from mlx_vlm.utils import (
-        load_model_weights,
-        sanitize_weights,
-        update_module_configs,
-    )
+    from mlx_vlm.utils import load_model_weights
 
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
@@ -80,30 +87,51 @@ def load_trunk(
     config = dict(config)
     config.setdefault("vision_config", {})
     try:
-        model_config = arch.ModelConfig.from_dict(config)
-        model_config = update_module_configs(
-            model_config, arch, config, ["text", "vision"]
-        )
-        model = arch.Model(model_config)
         weights = read_safetensors(files)
         if family is not None:
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
-        weights = sanitize_weights(model, weights)
-        weights = sanitize_weights(
-            arch.VisionModel, weights, model_config.vision_config
-        )
-        weights = sanitize_weights(
-            arch.LanguageModel, weights, model_config.text_config
-        )
-        if not any(k.startswith("vision_tower.") for k in weights):
-            model.vision_tower = None  # a text-only checkpoint: no tower to load
+        model, weights = _sanitized(arch, config, weights)
         model = load_model_weights(model, config, weights, path, lazy=True)
     except MTPError:
         raise
     except Exception as e:
         raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
     return model.language_model, config
+
+
+def _sanitized(arch, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """mlx-vlm's model for ``config`` and ``weights`` as its sanitize steps
+    leave them (the tower dropped where the weights hold none)."""
+    from mlx_vlm.utils import sanitize_weights, update_module_configs
+
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    weights = sanitize_weights(model, weights)
+    weights = sanitize_weights(arch.VisionModel, weights, model_config.vision_config)
+    weights = sanitize_weights(arch.LanguageModel, weights, model_config.text_config)
+    if not any(k.startswith("vision_tower.") for k in weights):
+        model.vision_tower = None  # a text-only checkpoint: no tower to load
+    return model, weights
+
+
+def build_model(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
+    """mlx-vlm's whole model holding ``weights`` (the trunk's tensors, checkpoint
+    names, no MTP tensor), as ``convert`` quantizes and writes it; ``load_trunk``
+    reads what it writes. Failures are one line."""
+    arch = _module(config)
+    config = dict(config)
+    config.setdefault("vision_config", {})
+    try:
+        model, weights = _sanitized(arch, config, dict(weights))
+        model.load_weights(list(weights.items()), strict=True)
+    except Exception as e:
+        raise MTPError(
+            f"the weights do not fit {config['model_type']} ({first_line(e)})"
+        ) from None
+    model.eval()
+    return model
 
 
 class _ModulesPath:
@@ -137,7 +165,9 @@ class VLMTextTarget(Target):
 
     def _positions(self, tokens: mx.array, cache: Optional[List[Any]]) -> mx.array:
         B, T = tokens.shape
-        offset = 0 if not cache else cache[self._offset_layer].offset
+        offset = 0 if not cache else getattr(cache[self._offset_layer], "offset", None)
+        if offset is None:  # a recurrent layer first (GLM-5.3): the first that counts
+            offset = cache_length(cache)
         if isinstance(offset, mx.array):
             offset = offset.reshape(-1, 1)
         return (mx.arange(T, dtype=mx.int32)[None] + offset) * mx.ones(

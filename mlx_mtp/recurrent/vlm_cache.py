@@ -19,7 +19,22 @@ block is pooled from its own keys alone, so those are the arrays a decode that
 never saw the dropped tokens holds (mlx-vlm's ``trim`` drops them all and
 pools them again at the next forward).
 
-``patch_trunk(model)`` makes mlx-vlm's language model hand out both.
+``RollbackPoolingCache`` is mlx-vlm's ``PoolingCache`` (GLM-5.3-Flash's DSA
+indexer: pooled summaries of complete ``ratio``-token windows of indexer keys,
+and a buffer of the window under way): between ``start_verify()`` and
+``rollback(n)`` it keeps the buffer it started with and the keys and gates it
+read, and rolls back to the pools the kept tokens complete and the buffer of
+the kept tokens past them (each pool is made of its own window alone, so no
+pool is made again). mlx-vlm's own ``trim`` cannot drop a token once a pool
+exists. ``TrimmablePoolingCache`` (an MTP head's, whose tentative drafts are
+dropped outside a verify pass) keeps the raw keys and gates instead and cuts
+anywhere. ``VerifyCacheList`` is mlx-vlm's ``CacheList`` (a DSA layer's
+latent, indexer validity, pooling and projected-key caches) whose members
+each roll back by their own kind; a key cache is cut to at most the tokens
+the latent keeps (GLM-5.3's projected keys follow the latent on long chunks
+only, and may lag it).
+
+``patch_trunk(model)`` makes mlx-vlm's language model hand out all of them.
 """
 
 from typing import Any, List
@@ -27,6 +42,9 @@ from typing import Any, List
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.cache import ArraysCache as VLMArraysCache
+from mlx_vlm.models.cache import CacheList as VLMCacheList
+from mlx_vlm.models.cache import KVCache as VLMKVCache
+from mlx_vlm.models.cache import PoolingCache
 from mlx_vlm.models.qwen4_exp.language import QSAKVCache
 
 from .keep_states import KeepStatesCache
@@ -87,11 +105,152 @@ class RollbackQSACache(QSAKVCache):
         return n
 
 
+class RollbackPoolingCache(PoolingCache):
+    """``PoolingCache`` that rolls a verify pass back to the kept tokens' pools."""
+
+    _verify = None  # (remainder, buffers, pools) at the start, inputs read
+
+    @property
+    def verifying(self) -> bool:
+        return self._verify is not None
+
+    def start_verify(self) -> None:
+        bufs = tuple(None if b is None else mx.array(b) for b in self._bufs())
+        self._verify = (self.remainder, bufs, self.offset, [])
+
+    def _bufs(self) -> tuple:
+        return self.buf_kv, self.buf_gate
+
+    def accumulate_windows(self, kv, gate, offset):
+        if self._verify is not None:
+            self._verify[3].append((kv, gate))
+        return super().accumulate_windows(kv, gate, offset)
+
+    def rollback(self, n: int) -> None:
+        kept, self._verify = self._verify, None
+        if n == 0:
+            return
+        if kept is None:
+            raise RuntimeError(f"cannot roll back {n} tokens outside a verify pass")
+        remainder, bufs, pools, inputs = kept
+        read = sum(kv.shape[1] for kv, _ in inputs)
+        if n >= read:
+            raise ValueError(f"cannot roll back {n} of {read} verified tokens")
+        total = remainder + read - n
+        pools += total // self.ratio
+        self.pooled = None if pools == 0 else mx.contiguous(self.pooled[:, :pools])
+        self.remainder = total % self.ratio
+        new = []
+        for i, old in enumerate(bufs):
+            seq = mx.concatenate(
+                ([old[:, :remainder]] if old is not None else [])
+                + [x[i] for x in inputs],
+                axis=1,
+            )[:, :total]
+            buf = mx.zeros((seq.shape[0], self.ratio, seq.shape[-1]), seq.dtype)
+            if self.remainder:
+                buf[:, : self.remainder] = seq[:, total - self.remainder :]
+            new.append(buf)
+        self.buf_kv, self.buf_gate = new
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def mark(self) -> tuple:
+        bufs = tuple(None if b is None else mx.array(b) for b in self._bufs())
+        return self.remainder, bufs, self.pooled
+
+    def restore(self, mark: tuple) -> None:
+        self._verify = None
+        self.remainder, (self.buf_kv, self.buf_gate), self.pooled = mark
+
+
+class TrimmablePoolingCache(PoolingCache):
+    """``PoolingCache`` that keeps every key and gate it read, so that ``trim``
+    can drop tokens anywhere: a head's tentative drafts are dropped outside a
+    verify pass. One layer's raw indexer keys (an MTP head's) cost little."""
+
+    def __init__(self, ratio: int):
+        super().__init__(ratio)
+        self.raw = VLMKVCache()
+
+    def accumulate_windows(self, kv, gate, offset):
+        self.raw.update_and_fetch(kv[:, None], gate[:, None])
+        return super().accumulate_windows(kv, gate, offset)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = self.raw.trim(n)
+        total = self.raw.offset
+        pools = total // self.ratio
+        self.pooled = None if pools == 0 else mx.contiguous(self.pooled[:, :pools])
+        self.remainder = total % self.ratio
+        if self.remainder:
+            r = slice(total - self.remainder, total)
+            self.buf_kv[:, : self.remainder] = self.raw.keys[:, 0, r]
+            self.buf_gate[:, : self.remainder] = self.raw.values[:, 0, r]
+        return n
+
+    def mark(self) -> int:
+        return self.raw.offset
+
+    def restore(self, mark: int) -> None:
+        self.trim(self.raw.offset - mark)
+
+
+class VerifyCacheList(VLMCacheList):
+    """mlx-vlm's ``CacheList`` whose members each roll back by their own kind:
+    a pooling cache by its own ``rollback`` (a verify pass) or ``trim``; a key
+    cache is cut to at most the tokens the first one (the latent) keeps."""
+
+    @property
+    def offset(self):
+        return self.caches[0].offset
+
+    def start_verify(self) -> None:
+        for c in self.caches:
+            if hasattr(c, "start_verify"):
+                c.start_verify()
+
+    def rollback(self, n: int) -> None:
+        keep = self.caches[0].offset - n
+        if keep < 0:
+            raise ValueError(f"cannot roll back {n} of {n + keep} tokens")
+        for c in self.caches:
+            if hasattr(c, "rollback"):
+                c.rollback(n)
+            elif isinstance(c, VLMKVCache):
+                c.trim(max(0, c.offset - keep))
+            elif n:
+                c.trim(n)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def mark(self) -> tuple:
+        return tuple(
+            c.mark() if hasattr(c, "mark") else c.offset for c in self.caches
+        )
+
+    def restore(self, mark: tuple) -> None:
+        for c, m in zip(self.caches, mark):
+            if hasattr(c, "restore"):
+                c.restore(m)
+            else:
+                c.trim(c.offset - m)
+
+
 def _rollable(cache: Any) -> Any:
     if type(cache) is VLMArraysCache:
         return VerifyArraysCache(len(cache.cache))
     if type(cache) is QSAKVCache:
         return RollbackQSACache()
+    if type(cache) is PoolingCache:
+        return RollbackPoolingCache(cache.ratio)
+    if type(cache) is VLMCacheList:
+        return VerifyCacheList(*(_rollable(c) for c in cache.caches))
     return cache
 
 
