@@ -10,10 +10,12 @@ at 1-3 drafts, with drafts accepted and rejected; after every round, and after
 a rollback of every length, the trunk's n-gram window and its caches' offsets
 equal those of a decode that never saw the rejected drafts (one trunk forward
 per round: nothing is replayed); ``batch_generate`` of 4 prompts gives each
-its greedy output; a chat reuses its cache.
+its greedy output; a chat reuses its cache; ``--kv-bits`` is refused in one
+line; ``info`` counts its layers and ``convert -q`` keeps the head at 8 bits.
 """
 
 import dataclasses
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -303,3 +305,37 @@ def test_chat_reuses_its_cache(folders):
     got = answer(session, "and then?")
     assert got == fresh_answer(model, tok, session.messages[:-1], max_tokens=8)
     assert session.cache.offset == len(session.cached_tokens)
+
+
+def test_kv_bits_is_refused_in_one_line(folders, capsys):
+    from mlx_mtp.cli.app import run_app
+
+    code = run_app(["generate", "-m", str(folders[0]), "-p", "hi", "-n", "4",
+                    "--no-chat-template", "--kv-bits", "8"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert "longcat_flash_ngram" in err[0] and "kv_bits" in err[0]
+
+
+def test_info_counts_its_layers_and_head(folders, capsys):
+    from mlx_mtp.cli.app import run_app
+
+    assert run_app(["info", str(folders[0]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layers"] == tiny_ngram.CONFIG["num_layers"]
+    assert info["mtp_layers"] == 1
+
+
+def test_convert_keeps_the_head_at_higher_precision(folders, tmp_path, capsys):
+    from mlx_mtp.cli.app import run_app
+
+    out = tmp_path / "q4"
+    assert run_app(["convert", str(folders[0]), str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert run_app(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert any(k.startswith("4-bit") for k in info["trunk_precision"])
+    assert any(k.startswith("8-bit") for k in info["mtp_precision"])
+    assert not any(k.startswith("4-bit") for k in info["mtp_precision"])
+    model = mlx_mtp.load_model(out)
+    assert model.head is not None and model.notice is None
