@@ -243,7 +243,8 @@ def load(
     failure as an ``MTPError`` ("rank R: ..."). ``sharding`` is "pipeline",
     "tensor" or "auto" (pipeline where mlx-lm has a split for the model,
     else tensor sharding; a model with neither is loaded whole on every
-    process, with ``model.sharding.notice`` saying so). The returned model
+    process, with ``model.sharding.notice`` saying so; a language model
+    only mlx-vlm loads is refused before any weights load). The returned model
     generates through ``stream_generate`` as usual: call it on every process.
     This is what a server should call to load under ``mlx.launch``.
     """
