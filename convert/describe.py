@@ -134,7 +134,7 @@ def describe_folder(path: Path) -> ModelInfo:
         path=str(path),
         format="MLX folder" if is_mlx else "Hugging Face folder",
         architecture=config["model_type"],
-        layers=int(config.get("text_config", config).get("num_hidden_layers", 0)),
+        layers=_trunk_layers(config.get("text_config", config)),
         mtp_layers=_mtp_layer_count(config, family, list(head)),
         trunk_precision=dict(_folder_precision(trunk, quant)),
         mtp_precision=dict(_folder_precision(head, quant)),
@@ -247,3 +247,8 @@ def format_size(n: Optional[int]) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.1f} GB"
+
+
+def _trunk_layers(config: Dict[str, Any]) -> int:
+    # LongCat-Flash(-Ngram) counts its two-attention layers as ``num_layers``
+    return int(config.get("num_hidden_layers", config.get("num_layers", 0)))

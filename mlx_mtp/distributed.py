@@ -26,8 +26,9 @@ from typing import Any, List, Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
+from . import vlm_text
 from .errors import MTPError, first_line
-from .loader import MTPModel
+from .loader import MTPModel, read_config
 from .loader import load as load_local
 
 SHARDINGS = ("auto", "pipeline", "tensor")
@@ -86,21 +87,34 @@ def quiet_other_ranks(group) -> None:
     os.close(null)
 
 
-def _plan(model, config, group, sharding: str) -> Tuple[str, Optional[str]]:
+def _plan(
+    model, config, group, sharding: str, head=None
+) -> Tuple[str, Optional[str]]:
     """The sharding mode for ``model``, and a notice when it must be replicated."""
     if sharding not in SHARDINGS:
         raise MTPError(f"sharding must be one of {', '.join(SHARDINGS)}")
     name = config.get("model_type", type(model).__name__)
     pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     tensor = hasattr(model, "shard")
+    # a head that reads a trunk layer's output (DeepSeek-V4.1: the last layer's
+    # streams) finds it on the one process a pipeline split gives that layer
+    read = tuple(getattr(head, "reads_layers", ()) or ())
+    if sharding == "pipeline" and pipeline and read:
+        raise MTPError(
+            f"{name}: its MTP head reads trunk layer {read[0]}'s output, which a "
+            "pipeline split keeps on one process; use --sharding tensor"
+        )
+    pipeline = pipeline and not read
     if sharding == "pipeline" and not pipeline:
         raise MTPError(f"{name}: mlx-lm has no pipeline split for this model")
     if sharding == "tensor" and not tensor:
         raise MTPError(f"{name}: mlx-lm has no tensor sharding for this model")
     n = group.size()
     if sharding == "tensor" or (sharding == "auto" and tensor and not pipeline):
-        heads = [config.get(k) for k in ("num_attention_heads", "num_key_value_heads")]
-        if any(isinstance(h, int) and h % n for h in heads):
+        # (DeepSeek-V4.1's output projection splits by groups of heads)
+        keys = ("num_attention_heads", "num_key_value_heads", "o_groups")
+        heads = [config[k] for k in keys if isinstance(config.get(k), int)]
+        if any(h % n for h in heads):
             why = f"{name}: its attention heads {heads} do not split over {n} processes"
             if sharding == "tensor":
                 raise MTPError(why)
@@ -111,6 +125,12 @@ def _plan(model, config, group, sharding: str) -> Tuple[str, Optional[str]]:
         if layers < n:
             raise MTPError(f"{name}: {layers} layers cannot split over {n} processes")
         return "pipeline", None
+    if read and hasattr(model, "model") and hasattr(model.model, "pipeline"):
+        why = f"its MTP head reads trunk layer {read[0]}'s output, which a pipeline"
+        return "replicated", (
+            f"{name}: {why} split keeps on one process, and mlx-lm has no tensor "
+            "sharding for it; every process loads the whole model"
+        )
     return "replicated", (
         f"{name}: mlx-lm has no pipeline or tensor sharding for this model; "
         "every process loads the whole model"
@@ -126,7 +146,9 @@ class _Sharder:
         self.mode, self.notice = None, None
 
     def __call__(self, model, head, config) -> None:
-        self.mode, self.notice = _plan(model, config, self.group, self.sharding)
+        self.mode, self.notice = _plan(
+            model, config, self.group, self.sharding, head
+        )
         if self.mode == "pipeline":
             # mlx-lm's split: rank 0 holds the last layers; the head, embedding,
             # final norm and lm_head stay on every rank (see the module notes).
@@ -171,6 +193,22 @@ def gather(values: np.ndarray, group) -> np.ndarray:
     return gather_rows(mx.array(np.concatenate([head, values])), group)
 
 
+def unsplittable(path: Union[str, Path]) -> Optional[str]:
+    """Why the model at ``path`` cannot be split over processes, from its
+    config alone (before any weights load); None when it can be tried."""
+    try:
+        config = read_config(Path(path))
+    except MTPError:
+        return None  # loading says what is wrong with the path
+    if vlm_text.serves(config):
+        return (
+            f"{config['model_type']}: its language model loads through mlx-vlm, "
+            "whose models mlx-mtp does not split over processes; run it in one "
+            "process"
+        )
+    return None
+
+
 def _agree(group, error: Optional[str]) -> None:
     """All ranks learn whether every rank loaded; the first failure is raised
     on all of them, so none waits for a peer that will never come."""
@@ -205,7 +243,8 @@ def load(
     failure as an ``MTPError`` ("rank R: ..."). ``sharding`` is "pipeline",
     "tensor" or "auto" (pipeline where mlx-lm has a split for the model,
     else tensor sharding; a model with neither is loaded whole on every
-    process, with ``model.sharding.notice`` saying so). The returned model
+    process, with ``model.sharding.notice`` saying so; a language model
+    only mlx-vlm loads is refused before any weights load). The returned model
     generates through ``stream_generate`` as usual: call it on every process.
     This is what a server should call to load under ``mlx.launch``.
     """
@@ -213,6 +252,9 @@ def load(
     sharder = _Sharder(group, sharding)
     model, tokenizer, error = None, None, None
     try:
+        why = unsplittable(path) if group.size() > 1 else None
+        if why is not None:
+            raise MTPError(why)
         model, tokenizer = load_local(
             path, tokenizer_config, mtp=mtp, hidden_tap=hidden_tap, shard=sharder
         )

@@ -22,10 +22,7 @@ class Declared(NamedTuple):
 
 
 # Families whose checkpoints carry MTP layers that mlx-mtp cannot use yet, and why
-NOT_YET = {
-    "longcat_flash_ngram": "no engine source pins how its MTP layer reads the "
-    "n-gram embedding",
-}
+NOT_YET: Dict[str, str] = {}
 
 
 def declared() -> Tuple[Declared, ...]:

@@ -1,0 +1,58 @@
+"""LongCat-Flash-Ngram's n-gram context, rolled back after a verify pass.
+
+mlx-lm 0.32's ``longcat_flash_ngram.NgramEmbedding`` hashes each token with
+the ``emb_neighbor_num - 1`` tokens before it, and keeps those last tokens in
+the model's first cache, an ``ArraysCache(1)``: a window over the input
+tokens, as a conv layer keeps its last inputs. A forward replaces it with the
+last ``n - 1`` tokens of ``[window, new tokens]``, so the tokens a rollback
+must return to are gone.
+
+``KeepNgramContext`` records, during a verify pass, ``[window, new tokens]``
+as a window slot of a ``KeepStatesCache``; ``rollback(n)`` then sets the
+window ending at the last kept token (batches: ``BatchStatesCache``, per
+stream). The window is held at its full ``n - 1`` tokens, zeros before the
+first token, so that the kept sequence is ``n - 1`` tokens longer than the
+pass however short the history: mlx-lm's hash shifts zeros in for tokens
+that are not there, so the ids, and the output, are the same.
+"""
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..heads.common import rollback_caches
+from .keep_states import KeepStatesCache, install
+
+
+class KeepNgramContext:
+    """Mixin over mlx-lm's ``NgramEmbedding``: its window is kept for rollback."""
+
+    def __call__(self, input_ids: mx.array, cache: Optional[Any] = None) -> mx.array:
+        if not isinstance(cache, KeepStatesCache):
+            return super().__call__(input_ids, cache)
+        window = self.n - 1
+        old = cache[0]
+        if old is None:
+            old = mx.zeros((input_ids.shape[0], window), dtype=mx.int64)
+        elif old.shape[-1] < window:  # a history shorter than the window
+            old = mx.pad(old, [(0, 0), (window - old.shape[-1], 0)])
+        cache[0] = old
+        out = super().__call__(input_ids, cache)
+        if cache.verifying:
+            seq = mx.concatenate([old, input_ids.astype(old.dtype)], axis=-1)
+            cache.keep_window(0, seq, window)
+        return out
+
+
+def patch_trunk(model: nn.Module) -> None:
+    """Give a LongCat-Flash-Ngram model caches that roll back: its two-attention
+    layers' ``CacheList``s report an offset (``rollback_caches``), its n-gram
+    window is a ``KeepStatesCache``. Calling it twice changes nothing."""
+    rollback_caches(model)
+    install(model, [_ngram(model)], KeepNgramContext, KeepStatesCache)
+
+
+def _ngram(model: nn.Module) -> nn.Module:
+    return model.model.ngram_embeddings
+
