@@ -66,7 +66,7 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
     key = entry_key(
         {
             "machine": config.machine(),
-            "model": config.cached_identity(model),
+            "model": config.costs_identity(model),
             "context": bucket,
             "kv": "; ".join(form),
         }
@@ -104,10 +104,15 @@ def stored_or_timed(model, key, timed) -> Optional[Dict[str, Any]]:
     if covers(found, model):
         return found
     before = found["draft"] if found is not None else {}
+    # the rounds' corrections (``round_costs``) hold for the same key still
+    rounds = next((e.get("rounds") for e in entries if entry_key(e) == key), None)
     found = timed()
     if found is not None:
         found["draft"] = {**before, **found["draft"]}
-        write_entry(entries, {**key, "created": time.time(), "costs": found})
+        entry = {**key, "created": time.time(), "costs": found}
+        if rounds:
+            entry["rounds"] = rounds
+        write_entry(entries, entry)
     return found
 
 

@@ -1,0 +1,236 @@
+"""Round costs that the rounds correct (``round_costs``): a probe whose
+stored costs say a verify is free cannot keep a source drafting at a loss
+once the rounds' own times say otherwise; the correction is stored under
+the probe's key and read by later runs; a new machine, BLAS or model files
+are probed afresh. Every time here is a fake clock's: the trunk's forward
+advances it by one unit per token it reads (a verify over ``t`` tokens
+costs ``t`` plain steps, which the stored probe says cost one)."""
+
+import json
+import os
+import types
+
+import pytest
+import tiny
+
+import mlx_mtp
+from mlx_mtp import config, decoder, drafts, probe, round_costs, timing
+from mlx_mtp.adaptive import CostAwareDraft, Costs
+from mlx_mtp.drafts import ModelDrafts, NoDrafts, make_source
+from mlx_mtp.round_costs import LOOKUP, MIN_SAMPLES, RoundCosts
+from mlx_mtp.speculative import speculative_generate_step
+
+FREE = Costs([1.0] * 5, [0.0] * 4)
+MS = 1e-3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny.build_folder(tmp_path_factory.mktemp("rounds") / "mimo", "mimo")[0]
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLX_MTP_COSTS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "mlx-mtp" / timing.COSTS_FILE
+
+
+def store_free_probe(model):
+    """The probe's entry as a loaded machine (or a tiny model) leaves it: a
+    verify over 2-5 tokens at one plain step, drafts free, 1 ms a step."""
+    draft = {d.key: [0.0] * 4 for d in model.drafters}
+    costs = {"verify": [1.0] * 5, "draft": draft, "step_ms": 1.0, "seconds": 0.1}
+    timing.write_entry([], {**probe.probe_key(model), "costs": costs})
+
+
+def fake_clock(monkeypatch, model, per_token=True):
+    """The loop's clock advances only in the trunk's forward: by one ms per
+    token it reads (``per_token``), else by one ms whatever it reads."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(
+        decoder, "time", types.SimpleNamespace(perf_counter=lambda: clock.now)
+    )
+    forward = model.target.forward
+
+    def timed(tokens, cache, pieces=None, **kw):
+        clock.now += (tokens.shape[1] if per_token else 1) * MS
+        return forward(tokens, cache, pieces, **kw)
+
+    monkeypatch.setattr(model.target, "forward", timed)
+    return clock
+
+
+class Stubborn(CostAwareDraft):
+    """A head whose drafts are worth 0.6 a depth whatever the rounds keep:
+    by the stored costs three drafts always pay."""
+
+    def update(self, drafted, accepted):
+        pass
+
+
+def head_source(model):
+    costs = probe.machine_costs(model)
+    return ModelDrafts(Stubborn(3, costs, [0.6] * 3), "mtp", costs)
+
+
+def drafting_rounds(model, source, tokens=40):
+    stats = mlx_mtp.MTPStats(trace=[])
+    prompt = tiny.random_prompt(20)
+    list(speculative_generate_step(prompt, model, max_tokens=tokens, drafts=source,
+                                   stats=stats))  # fmt: skip
+    return sum(1 for r in stats.trace if r.drafted)
+
+
+def test_a_free_verify_the_rounds_find_dear_stops_drafting(
+    folder, measuring, monkeypatch
+):
+    model = mlx_mtp.load_model(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    source = head_source(model)
+    assert source.count() == 3  # by the probe's costs three drafts pay
+    assert drafting_rounds(model, source) == MIN_SAMPLES
+    assert source.retired and source.draft_max == 0
+    # the rounds' costs: a round of 3 drafts costs its 4 tokens' steps
+    assert source.costs.round(3) == pytest.approx(4.0)
+    (entry,) = json.loads(measuring.read_text())
+    assert entry["costs"]["verify"] == [1.0] * 5  # the probe's own, as it was
+    head = model.drafters[0].key
+    assert entry["rounds"]["sources"][head] == [[4, 4.0]] * MIN_SAMPLES
+
+    # a later run (a model loaded afresh) starts from the correction: the
+    # head cannot pay by it, and is left out from the first round
+    later = mlx_mtp.load_model(folder)
+    assert probe.machine_costs(later).round(3) == pytest.approx(4.0)
+    assert probe.machine_costs(later).round(1) == pytest.approx(4.0)
+    monkeypatch.setattr(drafts, "acceptance_prior", lambda m, name="mtp": [0.6] * 3)
+    assert isinstance(make_source(later, "mtp", 3, costs=probe.machine_costs), NoDrafts)
+
+
+def test_where_the_rounds_agree_with_the_probe_nothing_changes(
+    folder, measuring, monkeypatch
+):
+    """The same head where a verify is as free as the probe says: it drafts
+    every round, and its costs stay the probe's."""
+    model = mlx_mtp.load_model(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model, per_token=False)
+    source = head_source(model)
+    assert drafting_rounds(model, source, 24) > 10
+    assert not source.retired and source.count() == 3
+    assert source.costs.round(3) == pytest.approx(FREE.round(3))
+
+
+def test_a_new_machine_blas_or_files_are_probed_afresh(folder, measuring, monkeypatch):
+    model = mlx_mtp.load_model(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    drafting_rounds(model, head_source(model))
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(3) > 3.9
+    timed = []
+
+    def measure(m):
+        timed.append(m)
+        return {"verify": [1.0] * 5, "draft": {d.key: [0.0] * 4 for d in m.drafters},
+                "step_ms": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(probe, "measure", measure)
+    # another BLAS (another library preloaded): measured anew, uncorrected
+    other = {**config.machine(), "blas": "OpenBLAS preloaded (/elsewhere/libblas.so.3)"}
+    monkeypatch.setattr(config, "machine", lambda: other)
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(3) == 1.0
+    assert len(timed) == 1
+    monkeypatch.undo()
+    monkeypatch.delenv("MLX_MTP_COSTS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(measuring.parent.parent))
+    monkeypatch.setattr(probe, "measure", measure)
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(3) > 3.9
+    assert len(timed) == 1  # the first machine's entry still holds
+    # the weights rewritten in place (same size, same names): measured anew
+    weights = next(folder.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(3) == 1.0
+    assert len(timed) == 2
+
+
+def test_a_blas_behind_a_link_is_named_by_what_it_resolves_to(tmp_path, monkeypatch):
+    real = tmp_path / "libopenblasp-r0.3.99.so"
+    real.write_bytes(b"")
+    link = tmp_path / "libblas.so.3"
+    link.symlink_to(real)
+    monkeypatch.setenv("LD_PRELOAD", str(link))
+    assert config.blas().endswith(f"({link} -> {real})")
+    monkeypatch.setenv("LD_PRELOAD", str(real))
+    assert config.blas().endswith(f"({real})")
+
+
+# -- the correction itself -----------------------------------------------------
+
+
+def test_lookup_rounds_raise_the_verify_widths_and_past_them():
+    """Lookup rounds at 2 and 3 tokens that cost 2 and 3 steps: every width
+    costs its tokens (the slope measured, not the probe's flat line), a
+    9-token proposal included, which no round measured."""
+    fix = RoundCosts(probe_unit=MS)
+    for w in (2, 3, 2, 3):
+        fix.record(LOOKUP, w, w * MS)
+    costs = fix.costs(FREE)
+    assert [costs.verify_cost(t) for t in (1, 2, 3, 9)] == pytest.approx([1, 2, 3, 9])
+    # a drafter without rounds of its own pays what the lookups' rounds paid
+    assert costs.round(2) == pytest.approx(3.0)
+
+
+def test_a_round_overhead_holds_at_every_width():
+    """An overhead-bound model: any round costs about one step more than
+    the probe said, whatever its width."""
+    fix = RoundCosts(probe_unit=MS)
+    base = Costs([1.0, 1.05, 1.1, 1.15, 1.2], [0.0] * 4)
+    for w in (2, 5, 9, 2, 5, 9):
+        fix.record(LOOKUP, w, (base.verify_cost(w) + 1.0) * MS)
+    costs = fix.costs(base)
+    for t in (2, 3, 9, 12):
+        assert costs.verify_cost(t) == pytest.approx(base.verify_cost(t) + 1.0)
+
+
+def test_the_correction_only_raises_and_waits_for_its_samples():
+    fix = RoundCosts(probe_unit=MS)
+    dear = Costs([1.0, 1.5, 2.0], [0.1, 0.2])
+    fix.record(LOOKUP, 2, 9 * MS)
+    fix.record(LOOKUP, 2, 9 * MS)
+    assert fix.costs(dear) is dear  # two rounds are no evidence yet
+    fix.record(LOOKUP, 2, 9 * MS)
+    assert fix.costs(dear).verify_cost(2) == pytest.approx(9.0)
+    cheap = RoundCosts(probe_unit=MS)
+    for _ in range(MIN_SAMPLES):
+        cheap.record(LOOKUP, 2, 1.0 * MS)
+    assert cheap.costs(dear).verify_cost(2) == 1.5  # never below the stored
+
+
+def test_the_unit_is_the_processs_own_plain_rounds():
+    """A probe taken under load (its step 3 ms where rounds take 1): this
+    process's plain rounds are the unit once it has them."""
+    fix = RoundCosts(probe_unit=3 * MS)
+    for _ in range(MIN_SAMPLES):
+        fix.record(LOOKUP, 2, 2 * MS)
+    assert fix.costs(FREE).verify_cost(2) == 1.0  # 2 ms against 3
+    for _ in range(round_costs.UNIT_MIN):
+        fix.record_plain(1 * MS)
+    assert fix.costs(FREE).verify_cost(2) == pytest.approx(2.0)
+    # stored and read back: in plain steps, with the unit the rounds measured
+    again = RoundCosts(json.loads(json.dumps(fix.to_dict())))
+    assert again.unit() == pytest.approx(MS)
+    assert again.costs(FREE).verify_cost(2) == pytest.approx(2.0)
+
+
+def test_a_damaged_store_starts_anew():
+    for bad in ({"sources": {"lookup": [["x", 1]]}}, {"sources": 3}, {"unit": "?"}):
+        assert RoundCosts(bad).costs(FREE) is FREE
+
+
+def test_no_correction_where_costs_are_pinned(folder):
+    model = mlx_mtp.load_model(folder)  # the suite pins MLX_MTP_COSTS=prior
+    probe.machine_costs(model)
+    assert probe.corrections(model) is None
+    assert getattr(model, "_round_costs", None) is None
