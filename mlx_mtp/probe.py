@@ -9,9 +9,11 @@ as ``tune`` keys its entries), so later processes read them instead:
 
 - the unit: two plain steps, the second started before the first's token is
   read (as the loop runs them);
-- a verify pass over 2 tokens, waited for; passes over more tokens are
-  extrapolated from it (a straight line: pessimistic where a forward is
-  memory-bound, its cost growing less than that);
+- verify passes over 2 and ``timing.DEPTHS + 1`` (5) tokens, waited for;
+  those between are interpolated, wider ones extrapolated from the two
+  (a 2-token verify alone, extrapolated as a straight line, made 4 drafts
+  dearer than they were where a forward is memory-bound); the rounds then
+  correct them (``round_costs``);
 - each drafter's proposal of 1 draft from a warm cache (its catch-up over two
   positions included) and, for a chain, of 2; a block drafter costs the same
   whatever it drafts (``Drafter.flat_cost``). Drafters are stored under
@@ -21,7 +23,7 @@ as ``tune`` keys its entries), so later processes read them instead:
 
 Each part is timed ``timing.REPEATS`` times, interleaved (drift on a busy
 machine hits all alike), after one untimed forward and proposal, and the
-medians kept (``timing.time_parts``): about eight forwards on the default
+medians kept (``timing.time_parts``): about ten trunk forwards on the default
 model (see docs/performance.md for what that costs a fresh process).
 
 From ``timing.LONG_CONTEXT`` tokens on, a single stream's rounds are weighed

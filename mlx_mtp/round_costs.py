@@ -13,21 +13,23 @@ of one stream (alone, or a served batch of one) are timed as they run
   process's latest plain rounds run ahead (``UNIT_MIN`` of them at least);
   before there are that many, the unit an earlier run's rounds stored, else
   the probe's plain step (measured with the rest of its costs);
-- each drafted round is a sample ``(width, cost)``, its verify's width and
-  its time in units, kept per source: each drafter (by its checkpoint,
-  ``Drafter.key``) and the lookups (rounds that are a verify alone), over
-  the latest ``WINDOW`` rounds;
-- once a source has ``MIN_SAMPLES``, its excess over the stored round cost
-  is fit as ``a + b (width - 2)``: ``b`` (at least 0) from the medians of the
-  narrowest and widest widths with two samples each, 0 while there is one
-  width; ``a`` the median of what is left. A round of any width then costs
-  the stored cost plus that excess, never less: a probe that missed the
-  loop's work, or extrapolated a 2-token verify to 9 tokens, is raised to
-  what the rounds pay, and noise cannot make drafts look free. A source
-  whose corrected costs do not pay stops drafting and so stops measuring:
-  its estimate stands, so the drafting cannot swing back and forth. A
-  drafter without samples of its own pays the lookups' excess (its rounds
-  do the same work), unless its stored costs are ``tune``'s whole rounds.
+- each drafted round is a sample of its verify's width and its time in
+  units, kept per source (each drafter by its checkpoint, ``Drafter.key``;
+  the lookups, whose rounds are a verify alone) and width, the latest
+  ``PER_WIDTH`` of each;
+- a width with ``MIN_SAMPLES`` costs their median: what the rounds pay,
+  above or below the stored cost (a probe that missed the loop's work, or
+  extrapolated a 2-token verify to 9 tokens). Another width costs the
+  stored cost plus the excess of the measured ones: between two of them,
+  interpolated; outside them, the nearest one's excess, changing with the
+  width as it changes between the narrowest and widest measured. No width
+  costs less than a plain step, nor less than a narrower one;
+- a source that by its corrected costs does not pay stops drafting at that
+  width, so that width is measured no more and its median stands: the
+  drafting cannot swing back and forth. A width never measured is tried
+  at most ``MIN_SAMPLES`` rounds before its own median holds. A drafter
+  without samples of its own pays the lookups' excess (its rounds do the
+  same work), unless its stored costs are ``tune``'s whole rounds.
 
 The samples are stored in the probe's entry in ``costs.json``
 (``timing.COSTS_FILE``), under its key (machine, BLAS, model files: a new
@@ -39,37 +41,48 @@ corrected, nor anything under ``MLX_MTP_COSTS=prior``.
 
 import statistics
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .adaptive import Costs
 
-WINDOW = 16  # samples per source
-MIN_SAMPLES = 3  # before a source's correction holds (a first round is slow)
+PER_WIDTH = 8  # samples per source and width
+MIN_SAMPLES = 3  # before a width's median holds (a first round is slow)
 UNIT_WINDOW = 16
 UNIT_MIN = 2
 MAX_WIDTH = 17  # widths corrected: up to ``defaults.MAX_DRAFT_MAX`` drafts
 CHANGE = 0.02  # plain steps: a correction that moves less is not passed on
 LOOKUP = "lookup"  # the lookups' samples (a drafter's are under its key)
 
-# (width, seconds, unit): ``unit`` None while this process has no unit of
-# its own (the time is read against the best unit known when it is used)
-Sample = Tuple[int, float, Optional[float]]
+# (seconds, unit): ``unit`` None while this process has no unit of its own
+# (the time is read against the best unit known when it is used)
+Sample = Tuple[float, Optional[float]]
 
 
-def fit(samples: List[Tuple[int, float]]) -> Tuple[float, float]:
-    """``(a, b)`` of ``excess(width) = a + b (width - 2)`` over ``(width,
-    excess)`` samples (see the module's docstring)."""
-    by_width: Dict[int, List[float]] = {}
-    for w, e in samples:
-        by_width.setdefault(w, []).append(e)
-    paired = sorted(w for w, es in by_width.items() if len(es) >= 2)
-    b = 0.0
-    if len(paired) >= 2:
-        lo, hi = paired[0], paired[-1]
-        rise = statistics.median(by_width[hi]) - statistics.median(by_width[lo])
-        b = max(0.0, rise / (hi - lo))
-    a = statistics.median(e - b * (w - 2) for w, e in samples)
-    return a, b
+def corrected(stored: Callable[[int], float], measured: Dict[int, float]):
+    """Costs at widths 2..``MAX_WIDTH`` (index 0: width 2) from ``stored(w)``
+    and the widths ``measured`` (their medians), as the module's docstring
+    says; None where none is measured."""
+    if not measured:
+        return None
+    widths = sorted(measured)
+    excess = {w: measured[w] - stored(w) for w in widths}
+    lo, hi = widths[0], widths[-1]
+    slope = (excess[hi] - excess[lo]) / (hi - lo) if hi > lo else 0.0
+    out = []
+    for w in range(2, MAX_WIDTH + 1):
+        if w in measured:
+            c = measured[w]
+        elif w < lo:
+            c = stored(w) + excess[lo] - slope * (lo - w)
+        elif w > hi:
+            c = stored(w) + excess[hi] + slope * (w - hi)
+        else:
+            below = max(v for v in widths if v < w)
+            above = min(v for v in widths if v > w)
+            t = (w - below) / (above - below)
+            c = stored(w) + excess[below] + t * (excess[above] - excess[below])
+        out.append(max(c, 1.0, out[-1] if out else 1.0))
+    return out
 
 
 class RoundCosts:
@@ -80,22 +93,25 @@ class RoundCosts:
         """``stored``: what an earlier process saved (``to_dict``);
         ``probe_unit``: the probe's plain step in seconds, if it timed one."""
         self.plain: Deque[float] = deque(maxlen=UNIT_WINDOW)
-        self.samples: Dict[str, Deque[Sample]] = {}
+        self.samples: Dict[str, Dict[int, Deque[Sample]]] = {}
         self.stored_unit = probe_unit
         self.dirty = False
-        self.fits: Dict[str, Tuple[float, float]] = {}  # as last passed on
+        self.seen: Dict[str, Dict[int, float]] = {}  # as last passed on
         stored = stored or {}
         try:
             unit = stored.get("unit")
             if unit is not None and float(unit) > 0:
                 self.stored_unit = float(unit)
             for key, rows in (stored.get("sources") or {}).items():
-                kept = self.samples.setdefault(str(key), deque(maxlen=WINDOW))
                 for w, r in rows:
                     if int(w) >= 2 and float(r) > 0:
-                        kept.append((int(w), float(r), 1.0))
+                        self._kept(str(key), int(w)).append((float(r), 1.0))
         except (AttributeError, TypeError, ValueError):
             self.samples.clear()  # damaged: the rounds start anew
+
+    def _kept(self, key: str, width: int) -> Deque[Sample]:
+        widths = self.samples.setdefault(key, {})
+        return widths.setdefault(width, deque(maxlen=PER_WIDTH))
 
     def unit(self) -> Optional[float]:
         """A plain step's seconds: this process's, else the stored one."""
@@ -109,68 +125,55 @@ class RoundCosts:
 
     def record(self, key: str, width: int, seconds: float) -> bool:
         """A round of ``key``'s drafts (``LOOKUP``, or a drafter's key) that
-        verified ``width`` tokens in ``seconds``. Returns whether the
-        source's correction moved by more than ``CHANGE`` at some width
-        (its draft source should be costed anew)."""
+        verified ``width`` tokens in ``seconds``. Returns whether a width's
+        median moved by more than ``CHANGE`` (the stream's draft source is
+        to be costed anew)."""
         own = len(self.plain) >= UNIT_MIN
-        kept = self.samples.setdefault(key, deque(maxlen=WINDOW))
-        kept.append((width, seconds, self.unit() if own else None))
+        self._kept(key, width).append((seconds, self.unit() if own else None))
         self.dirty = True
-        now = self._fit(key, None)
-        if now is None:
-            return False
-        was = self.fits.get(key, (0.0, 0.0))
-        moved = max(abs(_at(now, w) - _at(was, w)) for w in (2, MAX_WIDTH))
-        if moved <= CHANGE:
-            return False
-        self.fits[key] = now
-        return True
+        now, was = self.medians(key), self.seen.get(key, {})
+        moved = any(abs(c - was.get(w, 0.0)) > CHANGE for w, c in now.items())
+        if moved:
+            self.seen[key] = now
+        return moved
 
-    def relative(self, key: str) -> List[Tuple[int, float]]:
-        """``key``'s samples as ``(width, cost in plain steps)``."""
+    def relative(self, key: str) -> Dict[int, List[float]]:
+        """``key``'s samples per width, in plain steps."""
         unit = self.unit()
-        out = []
-        for w, s, u in self.samples.get(key, ()):
-            u = u if u is not None else unit
-            if u:
-                out.append((w, s / u))
+        out: Dict[int, List[float]] = {}
+        for w, kept in self.samples.get(key, {}).items():
+            for s, u in kept:
+                u = u if u is not None else unit
+                if u:
+                    out.setdefault(w, []).append(s / u)
         return out
 
-    def _fit(self, key: str, base: Optional[Costs], drafter: bool = False):
-        rows = self.relative(key)
-        if len(rows) < MIN_SAMPLES:
-            return None
-        if base is None:
-            return fit(rows)
-
-        def stored(w: int) -> float:
-            return base.round(w - 1) if drafter else base.verify_cost(w)
-
-        return fit([(w, r - stored(w)) for w, r in rows])
+    def medians(self, key: Optional[str]) -> Dict[int, float]:
+        """The widths of ``key`` with ``MIN_SAMPLES``: their medians."""
+        if key is None:
+            return {}
+        rows = self.relative(key).items()
+        return {w: statistics.median(r) for w, r in rows if len(r) >= MIN_SAMPLES}
 
     def costs(self, base: Costs, drafter: Optional[str] = None) -> Costs:
-        """``base`` corrected by the rounds: the lookups' excess on every
-        verify; ``drafter``'s own (its key) on its rounds, else the
+        """``base`` corrected by the rounds: its verifies by the lookups'
+        rounds; ``drafter``'s rounds (its key) by its own, else by the
         lookups' where ``base`` holds no whole rounds."""
-        look = self._fit(LOOKUP, base)
-        verify = [base.verify_cost(1)] + [
-            base.verify_cost(w) + _raise(look, w) for w in range(2, MAX_WIDTH + 1)
-        ]
-        own = self._fit(drafter, base, drafter=True) if drafter else None
-        extra = own if own is not None else (look if not base.rounds else None)
-        if look is None and extra is None:
+        look = corrected(base.verify_cost, self.medians(LOOKUP))
+        own = corrected(lambda w: base.round(w - 1), self.medians(drafter))
+        if look is None and own is None:
             return base
-        rounds = None
-        if extra is not None:
+        verify = [base.verify_cost(1)] + (
+            look or [base.verify_cost(w) for w in range(2, MAX_WIDTH + 1)]
+        )
+        rounds = list(base.rounds) if base.rounds else None
+        if own is not None:
+            rounds = [1.0] + own
+        elif look is not None and not base.rounds:
             rounds = [1.0] + [
-                base.round(k) + _raise(extra, k + 1) for k in range(1, MAX_WIDTH)
+                max(1.0, base.round(k) + look[k - 1] - base.verify_cost(k + 1))
+                for k in range(1, MAX_WIDTH)
             ]
-            for k in range(1, len(rounds)):  # more drafts never cost less
-                rounds[k] = max(rounds[k], rounds[k - 1])
-        elif base.rounds:
-            rounds = list(base.rounds)
-        for t in range(1, len(verify)):
-            verify[t] = max(verify[t], verify[t - 1])
         return Costs(verify, list(base.draft), rounds)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -178,19 +181,10 @@ class RoundCosts:
         samples in plain steps."""
         unit = statistics.median(self.plain) if len(self.plain) >= UNIT_MIN else None
         sources = {
-            key: [[w, round(r, 4)] for w, r in self.relative(key)]
+            key: [[w, round(r, 4)] for w, rs in self.relative(key).items() for r in rs]
             for key in self.samples
         }
         return {
             "unit": round(unit, 6) if unit else self.stored_unit,
             "sources": {k: v for k, v in sources.items() if v},
         }
-
-
-def _at(ab: Tuple[float, float], width: int) -> float:
-    return ab[0] + ab[1] * (width - 2)
-
-
-def _raise(ab: Optional[Tuple[float, float]], width: int) -> float:
-    """The excess at ``width`` (none below 0: a correction only raises)."""
-    return 0.0 if ab is None else max(0.0, _at(ab, width))

@@ -174,7 +174,7 @@ def test_lookup_rounds_raise_the_verify_widths_and_past_them():
     costs its tokens (the slope measured, not the probe's flat line), a
     9-token proposal included, which no round measured."""
     fix = RoundCosts(probe_unit=MS)
-    for w in (2, 3, 2, 3):
+    for w in (2, 3) * MIN_SAMPLES:
         fix.record(LOOKUP, w, w * MS)
     costs = fix.costs(FREE)
     assert [costs.verify_cost(t) for t in (1, 2, 3, 9)] == pytest.approx([1, 2, 3, 9])
@@ -184,28 +184,42 @@ def test_lookup_rounds_raise_the_verify_widths_and_past_them():
 
 def test_a_round_overhead_holds_at_every_width():
     """An overhead-bound model: any round costs about one step more than
-    the probe said, whatever its width."""
+    the probe said, whatever its width, measured or not."""
     fix = RoundCosts(probe_unit=MS)
     base = Costs([1.0, 1.05, 1.1, 1.15, 1.2], [0.0] * 4)
-    for w in (2, 5, 9, 2, 5, 9):
+    for w in (2, 5, 9) * MIN_SAMPLES:
         fix.record(LOOKUP, w, (base.verify_cost(w) + 1.0) * MS)
     costs = fix.costs(base)
-    for t in (2, 3, 9, 12):
+    for t in (2, 3, 7, 9, 12):
         assert costs.verify_cost(t) == pytest.approx(base.verify_cost(t) + 1.0)
 
 
-def test_the_correction_only_raises_and_waits_for_its_samples():
-    fix = RoundCosts(probe_unit=MS)
+def test_a_measured_width_costs_what_its_rounds_pay():
+    """Each way: a probe that said 1.5 steps where the rounds pay 9, or 1.1;
+    never below a plain step; nothing before ``MIN_SAMPLES`` rounds."""
     dear = Costs([1.0, 1.5, 2.0], [0.1, 0.2])
-    fix.record(LOOKUP, 2, 9 * MS)
-    fix.record(LOOKUP, 2, 9 * MS)
-    assert fix.costs(dear) is dear  # two rounds are no evidence yet
-    fix.record(LOOKUP, 2, 9 * MS)
-    assert fix.costs(dear).verify_cost(2) == pytest.approx(9.0)
-    cheap = RoundCosts(probe_unit=MS)
+    for paid, want in ((9.0, 9.0), (1.1, 1.1), (0.5, 1.0)):
+        fix = RoundCosts(probe_unit=MS)
+        for i in range(MIN_SAMPLES):
+            assert fix.costs(dear) is dear  # fewer rounds are no evidence yet
+            fix.record(LOOKUP, 2, paid * MS)
+        assert fix.costs(dear).verify_cost(2) == pytest.approx(want)
+        # a wider verify never costs less than a narrower one
+        assert fix.costs(dear).verify_cost(3) >= fix.costs(dear).verify_cost(2)
+
+
+def test_a_width_tried_little_keeps_its_median():
+    """Rounds at a width chosen often do not push out another's samples:
+    once measured dear, a width stays measured (the source stops trying
+    it), however many rounds of other widths follow."""
+    fix = RoundCosts(probe_unit=MS)
     for _ in range(MIN_SAMPLES):
-        cheap.record(LOOKUP, 2, 1.0 * MS)
-    assert cheap.costs(dear).verify_cost(2) == 1.5  # never below the stored
+        fix.record(LOOKUP, 9, 9 * MS)
+    for _ in range(100):
+        fix.record(LOOKUP, 2, 1.1 * MS)
+    costs = fix.costs(FREE)
+    assert costs.verify_cost(9) == pytest.approx(9.0)
+    assert costs.verify_cost(2) == pytest.approx(1.1)
 
 
 def test_the_unit_is_the_processs_own_plain_rounds():
@@ -214,7 +228,7 @@ def test_the_unit_is_the_processs_own_plain_rounds():
     fix = RoundCosts(probe_unit=3 * MS)
     for _ in range(MIN_SAMPLES):
         fix.record(LOOKUP, 2, 2 * MS)
-    assert fix.costs(FREE).verify_cost(2) == 1.0  # 2 ms against 3
+    assert fix.costs(FREE).verify_cost(2) == 1.0  # 2 ms against 3, at least 1
     for _ in range(round_costs.UNIT_MIN):
         fix.record_plain(1 * MS)
     assert fix.costs(FREE).verify_cost(2) == pytest.approx(2.0)
