@@ -28,8 +28,10 @@ of one stream (alone, or a served batch of one) are timed as they run
   width, so that width is measured no more and its median stands: the
   drafting cannot swing back and forth. A width never measured is tried
   at most ``MIN_SAMPLES`` rounds before its own median holds. A drafter
-  without samples of its own pays the lookups' excess (its rounds do the
-  same work), unless its stored costs are ``tune``'s whole rounds.
+  without samples of its own pays what the lookups' rounds pay beyond the
+  stored verify (its rounds do the same work; a lookup's cheaper round does
+  not lower a drafter's), unless its stored costs are ``tune``'s whole
+  rounds.
 
 The samples are stored in the probe's entry in ``costs.json``
 (``timing.COSTS_FILE``), under its key (machine, BLAS, model files: a new
@@ -170,8 +172,9 @@ class RoundCosts:
         if own is not None:
             rounds = [1.0] + own
         elif look is not None and not base.rounds:
+            # (raised only: a lookup's cheap round says nothing of a drafter's)
             rounds = [1.0] + [
-                max(1.0, base.round(k) + look[k - 1] - base.verify_cost(k + 1))
+                base.round(k) + max(0.0, look[k - 1] - base.verify_cost(k + 1))
                 for k in range(1, MAX_WIDTH)
             ]
         return Costs(verify, list(base.draft), rounds)

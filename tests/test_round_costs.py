@@ -248,3 +248,17 @@ def test_no_correction_where_costs_are_pinned(folder):
     probe.machine_costs(model)
     assert probe.corrections(model) is None
     assert getattr(model, "_round_costs", None) is None
+
+
+def test_cheap_lookup_rounds_do_not_lower_a_drafters_rounds():
+    """Lookup rounds cheaper than the probe said lower the lookups' verify,
+    not a drafter's rounds (its own work was never measured)."""
+    base = Costs([1.0, 1.3, 1.6, 1.9], [1.5] * 3)
+    fix = RoundCosts(probe_unit=MS)
+    for _ in range(MIN_SAMPLES):
+        fix.record(LOOKUP, 3, 1.1 * MS)
+    costs = fix.costs(base)
+    assert costs.verify_cost(3) == pytest.approx(1.1)
+    assert [costs.round(k) for k in (1, 2, 3)] == pytest.approx(
+        [base.round(k) for k in (1, 2, 3)]
+    )
