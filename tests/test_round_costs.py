@@ -15,7 +15,7 @@ import tiny
 
 import mlx_mtp
 from mlx_mtp import config, decoder, drafts, probe, round_costs, timing
-from mlx_mtp.adaptive import CostAwareDraft, Costs
+from mlx_mtp.adaptive import AcceptanceHistory, CostAwareDraft, Costs
 from mlx_mtp.drafts import ModelDrafts, NoDrafts, make_source
 from mlx_mtp.round_costs import LOOKUP, MIN_SAMPLES, RoundCosts
 from mlx_mtp.speculative import speculative_generate_step
@@ -262,3 +262,33 @@ def test_cheap_lookup_rounds_do_not_lower_a_drafters_rounds():
     assert [costs.round(k) for k in (1, 2, 3)] == pytest.approx(
         [base.round(k) for k in (1, 2, 3)]
     )
+
+
+# -- where ``auto`` starts -------------------------------------------------------
+
+DEFAULT_LIKE = Costs([1.0, 1.13, 1.39, 1.51], [0.08, 0.16, 0.24])
+
+
+@pytest.mark.parametrize(
+    "acceptance, first",
+    [([0.9, 0.85, 0.8], 3), ([0.35, 0.1, 0.1], 1), (None, drafts.RAMP)],
+)
+def test_auto_starts_at_the_depth_the_checkpoint_implies(tmp_path, acceptance, first):
+    """The first round of a fresh process drafts as deep as the acceptance
+    the head's checkpoint records pays (``train-head`` writes it in
+    ``mtp_config.json``); without a record, the ramp's bound."""
+    path = tiny.build_folder(tmp_path / "mimo", "mimo")[0]
+    record = {"recommended_draft_max": 3}
+    if acceptance:
+        record["acceptance_by_depth"] = acceptance
+    (path / "mtp_config.json").write_text(json.dumps(record))
+    model = mlx_mtp.load_model(path)
+    source = make_source(model, "auto", None, costs=lambda m, d=None: DEFAULT_LIKE)
+    assert source.draft_max == 3 and source.count() == first
+    # earlier runs' history (``remember``) wins over the record once it holds
+    history = AcceptanceHistory()
+    for _ in range(history.min_tests):
+        history.record("mtp", 3, 3)
+    source = make_source(model, "auto", None, history=history,
+                         costs=lambda m, d=None: DEFAULT_LIKE)  # fmt: skip
+    assert source.count() == 3
