@@ -134,7 +134,8 @@ def main():
             drafted = sum(r["drafted"] for r in got)
             kept = sum(r["accepted"] for r in got) / drafted if drafted else 0.0
             vs_best = f", {speed[name] / best:.3f} of the best fixed" if best else ""
-            print(f"  {name:6s} {speed[name]:7.2f} tok/s, {speed[name] / speed['plain']:.3f}"
+            ratio = speed[name] / speed["plain"]
+            print(f"  {name:6s} {speed[name]:7.2f} tok/s, {ratio:.3f}"
                   f" of plain{vs_best}; kept {kept:.2f} of {drafted} drafts; "
                   f"tokens as plain: {same}")  # fmt: skip
         if best:
