@@ -16,7 +16,8 @@ import tiny
 import mlx_mtp
 from mlx_mtp import config, decoder, drafts, probe, round_costs, timing
 from mlx_mtp.adaptive import AcceptanceHistory, CostAwareDraft, Costs
-from mlx_mtp.drafts import ModelDrafts, NoDrafts, make_source
+from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
+from mlx_mtp.ngram import Lookup
 from mlx_mtp.round_costs import LOOKUP, MIN_SAMPLES, RoundCosts
 from mlx_mtp.speculative import speculative_generate_step
 
@@ -45,19 +46,27 @@ def store_free_probe(model):
 
 
 def fake_clock(monkeypatch, model, per_token=True):
-    """The loop's clock advances only in the trunk's forward: by one ms per
-    token it reads (``per_token``), else by one ms whatever it reads."""
+    """The loop's clock advances only by the trunk's forwards: one ms per
+    token a forward reads (``per_token``), else one ms whatever it reads.
+    A plain step's ms is counted when its token is read, as the loop waits
+    for it (a step run ahead computes while the round before it ends)."""
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(
         decoder, "time", types.SimpleNamespace(perf_counter=lambda: clock.now)
     )
-    forward = model.target.forward
+    forward, read = model.target.forward, decoder._Ahead.read
 
     def timed(tokens, cache, pieces=None, **kw):
-        clock.now += (tokens.shape[1] if per_token else 1) * MS
+        if tokens.shape[1] > 1:
+            clock.now += (tokens.shape[1] if per_token else 1) * MS
         return forward(tokens, cache, pieces, **kw)
 
+    def waited(ahead):
+        clock.now += MS
+        return read(ahead)
+
     monkeypatch.setattr(model.target, "forward", timed)
+    monkeypatch.setattr(decoder._Ahead, "read", waited)
     return clock
 
 
@@ -292,3 +301,34 @@ def test_auto_starts_at_the_depth_the_checkpoint_implies(tmp_path, acceptance, f
     source = make_source(model, "auto", None, history=history,
                          costs=lambda m, d=None: DEFAULT_LIKE)  # fmt: skip
     assert source.count() == 3
+
+
+class Always(Lookup):
+    """A lookup that finds 8 tokens to propose after every token and
+    expects 0.6 of them kept a depth, whatever the rounds keep."""
+
+    def sync(self, history):
+        pass
+
+    def find(self, k):
+        return [7] * k, 16
+
+    def update(self, drafted, accepted):
+        pass
+
+
+def test_lookup_proposals_the_rounds_find_dear_stop(folder, measuring, monkeypatch):
+    """The probe's free verify lets a lookup check 8 tokens a round; its
+    rounds cost 9 steps: after ``MIN_SAMPLES`` of them it proposes no more
+    (a 9-token verify extrapolated from 2 was the issue's case)."""
+    model = mlx_mtp.load_model(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    lookup = Always(probe.machine_costs(model, None), prior=[0.6], draft_max=8)
+    source = LookupDrafts(None, [lookup])
+    assert lookup.offer(8)[0] == [7] * 8
+    assert drafting_rounds(model, source) == MIN_SAMPLES
+    assert lookup.costs.verify_cost(9) == pytest.approx(9.0)
+    assert not lookup.offer(8)[0]  # no width pays by the rounds' costs
+    later = mlx_mtp.load_model(folder)
+    assert probe.machine_costs(later, None).verify_cost(2) == pytest.approx(9.0)
