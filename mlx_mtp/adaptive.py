@@ -11,11 +11,12 @@ drafts that cannot pay are not made.
 Costs come from ``mlx-mtp tune`` (measured on this machine and stored beside
 the model), the probe (``probe.py``) or ``prior_costs``. The acceptances
 start from the tuned (or trained) per-depth acceptance and follow what this
-generation's rounds keep. The rounds' own times only raise the costs
-(``round_costs``): the rounds of different ``k`` run at different moments,
-and on a shared machine the load drifts between them by more than the
-differences ``tune`` resolves (it times every ``T`` interleaved), but not by
-a round that costs twice what the stored costs say.
+generation's rounds keep. The rounds' own times correct the costs
+(``round_costs``: per verify width, the median of its rounds): the rounds
+of different ``k`` run at different moments, and on a shared machine the
+load drifts between them by about the differences ``tune`` resolves (it
+times every ``T`` interleaved), but not by a round that costs twice what
+the stored costs say.
 """
 
 import math

@@ -31,8 +31,8 @@ by costs timed the same way on its own caches at its context
 (``timing.costs_at``: once per power of two of the context, per machine,
 model and cache form, stored in the same file).
 
-The rounds' own times correct what is stored here (``round_costs``: never
-below it), kept in the same entry; ``machine_costs`` returns the costs so
+The rounds' own times correct what is stored here (``round_costs``: per
+source and verify width), kept in the same entry; ``machine_costs`` returns the costs so
 corrected. The entry's key is the machine (its BLAS included) and the
 model's files with their stamp (``config.costs_identity``): another BLAS
 or rewritten weights are probed afresh.

@@ -52,7 +52,10 @@ MIN_SAMPLES = 3  # before a width's median holds (a first round is slow)
 UNIT_WINDOW = 16
 UNIT_MIN = 2
 MAX_WIDTH = 17  # widths corrected: up to ``defaults.MAX_DRAFT_MAX`` drafts
-CHANGE = 0.02  # plain steps: a correction that moves less is not passed on
+# a width's median that moved by less (a share of it) is not passed on: the
+# counts barely change for it, and costing a source anew takes a fraction
+# of a millisecond, much of a tiny model's round
+CHANGE = 0.05
 LOOKUP = "lookup"  # the lookups' samples (a drafter's are under its key)
 
 # (seconds, unit): ``unit`` None while this process has no unit of its own
@@ -127,17 +130,23 @@ class RoundCosts:
 
     def record(self, key: str, width: int, seconds: float) -> bool:
         """A round of ``key``'s drafts (``LOOKUP``, or a drafter's key) that
-        verified ``width`` tokens in ``seconds``. Returns whether a width's
-        median moved by more than ``CHANGE`` (the stream's draft source is
-        to be costed anew)."""
+        verified ``width`` tokens in ``seconds``. Returns whether the
+        width's median holds now, or moved by more than ``CHANGE`` since
+        (the stream's draft source is to be costed anew)."""
         own = len(self.plain) >= UNIT_MIN
-        self._kept(key, width).append((seconds, self.unit() if own else None))
+        kept = self._kept(key, width)
+        kept.append((seconds, self.unit() if own else None))
         self.dirty = True
-        now, was = self.medians(key), self.seen.get(key, {})
-        moved = any(abs(c - was.get(w, 0.0)) > CHANGE for w, c in now.items())
-        if moved:
-            self.seen[key] = now
-        return moved
+        if len(kept) < MIN_SAMPLES or not self.unit():
+            return False
+        unit = self.unit()
+        now = statistics.median(s / (u or unit) for s, u in kept)
+        seen = self.seen.setdefault(key, {})
+        was = seen.get(width)
+        if was is not None and abs(now - was) <= CHANGE * max(now, was):
+            return False
+        seen[width] = now
+        return True
 
     def relative(self, key: str) -> Dict[int, List[float]]:
         """``key``'s samples per width, in plain steps."""
