@@ -22,7 +22,9 @@ of one stream (alone, or a served batch of one) are timed as they run
   extrapolated a 2-token verify to 9 tokens). Another width costs the
   stored cost plus the excess of the measured ones: between two of them,
   interpolated; outside them, the nearest one's excess, changing with the
-  width as it changes between the narrowest and widest measured. No width
+  width as it changes between the narrowest and widest measured (while no
+  width has ``MIN_SAMPLES``, the median excess of all the source's samples,
+  once there are as many: a lookup proposes at many widths). No width
   costs less than a plain step, nor less than a narrower one;
 - a source that by its corrected costs does not pay stops drafting at that
   width, so that width is measured no more and its median stands: the
@@ -63,12 +65,23 @@ LOOKUP = "lookup"  # the lookups' samples (a drafter's are under its key)
 Sample = Tuple[float, Optional[float]]
 
 
-def corrected(stored: Callable[[int], float], measured: Dict[int, float]):
+def corrected(stored: Callable[[int], float], samples: Dict[int, List[float]]):
     """Costs at widths 2..``MAX_WIDTH`` (index 0: width 2) from ``stored(w)``
-    and the widths ``measured`` (their medians), as the module's docstring
-    says; None where none is measured."""
+    and ``samples`` (per width, in plain steps), as the module's docstring
+    says; None before ``MIN_SAMPLES``. While no width has as many, the
+    median excess of all of them holds at every width (a lookup's
+    proposals come at many widths)."""
+    measured = {w: statistics.median(r) for w, r in samples.items()
+                if len(r) >= MIN_SAMPLES}  # fmt: skip
     if not measured:
-        return None
+        pooled = [r - stored(w) for w, rs in samples.items() for r in rs]
+        if len(pooled) < MIN_SAMPLES:
+            return None
+        a = statistics.median(pooled)
+        out: List[float] = []
+        for w in range(2, MAX_WIDTH + 1):
+            out.append(max(stored(w) + a, 1.0, out[-1] if out else 1.0))
+        return out
     widths = sorted(measured)
     excess = {w: measured[w] - stored(w) for w in widths}
     lo, hi = widths[0], widths[-1]
@@ -137,9 +150,16 @@ class RoundCosts:
         kept = self._kept(key, width)
         kept.append((seconds, self.unit() if own else None))
         self.dirty = True
-        if len(kept) < MIN_SAMPLES or not self.unit():
-            return False
         unit = self.unit()
+        if not unit:
+            return False
+        if len(kept) < MIN_SAMPLES:  # the pooled excess, where no width holds
+            widths = self.samples[key].values()
+            if any(len(k) >= MIN_SAMPLES for k in widths):
+                return False
+            width, kept = 0, [x for k in widths for x in k]
+            if len(kept) < MIN_SAMPLES:
+                return False
         now = statistics.median(s / (u or unit) for s, u in kept)
         seen = self.seen.setdefault(key, {})
         was = seen.get(width)
@@ -159,19 +179,14 @@ class RoundCosts:
                     out.setdefault(w, []).append(s / u)
         return out
 
-    def medians(self, key: Optional[str]) -> Dict[int, float]:
-        """The widths of ``key`` with ``MIN_SAMPLES``: their medians."""
-        if key is None:
-            return {}
-        rows = self.relative(key).items()
-        return {w: statistics.median(r) for w, r in rows if len(r) >= MIN_SAMPLES}
-
     def costs(self, base: Costs, drafter: Optional[str] = None) -> Costs:
         """``base`` corrected by the rounds: its verifies by the lookups'
         rounds; ``drafter``'s rounds (its key) by its own, else by the
         lookups' where ``base`` holds no whole rounds."""
-        look = corrected(base.verify_cost, self.medians(LOOKUP))
-        own = corrected(lambda w: base.round(w - 1), self.medians(drafter))
+        look = corrected(base.verify_cost, self.relative(LOOKUP))
+        own = None
+        if drafter is not None:
+            own = corrected(lambda w: base.round(w - 1), self.relative(drafter))
         if look is None and own is None:
             return base
         verify = [base.verify_cost(1)] + (

@@ -332,3 +332,15 @@ def test_lookup_proposals_the_rounds_find_dear_stop(folder, measuring, monkeypat
     assert not lookup.offer(8)[0]  # no width pays by the rounds' costs
     later = mlx_mtp.load_model(folder)
     assert probe.machine_costs(later, None).verify_cost(2) == pytest.approx(9.0)
+
+
+def test_proposals_at_many_widths_are_pooled():
+    """Three lookup rounds at three widths, each 2 steps dearer than the
+    probe said: every width is raised by 2 before any has three rounds."""
+    fix = RoundCosts(probe_unit=MS)
+    base = Costs([1.0, 1.1, 1.2, 1.3, 1.4], [0.0] * 4)
+    moved = [fix.record(LOOKUP, w, (base.verify_cost(w) + 2.0) * MS) for w in (2, 5, 9)]
+    assert moved == [False, False, True]
+    costs = fix.costs(base)
+    for t in (2, 3, 5, 9, 12):
+        assert costs.verify_cost(t) == pytest.approx(base.verify_cost(t) + 2.0)
