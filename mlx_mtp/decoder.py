@@ -485,7 +485,8 @@ class Decoder(DraftView):
         """The model's round-time corrections (``round_costs``), where they
         apply to ``s``: at a short context, costs measured here."""
         fix = getattr(self.model, "_round_costs", None)
-        if fix is None or timing.context_bucket(s.cache.offset + 1) is not None:
+        # (its history: in a batch its own caches are the batch's)
+        if fix is None or timing.context_bucket(len(s.history)) is not None:
             return None
         return fix
 
