@@ -344,3 +344,22 @@ def test_proposals_at_many_widths_are_pooled():
     costs = fix.costs(base)
     for t in (2, 3, 5, 9, 12):
         assert costs.verify_cost(t) == pytest.approx(base.verify_cost(t) + 2.0)
+
+
+def test_a_served_stream_alone_corrects_too(folder, measuring, monkeypatch):
+    """``batch_generate`` (the server's scheduler and batch policy) with one
+    prompt: its rounds are one stream's, sampled and stored as the single
+    stream's loop does; the tokens are plain greedy decoding's."""
+    model, tokenizer = mlx_mtp.load(folder)
+    store_free_probe(model)
+    prompt = tiny.random_prompt(20)
+    kw = dict(max_tokens=24, return_token_ids=True)
+    want = mlx_mtp.batch_generate(model, tokenizer, [prompt], mtp=False, **kw)
+    fake_clock(monkeypatch, model)
+    got = mlx_mtp.batch_generate(model, tokenizer, [prompt], draft_source="mtp", **kw)
+    assert got.token_ids == want.token_ids
+    # three rounds of 3 drafts, dear by the rounds: the head is given up
+    assert 0 < got.mtp_stats[0].drafted <= 3 * MIN_SAMPLES
+    (entry,) = json.loads(measuring.read_text())
+    rows = entry["rounds"]["sources"][model.drafters[0].key]
+    assert len(rows) >= MIN_SAMPLES and all(w >= 2 and r >= w for w, r in rows)
