@@ -124,6 +124,14 @@ def machine() -> Dict[str, Any]:
     }
 
 
+def costs_machine() -> Dict[str, Any]:
+    """``machine`` and every library preloaded (``LD_PRELOAD``, each by the
+    file it resolves to): what measured costs are kept under (a BLAS whose
+    name does not say so, an allocator, changes them too)."""
+    preload = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
+    return {**machine(), "preload": [os.path.realpath(p) for p in preload]}
+
+
 def compute_bound() -> bool:
     """A CPU with MLX's bundled reference BLAS: a forward over T tokens costs T."""
     m = machine()

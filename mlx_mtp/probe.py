@@ -109,7 +109,7 @@ def probe_key(model) -> Dict[str, Any]:
     """What the probe's entry (and the rounds' corrections) are kept under:
     the machine (its BLAS included) and the model's files."""
     return entry_key(
-        {"machine": config.machine(), "model": config.costs_identity(model)}
+        {"machine": config.costs_machine(), "model": config.costs_identity(model)}
     )
 
 

@@ -65,7 +65,7 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
     form = sorted({describe_layer(c) for c in stream.cache.trunk})
     key = entry_key(
         {
-            "machine": config.machine(),
+            "machine": config.costs_machine(),
             "model": config.costs_identity(model),
             "context": bucket,
             "kv": "; ".join(form),

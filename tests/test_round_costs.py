@@ -162,6 +162,12 @@ def test_a_new_machine_blas_or_files_are_probed_afresh(folder, measuring, monkey
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert probe.machine_costs(mlx_mtp.load_model(folder)).round(3) == 1.0
     assert len(timed) == 2
+    # a library preloaded whose name does not say BLAS (MKL, an allocator)
+    mkl = measuring.parent.parent / "libmkl_rt.so"
+    mkl.write_bytes(b"")
+    monkeypatch.setenv("LD_PRELOAD", str(mkl))
+    probe.machine_costs(mlx_mtp.load_model(folder))
+    assert len(timed) == 3
 
 
 def test_a_blas_behind_a_link_is_named_by_what_it_resolves_to(tmp_path, monkeypatch):
