@@ -36,8 +36,9 @@ of one stream (alone, or a served batch of one) are timed as they run
   rounds.
 
 The samples are stored in the probe's entry in ``costs.json``
-(``timing.COSTS_FILE``), under its key (machine, BLAS, model files: a new
-key is probed afresh and starts without samples), when a stream leaves the
+(``timing.COSTS_FILE``), under its key (the machine, its BLAS and the
+libraries preloaded, the model's files and their stamp: a new key is
+probed afresh and starts without samples), when a stream leaves the
 loop; a later process starts from them. Long contexts (``timing.costs_at``)
 and several processes (``mlx.launch``: every rank drafts alike) are not
 corrected, nor anything under ``MLX_MTP_COSTS=prior``.
