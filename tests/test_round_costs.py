@@ -8,6 +8,8 @@ costs ``t`` plain steps, which the stored probe says cost one)."""
 
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -108,8 +110,17 @@ def test_a_free_verify_the_rounds_find_dear_stops_drafting(
     head = model.drafters[0].key
     assert entry["rounds"]["sources"][head] == [[4, 4.0]] * MIN_SAMPLES
 
-    # a later run (a model loaded afresh) starts from the correction: the
-    # head cannot pay by it, and is left out from the first round
+    # a later process starts from the correction
+    code = (
+        "import mlx_mtp; from mlx_mtp import probe; "
+        f"m = mlx_mtp.load_model({str(folder)!r}); "
+        "print(probe.machine_costs(m).round(3))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    assert float(done.stdout.split()[-1]) == pytest.approx(4.0)
+    # a model loaded afresh alike: the head cannot pay by it, and is left
+    # out from the first round
     later = mlx_mtp.load_model(folder)
     assert probe.machine_costs(later).round(3) == pytest.approx(4.0)
     assert probe.machine_costs(later).round(1) == pytest.approx(4.0)
