@@ -32,10 +32,11 @@ by costs timed the same way on its own caches at its context
 model and cache form, stored in the same file).
 
 The rounds' own times correct what is stored here (``round_costs``: per
-source and verify width), kept in the same entry; ``machine_costs`` returns the costs so
-corrected. The entry's key is the machine (its BLAS included) and the
-model's files with their stamp (``config.costs_identity``): another BLAS
-or rewritten weights are probed afresh.
+source and verify width), kept in the same entry; ``machine_costs``
+returns the costs so corrected. The entry's key is the machine (its BLAS
+and the libraries preloaded: ``config.costs_machine``) and the model's
+files with their stamp (``config.costs_identity``): another BLAS or
+rewritten weights are probed afresh.
 
 A tuned entry wins at short contexts; over several processes
 (``mlx.launch``) every rank uses the same prior guess
@@ -107,7 +108,8 @@ def stored_costs(model, drafter, name: str) -> Costs:
 
 def probe_key(model) -> Dict[str, Any]:
     """What the probe's entry (and the rounds' corrections) are kept under:
-    the machine (its BLAS included) and the model's files."""
+    the machine (its BLAS and the libraries preloaded) and the model's
+    files (with their stamp)."""
     return entry_key(
         {"machine": config.costs_machine(), "model": config.costs_identity(model)}
     )

@@ -2,9 +2,10 @@
 
 ``time_parts`` times the parts of a round on a stream's own caches (two plain
 steps run ahead, a verify over two tokens and one over ``DEPTHS + 1``, each
-drafter's proposal of one and two drafts; interleaved, ``REPEATS`` times, medians) and brings the caches
-back. ``probe`` uses it at a short context, once per machine and model;
-the loop (``Decoder``) through ``costs_at`` from ``LONG_CONTEXT`` tokens on,
+drafter's proposal of one and two drafts; interleaved, ``REPEATS`` times,
+medians) and brings the caches back. ``probe`` uses it at a short context,
+once per machine and model; the loop (``Decoder``) through ``costs_at``
+from ``LONG_CONTEXT`` tokens on,
 once per power of two of the context, machine, model and cache form: a
 verify's attention grows with the context, by more than a plain step's
 where the caches are quantized. Both kinds of entry are kept in
@@ -203,7 +204,8 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
         return run
 
     wide = DEPTHS + 1
-    jobs = {("plain", 0): plain, ("verify", 2): verify(2), ("verify", wide): verify(wide)}
+    jobs = {("plain", 0): plain, ("verify", 2): verify(2)}
+    jobs["verify", wide] = verify(wide)
     for d in model.drafters:
         for k in (1,) if d.flat_cost else (1, 2):
             jobs[d.name, k] = draft(d, k)
@@ -217,7 +219,7 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
     med = timer.medians()
     step = med["plain", 0] / 2
     v2 = max(med["verify", 2] / step, 1.0)
-    vw = max(med["verify", wide] / step, v2)
+    per_token = (max(med["verify", wide] / step, v2) - v2) / (wide - 2)
     drafts = {}
     for d in model.drafters:
         first = med[d.name, 1] / step
@@ -225,7 +227,7 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
         drafts[d.key] = [round(first + chained * j, 4) for j in range(DEPTHS)]
     return {
         "verify": [1.0, round(v2, 4)]
-        + [round(v2 + (t - 2) * (vw - v2) / (wide - 2), 4) for t in range(3, wide + 1)],
+        + [round(v2 + (t - 2) * per_token, 4) for t in range(3, wide + 1)],
         "draft": drafts,
         "step_ms": round(step * 1e3, 3),
         "seconds": round(time.perf_counter() - tic, 3),
