@@ -5,10 +5,9 @@ steps run ahead, a verify over two tokens and one over ``DEPTHS + 1``, each
 drafter's proposal of one and two drafts; interleaved, ``REPEATS`` times,
 medians) and brings the caches back. ``probe`` uses it at a short context,
 once per machine and model; the loop (``Decoder``) through ``costs_at``
-from ``LONG_CONTEXT`` tokens on,
-once per power of two of the context, machine, model and cache form: a
-verify's attention grows with the context, by more than a plain step's
-where the caches are quantized. Both kinds of entry are kept in
+from ``LONG_CONTEXT`` tokens on, once per power of two of the context,
+machine, model and cache form: a verify's attention grows with the
+context, by more than a plain step's where the caches are quantized. Both kinds of entry are kept in
 ``$XDG_CACHE_HOME/mlx-mtp/costs.json``.
 """
 
