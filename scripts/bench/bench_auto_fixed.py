@@ -16,12 +16,16 @@ fixed count, the acceptance, and whether its tokens are plain's.
 the drafters' histories in ``DIR/mlx-mtp`` (as ``XDG_CACHE_HOME``): an empty
 folder makes the first process a first run on this machine, and every
 later process reads what the ones before stored (default: a new temporary
-folder, so a run starts from nothing stored). ``--remember`` keeps the
-head's history across the processes, as ``mlx-mtp generate`` does.
+folder, so a run starts from nothing stored). The fixed counts' rounds
+are samples of the head's round costs too, so ``auto`` processes after
+them start from what they measured; ``--separate-costs`` gives each
+configuration a folder of its own (``DIR/CONFIG``), so that ``auto`` learns
+from its own rounds alone. ``--remember`` keeps the head's history across
+the processes, as ``mlx-mtp generate`` does.
 
     python scripts/bench/bench_auto_fixed.py [--model M] [--tokens 48 256]
         [--draft-max 3] [--repeats 2] [--prompts FILE] [--costs-dir DIR]
-        [--remember]
+        [--separate-costs] [--remember]
 """
 
 import argparse
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=Path, default=None)
     ap.add_argument("--costs-dir", type=Path, default=None)
+    ap.add_argument("--separate-costs", action="store_true")
     ap.add_argument("--remember", action="store_true")
     ap.add_argument("--only", nargs="+", default=None, help="these configurations")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
@@ -87,7 +92,11 @@ def main():
         args.model = str(default_model_path(print))
     folder = args.costs_dir or Path(tempfile.mkdtemp(prefix="bench-auto-"))
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XDG_CACHE_HOME": str(folder.resolve())}
+
+    def env(name):
+        where = folder / name if args.separate_costs else folder
+        where.mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "XDG_CACHE_HOME": str(where.resolve())}
     from mlx_mtp.prompts import load_prompts
 
     n_prompts = len(load_prompts(args.prompts))
@@ -108,7 +117,8 @@ def main():
                     if args.remember:
                         cmd.append("--remember")
                     done = subprocess.run(
-                        cmd, capture_output=True, text=True, env=env, check=False
+                        cmd, capture_output=True, text=True, env=env(name),
+                        check=False,
                     )
                     if done.returncode:
                         sys.exit(f"{name} failed: {done.stderr.strip()[-2000:]}")
