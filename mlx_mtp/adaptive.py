@@ -9,11 +9,14 @@ per unit of time ``E(k) / cost(k)``; ``k = 0`` is a plain decode step, so
 drafts that cannot pay are not made.
 
 Costs come from ``mlx-mtp tune`` (measured on this machine and stored beside
-the model) or from ``prior_costs``. The acceptances start from the tuned (or
-trained) per-depth acceptance and follow what this generation's rounds keep.
-Costs are not timed online: the rounds of different ``k`` run at different
-moments, and on a shared machine the load drifts between them by more than the
-differences to be measured; ``tune`` times every ``T`` interleaved instead.
+the model), the probe (``probe.py``) or ``prior_costs``. The acceptances
+start from the tuned (or trained) per-depth acceptance and follow what this
+generation's rounds keep. The rounds' own times correct the costs
+(``round_costs``: per verify width, the median of its rounds): the rounds
+of different ``k`` run at different moments, and on a shared machine the
+load drifts between them by about the differences ``tune`` resolves (it
+times every ``T`` interleaved), but not by a round that costs twice what
+the stored costs say.
 """
 
 import math

@@ -96,7 +96,10 @@ def blas() -> str:
     preload = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
     preload = [p for p in preload if "blas" in p.lower()]
     if preload:
-        return f"{kind} preloaded ({preload[0]})"
+        # a link (``update-alternatives``) names the library it resolves to
+        real = os.path.realpath(preload[0])
+        named = preload[0] if real == preload[0] else f"{preload[0]} -> {real}"
+        return f"{kind} preloaded ({named})"
     others = [lib for lib in libs if "mlx" not in lib]
     if others:
         return f"{kind} ({others[0]})"
@@ -119,6 +122,14 @@ def machine() -> Dict[str, Any]:
         "blas": blas() if where == "cpu" else "",
         "mlx": mx.__version__,
     }
+
+
+def costs_machine() -> Dict[str, Any]:
+    """``machine`` and every library preloaded (``LD_PRELOAD``, each by the
+    file it resolves to): what measured costs are kept under (a BLAS whose
+    name does not say so, an allocator, changes them too)."""
+    preload = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
+    return {**machine(), "preload": [os.path.realpath(p) for p in preload]}
 
 
 def compute_bound() -> bool:
@@ -194,6 +205,35 @@ def cached_identity(model) -> Dict[str, Any]:
     if cached is None:
         cached = model_identity(model)
         object.__setattr__(model, "_tune_identity", cached)
+    return cached
+
+
+def files_stamp(model) -> Optional[str]:
+    """A digest of the model's files as they are on disk (each weight file's
+    and config's name, size and modification time): weights rewritten in
+    place, at the same size, give another stamp."""
+    if model.path is None:
+        return None
+    parts = []
+    for folder in sorted({model.path, model.head_dir or model.path}):
+        for f in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def costs_identity(model) -> Dict[str, Any]:
+    """What measured costs are kept under (``probe``, ``timing.costs_at``):
+    ``model_identity`` and the files' stamp (``files_stamp``), so that
+    weights changed on disk are measured afresh. Computed once per loaded
+    model."""
+    cached = getattr(model, "_costs_identity", None)
+    if cached is None:
+        cached = {**cached_identity(model), "stamp": files_stamp(model)}
+        object.__setattr__(model, "_costs_identity", cached)
     return cached
 
 

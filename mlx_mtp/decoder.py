@@ -47,6 +47,7 @@ from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
 from .kv import KVSettings, QuantizingKVCache, quantizes_later, width_limit
 from .prompt import Piece, Prompt, as_prompt
+from .round_costs import LOOKUP
 from .stream import Stream
 
 # ``Decoder.wait_cost`` from the medians of the latest ``TIMED_ROUNDS`` plain
@@ -206,7 +207,12 @@ class Decoder(DraftView):
         self.streams += streams
 
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
-        """Let ``streams`` leave; with ``extract`` each gets its caches back."""
+        """Let ``streams`` leave; with ``extract`` each gets its caches back.
+        What the rounds measured of the costs is stored for later runs."""
+        if getattr(self.model, "_round_costs", None) is not None:
+            from .probe import save_corrections
+
+            save_corrections(self.model)
         if not self.batched:  # its caches never left it
             if self.ahead is not None:  # the trunk read one token past its history
                 if self.ahead.undo is not None:
@@ -441,7 +447,8 @@ class Decoder(DraftView):
         if self.ahead is not None:
             return self._plain(tic)
         if len(streams) == 1 and self.policy is None and not self.batched:
-            self._recost(streams[0])
+            if self._recost(streams[0]):
+                tic = time.perf_counter()  # the timing is no part of the round
         # 1) the round's draft length, and each stream's plan
         caps = [self.cap(s) for s in streams]
         k, self.next_k = (
@@ -468,11 +475,39 @@ class Decoder(DraftView):
         # a round widened by lookup drafts is no sample of the drafters' K
         if self.policy is not None and max(map(len, drafts)) <= k:
             self.policy.record(len(streams), k, seconds)
+        if len(streams) == 1 and drafts[0]:
+            self._correct(streams[0], plans[0], 1 + len(drafts[0]), seconds)
         for s in streams:
             s.stats.generation_time += seconds
         return [e[:m] for e, m in zip(emitted, kept)]
 
-    def _recost(self, s: Stream) -> None:
+    def _corrections(self, s: Stream):
+        """The model's round-time corrections (``round_costs``), where they
+        apply to ``s``: at a short context, costs measured here."""
+        fix = getattr(self.model, "_round_costs", None)
+        # (its history: in a batch its own caches are the batch's)
+        if fix is None or timing.context_bucket(len(s.history)) is not None:
+            return None
+        return fix
+
+    def _correct(self, s: Stream, plan, width: int, seconds: float) -> None:
+        """A drafted round of one stream, ``width`` tokens verified in
+        ``seconds``, corrects its source's costs (``round_costs``); where
+        that moves them, ``s``'s draft source weighs rounds by them."""
+        fix = self._corrections(s)
+        if fix is None:
+            return
+        drafters = {d.name: d for d in self.model.drafters}
+        key = LOOKUP if plan.tokens else drafters[plan.drafter].key
+        # (a fixed count's rounds are samples too, for the sources after it)
+        moved = fix.record(key, width, seconds)
+        if not moved or not getattr(s.source, "weighs_costs", False):
+            return
+        from .probe import machine_costs  # (the probe runs the loop)
+
+        s.source.recost(lambda name: machine_costs(self.model, drafters.get(name)))
+
+    def _recost(self, s: Stream) -> bool:
         """From a long context on, weigh ``s``'s rounds by costs measured at
         its context (``timing.costs_at``: once per power of two of the tokens
         its caches hold, once they have their lasting form). A batch needs
@@ -480,13 +515,14 @@ class Decoder(DraftView):
         bucket = timing.context_bucket(s.cache.offset + 1)
         weighs = getattr(s.source, "weighs_costs", False)
         if bucket in (None, s.costed_at) or not weighs:
-            return
+            return False
         if quantizes_later(s.cache.trunk):
-            return
+            return False
         s.costed_at = bucket
         costs = timing.costs_at(self.model, self, s)
         if costs is not None:
             s.source.recost(costs)
+        return True
 
     def wait_cost(self) -> Optional[float]:
         """What one stream's round forfeits, in plain steps, where it waits
@@ -576,6 +612,9 @@ class Decoder(DraftView):
             self.policy.record(n, 0, seconds)
         if start_next and n == 1:
             self.plain_seconds[cold].append(seconds)
+            fix = self._corrections(streams[0])
+            if fix is not None and not cold:
+                fix.record_plain(seconds)
         for s in streams:
             s.stats.generation_time += seconds
         return [e[:m] for e, m in zip(emitted, kept)]

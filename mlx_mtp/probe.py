@@ -9,9 +9,11 @@ as ``tune`` keys its entries), so later processes read them instead:
 
 - the unit: two plain steps, the second started before the first's token is
   read (as the loop runs them);
-- a verify pass over 2 tokens, waited for; passes over more tokens are
-  extrapolated from it (a straight line: pessimistic where a forward is
-  memory-bound, its cost growing less than that);
+- verify passes over 2 and ``timing.DEPTHS + 1`` (5) tokens, waited for;
+  those between are interpolated, wider ones extrapolated from the two
+  (a 2-token verify alone, extrapolated as a straight line, made 4 drafts
+  dearer than they were where a forward is memory-bound); the rounds then
+  correct them (``round_costs``);
 - each drafter's proposal of 1 draft from a warm cache (its catch-up over two
   positions included) and, for a chain, of 2; a block drafter costs the same
   whatever it drafts (``Drafter.flat_cost``). Drafters are stored under
@@ -21,13 +23,20 @@ as ``tune`` keys its entries), so later processes read them instead:
 
 Each part is timed ``timing.REPEATS`` times, interleaved (drift on a busy
 machine hits all alike), after one untimed forward and proposal, and the
-medians kept (``timing.time_parts``): about eight forwards on the default
+medians kept (``timing.time_parts``): about ten trunk forwards on the default
 model (see docs/performance.md for what that costs a fresh process).
 
 From ``timing.LONG_CONTEXT`` tokens on, a single stream's rounds are weighed
 by costs timed the same way on its own caches at its context
 (``timing.costs_at``: once per power of two of the context, per machine,
 model and cache form, stored in the same file).
+
+The rounds' own times correct what is stored here (``round_costs``: per
+source and verify width), kept in the same entry; ``machine_costs``
+returns the costs so corrected. The entry's key is the machine (its BLAS
+and the libraries preloaded: ``config.costs_machine``) and the model's
+files with their stamp (``config.costs_identity``): another BLAS or
+rewritten weights are probed afresh.
 
 A tuned entry wins at short contexts; over several processes
 (``mlx.launch``) every rank uses the same prior guess
@@ -43,9 +52,18 @@ from typing import Any, Dict, Optional
 from . import config
 from .adaptive import Costs, prior_costs
 from .decoder import Decoder
+from .round_costs import RoundCosts
 from .sampling import ExactMatchVerifier
 from .stream import start_stream
-from .timing import covers, drafting, entry_key, stored_or_timed, time_parts
+from .timing import (
+    covers,
+    drafting,
+    entry_key,
+    read_entries,
+    stored_or_timed,
+    time_parts,
+    write_entry,
+)
 
 CONTEXT = 48  # tokens of warm cache the parts are timed after
 
@@ -61,6 +79,15 @@ def machine_costs(model, drafter=None) -> Costs:
     name = drafter.name if drafter is not None else "mtp"
     if config.sharded(model):
         return drafting(prior_costs(), drafter, None)
+    base = stored_costs(model, drafter, name)
+    fix = corrections(model)
+    if fix is None:
+        return base
+    return fix.costs(base, drafter.key if drafter is not None else None)
+
+
+def stored_costs(model, drafter, name: str) -> Costs:
+    """``machine_costs`` as stored, before the rounds correct them."""
     entry = config.tuned_entry(model) if model.drafters else None
     if entry is not None:
         tuned = Costs.from_dict(entry["costs"])
@@ -79,16 +106,54 @@ def machine_costs(model, drafter=None) -> Costs:
     return drafting(measured, drafter, found["draft"].get(key), replace=True)
 
 
+def probe_key(model) -> Dict[str, Any]:
+    """What the probe's entry (and the rounds' corrections) are kept under:
+    the machine (its BLAS and the libraries preloaded) and the model's
+    files (with their stamp)."""
+    return entry_key(
+        {"machine": config.costs_machine(), "model": config.costs_identity(model)}
+    )
+
+
+def corrections(model) -> Optional[RoundCosts]:
+    """``model``'s round-time corrections (``round_costs``) in this process,
+    from what earlier processes stored under the probe's key; None where
+    costs are not measured (``MLX_MTP_COSTS=prior``, several processes)."""
+    if os.environ.get("MLX_MTP_COSTS") == "prior" or config.sharded(model):
+        return None
+    found = getattr(model, "_round_costs", None)
+    if found is None:
+        key = probe_key(model)
+        entry = next((e for e in read_entries() if entry_key(e) == key), {})
+        measured = getattr(model, "_measured_costs", None) or {}
+        step = measured.get("step_ms")
+        found = RoundCosts(
+            entry.get("rounds"), float(step) / 1e3 if step else None
+        )
+        object.__setattr__(model, "_round_costs", found)
+    return found
+
+
+def save_corrections(model) -> None:
+    """Store ``model``'s corrections in the probe's entry, where the rounds
+    added to them (a stream leaves the loop: ``Decoder.remove``)."""
+    fix = getattr(model, "_round_costs", None)
+    if fix is None or not fix.dirty:
+        return
+    fix.dirty = False
+    key = probe_key(model)
+    entries = read_entries()
+    entry = next((e for e in entries if entry_key(e) == key), None) or dict(key)
+    write_entry(entries, {**entry, "rounds": fix.to_dict()})
+
+
 def measured_entry(model) -> Optional[Dict[str, Any]]:
     """The stored measurement for ``model`` here, measured and stored now
     when there is none (None where it cannot be measured)."""
     cached = getattr(model, "_measured_costs", None)
     if covers(cached, model):
         return cached
-    key = entry_key(
-        {"machine": config.machine(), "model": config.cached_identity(model)}
-    )
-    found = stored_or_timed(model, key, lambda: measure(model))
+    found = stored_or_timed(model, probe_key(model), lambda: measure(model))
     object.__setattr__(model, "_measured_costs", found)
     return found
 

@@ -1,13 +1,13 @@
 """Round costs timed on a stream as it stands, and where they are kept.
 
 ``time_parts`` times the parts of a round on a stream's own caches (two plain
-steps run ahead, a verify over two tokens, each drafter's proposal of one and
-two drafts; interleaved, ``REPEATS`` times, medians) and brings the caches
-back. ``probe`` uses it at a short context, once per machine and model;
-the loop (``Decoder``) through ``costs_at`` from ``LONG_CONTEXT`` tokens on,
-once per power of two of the context, machine, model and cache form: a
-verify's attention grows with the context, by more than a plain step's
-where the caches are quantized. Both kinds of entry are kept in
+steps run ahead, a verify over two tokens and one over ``DEPTHS + 1``, each
+drafter's proposal of one and two drafts; interleaved, ``REPEATS`` times,
+medians) and brings the caches back. ``probe`` uses it at a short context,
+once per machine and model; the loop (``Decoder``) through ``costs_at``
+from ``LONG_CONTEXT`` tokens on, once per power of two of the context,
+machine, model and cache form: a verify's attention grows with the
+context, by more than a plain step's where the caches are quantized. Both kinds of entry are kept in
 ``$XDG_CACHE_HOME/mlx-mtp/costs.json``.
 """
 
@@ -65,8 +65,8 @@ def costs_at(model, view, stream) -> Optional[Callable[[Optional[str]], Costs]]:
     form = sorted({describe_layer(c) for c in stream.cache.trunk})
     key = entry_key(
         {
-            "machine": config.machine(),
-            "model": config.cached_identity(model),
+            "machine": config.costs_machine(),
+            "model": config.costs_identity(model),
             "context": bucket,
             "kv": "; ".join(form),
         }
@@ -104,10 +104,15 @@ def stored_or_timed(model, key, timed) -> Optional[Dict[str, Any]]:
     if covers(found, model):
         return found
     before = found["draft"] if found is not None else {}
+    # the rounds' corrections (``round_costs``) hold for the same key still
+    rounds = next((e.get("rounds") for e in entries if entry_key(e) == key), None)
     found = timed()
     if found is not None:
         found["draft"] = {**before, **found["draft"]}
-        write_entry(entries, {**key, "created": time.time(), "costs": found})
+        entry = {**key, "created": time.time(), "costs": found}
+        if rounds:
+            entry["rounds"] = rounds
+        write_entry(entries, entry)
     return found
 
 
@@ -182,10 +187,13 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
         token.item()
         last.item()
 
-    def verify():
-        start_verify(cache.trunk)
-        logits, _ = model.target(mx.array([[y, y]]), cache.trunk)
-        mx.eval(mx.argmax(logits, axis=-1))
+    def verify(t):
+        def run():
+            start_verify(cache.trunk)
+            logits, _ = model.target(mx.array([[y] * t]), cache.trunk)
+            mx.eval(mx.argmax(logits, axis=-1))
+
+        return run
 
     def draft(d, k):
         def run():
@@ -194,7 +202,9 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
 
         return run
 
-    jobs = {("plain", 0): plain, ("verify", 0): verify}
+    wide = DEPTHS + 1
+    jobs = {("plain", 0): plain, ("verify", 2): verify(2)}
+    jobs["verify", wide] = verify(wide)
     for d in model.drafters:
         for k in (1,) if d.flat_cost else (1, 2):
             jobs[d.name, k] = draft(d, k)
@@ -207,14 +217,16 @@ def time_parts(model, view, stream) -> Optional[Dict[str, Any]]:
         cache.restore(snapshot)
     med = timer.medians()
     step = med["plain", 0] / 2
-    v2 = max(med["verify", 0] / step, 1.0)
+    v2 = max(med["verify", 2] / step, 1.0)
+    per_token = (max(med["verify", wide] / step, v2) - v2) / (wide - 2)
     drafts = {}
     for d in model.drafters:
         first = med[d.name, 1] / step
         chained = 0.0 if d.flat_cost else max(med[d.name, 2] / step - first, 0.0)
         drafts[d.key] = [round(first + chained * j, 4) for j in range(DEPTHS)]
     return {
-        "verify": [round(1.0 + (t - 1) * (v2 - 1.0), 4) for t in range(1, DEPTHS + 2)],
+        "verify": [1.0, round(v2, 4)]
+        + [round(v2 + (t - 2) * per_token, 4) for t in range(3, wide + 1)],
         "draft": drafts,
         "step_ms": round(step * 1e3, 3),
         "seconds": round(time.perf_counter() - tic, 3),

@@ -23,13 +23,23 @@ pair (the steadier figure where one request's speed varies by 20%).
     python scripts/bench/bench_drafters.py --keep DIR   # random drafters
     python scripts/bench/bench_never_agrees.py DIR/DFlashDraftModel
         [--model M] [--source dflash] [--tokens 128] [--repeats 2] [--fresh]
-        [--remember]
+        [--remember] [--costs-dir DIR]
         [--serve [--streams 1 4]]
+
+Without a drafter (``-``), the model's own sources: ``--source mtp ngram
+auto`` (each against plain in turn), e.g. on a tiny GLM whose random head
+never agrees (``build_bench_model.py OUT --family glm4_moe --hidden 64
+--layers 2 --disagreeable``). ``--costs-dir DIR`` keeps the probe's costs,
+the rounds' corrections and the drafters' histories in ``DIR/mlx-mtp`` (as
+``XDG_CACHE_HOME``): an empty folder is a first run on this machine (the
+first generation probes, its rounds correct), the same folder again a later
+run. The corrections stored there are printed at the end.
 """
 
 import argparse
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +60,7 @@ def generations(args, prompt: str, first: str = "plain") -> dict:
     sides = [
         ("plain", {"mtp": False}),
         ("drafted", {"draft_source": args.source, "draft_max": args.draft_max,
-                     "remember": args.remember}),
+                     "remember": args.remember}),  # (lookups ignore draft_max)
     ]
     for side, kw in sides if first == "plain" else sides[::-1]:
         for r in mlx_mtp.stream_generate(model, tokenizer, prompt, args.tokens, **kw):
@@ -83,7 +93,7 @@ def generate_side(args, prompts):
             if args.fresh:
                 # the side that runs cold alternates
                 first = "plain" if (rep + i) % 2 == 0 else "drafted"
-                cmd = [sys.executable, __file__, args.drafter, "--one", str(i),
+                cmd = [sys.executable, __file__, args.drafter or "-", "--one", str(i),
                        "--first", first,
                        "--source", args.source, "--tokens", str(args.tokens),
                        "--draft-max", str(args.draft_max)]  # fmt: skip
@@ -118,8 +128,9 @@ def serve_side(args, prompts):
 
         args.model = str(default_model_path())
     port = free_port()
+    drafter = ["--draft", args.drafter] if args.drafter else []
     cmd = [sys.executable, "-m", "mlx_mtp", "serve", "--model", args.model,
-           "--draft", args.drafter, "--draft-source", args.source,
+           *drafter, "--draft-source", args.source,
            "--draft-max", str(args.draft_max), "--port", str(port),
            "--prompt-cache-entries", "0", "--lookup-memory-mb", "0",
            "--max-batch", str(max(args.streams))]  # fmt: skip
@@ -159,9 +170,13 @@ def serve_side(args, prompts):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("drafter")
+    ap.add_argument("drafter", nargs="?", help="a drafter folder ('-': none)")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--source", default="dflash")
+    ap.add_argument("--source", nargs="+", default=None,
+                    help="each against plain in turn (default: dflash with a "
+                    "drafter, else mtp ngram auto)")  # fmt: skip
+    ap.add_argument("--costs-dir", type=Path, default=None,
+                    help="XDG_CACHE_HOME of the measured costs and histories")
     ap.add_argument("--draft-max", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
@@ -176,13 +191,52 @@ def main():
     args = ap.parse_args()
     from mlx_mtp.prompts import load_prompts
 
+    if args.drafter == "-":
+        args.drafter = None
+    if args.costs_dir is not None:
+        if args.model is None:  # the default model stays where it was built
+            from mlx_mtp.convert.default_model import default_model_path
+
+            args.model = str(default_model_path())
+        args.costs_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["XDG_CACHE_HOME"] = str(args.costs_dir.resolve())
     prompts = [p.prompt for p in load_prompts()]
     if args.one is not None:
+        args.source = args.source[0]
         print(json.dumps(generations(args, prompts[args.one], args.first)))
-    elif args.serve:
-        serve_side(args, prompts)
-    else:
-        generate_side(args, prompts)
+        return
+    sources = args.source or (["dflash"] if args.drafter else ["mtp", "ngram", "auto"])
+    for source in sources:
+        args.source = source
+        if args.serve:
+            serve_side(args, prompts)
+        else:
+            generate_side(args, prompts)
+    if args.costs_dir is not None:
+        show_corrections(args.costs_dir)
+
+
+def show_corrections(folder: Path) -> None:
+    """The rounds' corrections stored in ``folder``: per source and width,
+    the median round cost in plain steps, beside the probe's verify."""
+    try:
+        entries = json.loads((folder / "mlx-mtp" / "costs.json").read_text())
+    except (OSError, ValueError):
+        print("no costs stored")
+        return
+    for e in entries:
+        if e.get("context"):
+            continue
+        verify = (e.get("costs") or {}).get("verify")
+        print(f"probe ({e['machine']['blas']}): verify {verify}")
+        rounds = e.get("rounds") or {}
+        for key, rows in (rounds.get("sources") or {}).items():
+            widths = {}
+            for w, r in rows:
+                widths.setdefault(w, []).append(r)
+            medians = ", ".join(f"{w}: {statistics.median(rs):.2f} ({len(rs)})"
+                                for w, rs in sorted(widths.items()))  # fmt: skip
+            print(f"  rounds of {key}, by width (samples): {medians}")
 
 
 if __name__ == "__main__":
