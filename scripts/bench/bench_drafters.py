@@ -117,7 +117,9 @@ def build_drafters(model, root: Path) -> list:
                                       selector_rank=256, selector_top_k=16)),
     ]:  # fmt: skip
         config = {
-            "architectures": [kind], **dims, "num_hidden_layers": 5,
+            "architectures": [kind], "model_type": "qwen3",
+            "tie_word_embeddings": False, **dims,
+            "num_hidden_layers": 5,
             "rope_theta": 1e6, "num_target_layers": n, "block_size": block,
             "dflash_config": {"mask_token_id": 0,
                               "target_layer_ids": default_layer_ids(n, 5), **extra},
