@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx import nn
 
+from .cache import cache_offset
 from .errors import MTPError, first_line
 from .target import Target
 from .weights import read_safetensors
@@ -37,6 +38,7 @@ MLX_VLM_VERSION = "0.7.10"
 INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
+FAMILIES["hy_v4"] = "hy_v4"  # Hunyuan-V4 (mlx-vlm's models/hy_v4)
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -90,14 +92,21 @@ def load_trunk(
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
         weights = sanitize_weights(model, weights)
-        weights = sanitize_weights(
-            arch.VisionModel, weights, model_config.vision_config
-        )
-        weights = sanitize_weights(
-            arch.LanguageModel, weights, model_config.text_config
-        )
+        # (a text-only family, hy_v4, has neither class nor config: mlx-vlm's
+        # load_model skips each step the same way)
+        if hasattr(arch, "VisionModel") and hasattr(model_config, "vision_config"):
+            weights = sanitize_weights(
+                arch.VisionModel, weights, model_config.vision_config
+            )
+        if hasattr(arch, "LanguageModel") and hasattr(model_config, "text_config"):
+            weights = sanitize_weights(
+                arch.LanguageModel, weights, model_config.text_config
+            )
         if not any(k.startswith("vision_tower.") for k in weights):
             model.vision_tower = None  # a text-only checkpoint: no tower to load
+        for name in [n for n in model.children() if n != "language_model"]:
+            if not any(k.startswith(f"{name}.") for k in weights):
+                setattr(model, name, None)  # e.g. step3p7's tower and projector
         model = load_model_weights(model, config, weights, path, lazy=True)
     except MTPError:
         raise
@@ -137,7 +146,11 @@ class VLMTextTarget(Target):
 
     def _positions(self, tokens: mx.array, cache: Optional[List[Any]]) -> mx.array:
         B, T = tokens.shape
-        offset = 0 if not cache else cache[self._offset_layer].offset
+        offset = 0
+        if cache:
+            c = cache[self._offset_layer]
+            # a cache of caches (hy_v4's ``CacheList``) counts by its first member
+            offset = c.offset if hasattr(c, "offset") else (cache_offset(c) or 0)
         if isinstance(offset, mx.array):
             offset = offset.reshape(-1, 1)
         return (mx.arange(T, dtype=mx.int32)[None] + offset) * mx.ones(
