@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_mtp import vlm_text
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import sanitize_block
@@ -54,6 +55,15 @@ def _pre_quantized(weights: Dict[str, mx.array]):
 
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
+    if vlm_text.serves(config):  # a language model only mlx-vlm has classes for
+        try:
+            return vlm_text.trunk_from_weights(config, weights)
+        except MTPError:
+            raise
+        except Exception as e:
+            raise MTPError(
+                f"the weights do not fit {config['model_type']} ({first_line(e)})"
+            ) from None
     model_class, args_class = model_classes(config)
     try:
         model = model_class(args_class.from_dict(config))

@@ -64,17 +64,40 @@ def require(config: Dict[str, Any]) -> None:
     _module(config)
 
 
+def _built(arch, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """(mlx-vlm's model for ``config``, ``weights`` put through its sanitize
+    steps); modules the weights do not cover (a tower) are dropped."""
+    from mlx_vlm.utils import sanitize_weights, update_module_configs
+
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    weights = sanitize_weights(model, weights)
+    # (a text-only family, hy_v4, has neither class nor config: mlx-vlm's
+    # load_model skips each step the same way)
+    if hasattr(arch, "VisionModel") and hasattr(model_config, "vision_config"):
+        weights = sanitize_weights(
+            arch.VisionModel, weights, model_config.vision_config
+        )
+    if hasattr(arch, "LanguageModel") and hasattr(model_config, "text_config"):
+        weights = sanitize_weights(
+            arch.LanguageModel, weights, model_config.text_config
+        )
+    if not any(k.startswith("vision_tower.") for k in weights):
+        model.vision_tower = None  # a text-only checkpoint: no tower to load
+    for name in [n for n in model.children() if n != "language_model"]:
+        if not any(k.startswith(f"{name}.") for k in weights):
+            setattr(model, name, None)  # e.g. step3p7's tower and projector
+    return model, weights
+
+
 def load_trunk(
     path: Path, config: Dict[str, Any], family, split: Dict[str, mx.array]
 ):
     """mlx-vlm's language model for ``path`` (lazy), MTP tensors moved into
     ``split``; returns ``(language model, config)``. Failures are one line."""
     arch = _module(config)  # first: without mlx-vlm, one line saying so
-    from mlx_vlm.utils import (
-        load_model_weights,
-        sanitize_weights,
-        update_module_configs,
-    )
+    from mlx_vlm.utils import load_model_weights
 
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
@@ -82,37 +105,36 @@ def load_trunk(
     config = dict(config)
     config.setdefault("vision_config", {})
     try:
-        model_config = arch.ModelConfig.from_dict(config)
-        model_config = update_module_configs(
-            model_config, arch, config, ["text", "vision"]
-        )
-        model = arch.Model(model_config)
         weights = read_safetensors(files)
         if family is not None:
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
-        weights = sanitize_weights(model, weights)
-        # (a text-only family, hy_v4, has neither class nor config: mlx-vlm's
-        # load_model skips each step the same way)
-        if hasattr(arch, "VisionModel") and hasattr(model_config, "vision_config"):
-            weights = sanitize_weights(
-                arch.VisionModel, weights, model_config.vision_config
-            )
-        if hasattr(arch, "LanguageModel") and hasattr(model_config, "text_config"):
-            weights = sanitize_weights(
-                arch.LanguageModel, weights, model_config.text_config
-            )
-        if not any(k.startswith("vision_tower.") for k in weights):
-            model.vision_tower = None  # a text-only checkpoint: no tower to load
-        for name in [n for n in model.children() if n != "language_model"]:
-            if not any(k.startswith(f"{name}.") for k in weights):
-                setattr(model, name, None)  # e.g. step3p7's tower and projector
+        model, weights = _built(arch, config, weights)
         model = load_model_weights(model, config, weights, path, lazy=True)
     except MTPError:
         raise
     except Exception as e:
         raise MTPError(f"{path}: cannot load the model ({first_line(e)})") from None
     return model.language_model, config
+
+
+def trunk_from_weights(config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """mlx-vlm's language model holding ``weights`` (float trunk tensors, as a
+    checkpoint names them): what ``convert`` quantizes and writes. The
+    language model's own parameter names are the ones ``load_trunk`` reads
+    back (its sanitize passes them through)."""
+    arch = _module(config)
+    config = dict(config)
+    config.setdefault("vision_config", {})
+    model, weights = _built(arch, config, dict(weights))
+    lm = model.language_model
+    prefix = "language_model."
+    lm.load_weights(
+        [(k[len(prefix) :], v) for k, v in weights.items() if k.startswith(prefix)],
+        strict=True,
+    )
+    lm.eval()
+    return lm
 
 
 class _ModulesPath:

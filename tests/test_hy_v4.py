@@ -324,3 +324,36 @@ def test_info_lists_the_family_its_layers_and_source():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0 and "hy_v4" in r.stdout and "Hunyuan-V4" in r.stdout
+
+
+def _bits(module):
+    return {x.bits for _, x in module.named_modules() if hasattr(x, "bits")}
+
+
+def test_convert_quantized_keeps_the_head_at_8_bits(folders, tmp_path):
+    """``mlx-mtp convert -q`` (4-bit trunk, groups of 32): the MTP layer's
+    tensors go to ``mtp.safetensors`` at 8 bits, mlx-vlm reads the trunk it
+    wrote, and greedy decoding with drafts is mlx-vlm's on that trunk."""
+    from mlx_vlm.utils import load_model
+
+    from mlx_mtp.convert import convert
+    from mlx_mtp.heads.hy_v4 import exact_indexers
+
+    out = convert(folders[0], tmp_path / "q4", quantize=True, q_group_size=32)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant["bits"] == 4
+    head_q = {k: v for k, v in quant.items() if k.startswith("model.mtp_layers.")}
+    assert head_q and all(v["bits"] == 8 for v in head_q.values())
+    trunk_names = mx.load(str(out / "model.safetensors")).keys()
+    head_names = mx.load(str(out / "mtp.safetensors")).keys()
+    assert not any(k.startswith("model.mtp_layers.") for k in trunk_names)
+    assert all(k.startswith("model.mtp_layers.") for k in head_names)
+
+    m, _ = mlx_mtp.load(out)
+    assert _bits(m.head) == {8} and 4 in _bits(m.target.model)
+    assert "eh_proj" in {p for p, x in m.head.named_modules() if hasattr(x, "bits")}
+
+    reference = load_model(out).language_model
+    exact_indexers(reference)
+    got, stats = mtp_greedy(m, PROMPT, 30, 2)
+    assert got == vlm_greedy(reference, PROMPT, 30) and stats.accepted > 0
