@@ -39,6 +39,7 @@ INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
 FAMILIES["hy_v4"] = "hy_v4"  # Hunyuan-V4 (mlx-vlm's models/hy_v4)
+FAMILIES["step3p7"] = "step3p7"  # Step-3.7 (mlx-vlm's models/step3p7)
 
 
 def serves(config: Dict[str, Any]) -> bool:
