@@ -7,7 +7,7 @@ zero-centred), the config nested (``text_config``, ``vision_config``), and
 three MTP layers at ``model.layers.{N+j}`` (``enorm``, ``hnorm``,
 ``eh_proj``, ``shared_head.{norm, output}`` and a decoder block of the
 trunk's kind at index ``N + j``), as Step-3.5-Flash stores them: the layout
-mlx-vlm's sanitize drops and docs/design.md section 3c infers. The per-layer
+mlx-vlm's sanitize drops and docs/design.md section 3s infers. The per-layer
 lists of the text config reach past the trunk into the MTP layers. No vision
 tower weights: it is dropped at load. Float32 (MLX's CPU MoE kernel).
 ``agreeable=True`` shrinks block outputs and makes ``eh_proj`` read the

@@ -3,7 +3,7 @@
 No public runtime runs Step-3.7's MTP layers: mlx-vlm 0.7.10 has no
 ``step3p7`` drafter, and its ``models/step3p7`` sanitize drops them. The
 layout is inferred from mlx-vlm 0.7.10's ``models/step3p7/`` (docs/design.md
-section 3c):
+section 3s):
 
 - ``config.py``: the language model's config is Step-3.5's (``TextConfig``'s
   ``model_type`` defaults to ``"step3p5"``, 45 layers, MoE layers 3..44, the
