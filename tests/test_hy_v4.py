@@ -10,6 +10,7 @@ target's do, so both select the top-k keys the published scores define.
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -312,7 +313,7 @@ def test_trunk_alone_generates_plainly_with_a_notice(folders, reference):
     assert got == vlm_greedy(reference, PROMPT, 8) and stats.drafted == 0
 
 
-def test_info_lists_the_family_its_layers_and_source():
+def test_info_lists_the_family_its_layers_and_source(folders):
     from mlx_mtp import families
 
     (found,) = [f for f in families.families() if f["model_type"] == "hy_v4"]
@@ -324,6 +325,12 @@ def test_info_lists_the_family_its_layers_and_source():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0 and "hy_v4" in r.stdout and "Hunyuan-V4" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "info", str(folders[0])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and re.search(r"MTP layers\s+1\n", r.stdout)
+    assert re.search(r"architecture\s+hy_v4\n", r.stdout)
 
 
 def _bits(module):
@@ -357,3 +364,18 @@ def test_convert_quantized_keeps_the_head_at_8_bits(folders, tmp_path):
     exact_indexers(reference)
     got, stats = mtp_greedy(m, PROMPT, 30, 2)
     assert got == vlm_greedy(reference, PROMPT, 30) and stats.accepted > 0
+
+
+def test_without_mlx_vlm_the_error_is_one_line(folders, tmp_path):
+    hide = tmp_path / "mlx_vlm"
+    hide.mkdir()
+    (hide / "__init__.py").write_text("raise ImportError('mlx_vlm hidden')\n")
+    env = dict(__import__("os").environ)
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "generate", "--model", str(folders[0]),
+         "--prompt", "hi", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "mlx-vlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1

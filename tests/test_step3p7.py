@@ -11,6 +11,7 @@ caches on the sliding layers).
 """
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -375,7 +376,7 @@ def test_the_vlm_names_of_the_layers_load_the_same(model, folders, tmp_path):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
-def test_info_lists_the_family_its_layers_and_source():
+def test_info_lists_the_family_its_layers_and_source(folders):
     from mlx_mtp import families
 
     (found,) = [f for f in families.families() if f["model_type"] == "step3p7"]
@@ -386,3 +387,9 @@ def test_info_lists_the_family_its_layers_and_source():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0 and "step3p7" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "info", str(folders[0])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and re.search(r"MTP layers\s+3\n", r.stdout)
+    assert re.search(r"architecture\s+step3p7\n", r.stdout)
