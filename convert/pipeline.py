@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
+from mlx_mtp import vlm_text
 from mlx_mtp.drafters import is_drafter
 from mlx_mtp.errors import MTPError
 
@@ -83,6 +84,7 @@ def _convert(
     apply_trunk(model, precision)
     head_w, head_q = _heads(model, config, mtp_w, precision)
     quant = quantization_config(quantized_modules(model), head_q)
+    quant = vlm_text.saved_quantization(quant, quantized_modules(model), config)
     if quant is not None:
         config["quantization"] = quant
     if precision.dtype:
@@ -100,7 +102,7 @@ def _convert(
         bar = bar if progress else None
         materialize(trunk_params, "trunk", bar)
         with writing(out):
-            save_model(tmp, model, donate_model=True)
+            save_model(tmp, vlm_text.as_saved(model, config), donate_model=True)
         if head_w:
             materialize(head_w, "MTP", bar)
             with writing(out):

@@ -138,6 +138,29 @@ def trunk_from_weights(config: Dict[str, Any], weights: Dict[str, mx.array]):
     return lm
 
 
+def as_saved(model: nn.Module, config: Dict[str, Any]) -> nn.Module:
+    """What ``convert`` saves for ``model``: a language model of a family here
+    under ``language_model.``, the names mlx-vlm's own conversions write and
+    every such family's sanitize reads back; any other model as it is."""
+    if not serves(config):
+        return model
+    holder = nn.Module()
+    holder.language_model = model
+    return holder
+
+
+def saved_quantization(
+    quant: Optional[Dict[str, Any]], trunk: Dict[str, Any], config: Dict[str, Any]
+) -> Optional[Dict[str, Any]]:
+    """``quant`` with, for a family here, every quantized trunk module listed
+    under its saved path: mlx-vlm re-quantizes a module without an entry only
+    where its weight's size divides by 64 (tiny or odd-shaped ones, a gate of
+    one output, would not load back)."""
+    if quant is None or not serves(config):
+        return quant
+    return {**quant, **{f"language_model.{p}": dict(q) for p, q in trunk.items()}}
+
+
 class _ModulesPath:
     """Mixin over mlx-vlm's language model: single tokens run the modules'
     path (``_supports_batch_invariant_decode`` False) so taps see them."""
