@@ -395,3 +395,46 @@ def test_info_lists_the_family_its_layers_and_source(folders):
     )  # fmt: skip
     assert r.returncode == 0 and re.search(r"MTP layers\s+3\n", r.stdout)
     assert re.search(r"architecture\s+step3p7\n", r.stdout)
+
+
+def test_served_batch_answers_as_alone(model):
+    """Four requests at once through ``mlx-mtp serve``: one batch (its caches
+    mlx-lm's, merged ragged), each answer the one it gets alone."""
+    import threading
+
+    from live_server import LiveServer
+
+    from mlx_mtp.draft_settings import DraftSettings
+    from mlx_mtp.serve import ServeConfig
+
+    m, tok = model
+    config = ServeConfig(
+        max_batch=4, prompt_cache_entries=0, lookup_memory_bytes=0,
+        drafts=DraftSettings(adaptive=False),
+    )  # fmt: skip
+    server = LiveServer(m, tok, "step3p7", config)
+    try:
+        client = server.client()
+
+        def ask(i):
+            r = client.completions.create(
+                model="step3p7", prompt=f"Q{i}: " + "abcd"[: i + 1] * (i + 2),
+                max_tokens=16 + 4 * i, extra_body={"draft_max": [3, 2, 1, 3][i]},
+            )  # fmt: skip
+            return r.choices[0].text, r.usage
+
+        alone = [ask(i) for i in range(4)]
+        together = [None] * 4
+        threads = [
+            threading.Thread(target=lambda i=i: together.__setitem__(i, ask(i)))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        assert server.get("/health")[1]["peak_batch"] == 4
+        assert sum(u.mtp["accepted"] for _, u in together) > 0
+    finally:
+        server.close()
