@@ -112,6 +112,8 @@ def load_trunk(
                 split[key] = weights.pop(key)
         model, weights = _built(arch, config, weights)
         model = load_model_weights(model, config, weights, path, lazy=True)
+        if family is not None and hasattr(family, "prepare_trunk"):
+            family.prepare_trunk(model.language_model)  # with a head or without
     except MTPError:
         raise
     except Exception as e:

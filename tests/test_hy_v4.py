@@ -307,10 +307,23 @@ def test_kv_bits_is_refused_in_one_line(folders):
 
 
 def test_trunk_alone_generates_plainly_with_a_notice(folders, reference):
-    m, _ = mlx_mtp.load(folders[1])
+    m, tok = mlx_mtp.load(folders[1])
     assert m.head is None and "no MTP tensors" in m.notice
+    from mlx_mtp.heads.hy_v4 import ExactIndexer
+
+    attns = [layer.self_attn for layer in m.target.backbone.layers]
+    assert [type(a.indexer) for a in attns if a.indexer is not None] == [
+        ExactIndexer
+    ] * 2  # verified chunks (prompt lookup, a drafter) read as decoding does
     got, stats = mtp_greedy(m, PROMPT, 8, 2)
     assert got == vlm_greedy(reference, PROMPT, 8) and stats.drafted == 0
+    # prompt lookup drafts without a head: verified chunks, exact output
+    repeated = random_prompt(12, seed=5) * 3
+    rs = list(mlx_mtp.stream_generate(
+        m, tok, repeated, 24, draft_source="ngram", draft_max=3
+    ))  # fmt: skip
+    assert [r.token for r in rs] == vlm_greedy(reference, repeated, 24)
+    assert rs[-1].stats.drafted > 0
 
 
 def test_info_lists_the_family_its_layers_and_source(folders):

@@ -93,6 +93,11 @@ def exact_indexers(model: nn.Module) -> None:
             m.__class__ = ExactIndexer
 
 
+# every hy_v4 trunk ``vlm_text`` loads, with a head or without (lookups and
+# drafters verify chunks too)
+prepare_trunk = exact_indexers
+
+
 def patch_trunk(model: nn.Module) -> None:
     """The loader's hook: caches that count and roll back, exact top-k."""
     hy_v4_cache.patch_trunk(model)
