@@ -55,8 +55,15 @@ def _pre_quantized(weights: Dict[str, mx.array]):
 
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
-    if vlm_text.converts(config):  # a language model only mlx-vlm has classes for
-        return vlm_text.build_model(config, weights)
+    if vlm_text.serves(config):  # a language model only mlx-vlm has classes for
+        try:
+            return vlm_text.trunk_from_weights(config, weights)
+        except MTPError:
+            raise
+        except Exception as e:
+            raise MTPError(
+                f"the weights do not fit {config['model_type']} ({first_line(e)})"
+            ) from None
     model_class, args_class = model_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -83,8 +90,6 @@ def build_heads(
     family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
-    if vlm_text.converts(config):  # the head is built on the language model
-        model = model.language_model
     args = getattr(model, "args", None)
     backbone = find_backbone(model)
     # a family whose block tensors the trunk's sanitize cannot take brings its own

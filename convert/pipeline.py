@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
-from mlx_mtp import vision
+from mlx_mtp import vision, vlm_text
 from mlx_mtp.drafters import is_drafter
 from mlx_mtp.errors import MTPError
 
@@ -90,6 +90,7 @@ def _convert(
     apply_trunk(model, precision, as_vlm=bool(tower_w))
     head_w, head_q = _heads(model, config, mtp_w, precision)
     quant = quantization_config(quantized_modules(model), head_q)
+    quant = vlm_text.saved_quantization(quant, quantized_modules(model), config)
     if quant is not None:
         config["quantization"] = quant
     if precision.dtype:
@@ -108,7 +109,7 @@ def _convert(
         bar = bar if progress else None
         materialize(trunk_params, "trunk", bar)
         with writing(out):
-            save_model(tmp, model, donate_model=True)
+            save_model(tmp, vlm_text.as_saved(model, config), donate_model=True)
         if tower_w:
             materialize(tower_w, "vision tower", bar)
             with writing(out):

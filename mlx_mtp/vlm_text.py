@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx import nn
 
-from .cache import cache_length
+from .cache import cache_length, cache_offset
 from .errors import MTPError, first_line
 from .target import Target
 from .weights import read_safetensors
@@ -39,10 +39,8 @@ INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
 FAMILIES["glm5_next"] = "glm5_next"  # GLM-5.3-Flash
-# the families ``convert`` writes (mlx-vlm and mlx-mtp read the folder back:
-# tests/test_glm5_next.py); Qwen3.8's own quantization rules (router gates at
-# 8 bits, n-gram rows in groups of 32) are not followed yet
-CONVERTS = {"glm5_next"}
+FAMILIES["hy_v4"] = "hy_v4"  # Hunyuan-V4 (mlx-vlm's models/hy_v4)
+FAMILIES["step3p7"] = "step3p7"  # Step-3.7 (mlx-vlm's models/step3p7)
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -63,14 +61,36 @@ def _module(config: Dict[str, Any]):
         ) from None
 
 
-def converts(config: Dict[str, Any]) -> bool:
-    """Whether ``convert`` builds ``config``'s model with mlx-vlm's classes."""
-    return config.get("model_type") in CONVERTS
-
-
 def require(config: Dict[str, Any]) -> None:
     """A one-line error where mlx-vlm, which ``config``'s family needs, is missing."""
     _module(config)
+
+
+def _built(arch, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """(mlx-vlm's model for ``config``, ``weights`` put through its sanitize
+    steps); modules the weights do not cover (a tower) are dropped."""
+    from mlx_vlm.utils import sanitize_weights, update_module_configs
+
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    weights = sanitize_weights(model, weights)
+    # (a text-only family, hy_v4, has neither class nor config: mlx-vlm's
+    # load_model skips each step the same way)
+    if hasattr(arch, "VisionModel") and hasattr(model_config, "vision_config"):
+        weights = sanitize_weights(
+            arch.VisionModel, weights, model_config.vision_config
+        )
+    if hasattr(arch, "LanguageModel") and hasattr(model_config, "text_config"):
+        weights = sanitize_weights(
+            arch.LanguageModel, weights, model_config.text_config
+        )
+    if not any(k.startswith("vision_tower.") for k in weights):
+        model.vision_tower = None  # a text-only checkpoint: no tower to load
+    for name in [n for n in model.children() if n != "language_model"]:
+        if not any(k.startswith(f"{name}.") for k in weights):
+            setattr(model, name, None)  # e.g. step3p7's tower and projector
+    return model, weights
 
 
 def load_trunk(
@@ -91,8 +111,10 @@ def load_trunk(
         if family is not None:
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
-        model, weights = _sanitized(arch, config, weights)
+        model, weights = _built(arch, config, weights)
         model = load_model_weights(model, config, weights, path, lazy=True)
+        if family is not None and hasattr(family, "prepare_trunk"):
+            family.prepare_trunk(model.language_model)  # with a head or without
     except MTPError:
         raise
     except Exception as e:
@@ -100,38 +122,46 @@ def load_trunk(
     return model.language_model, config
 
 
-def _sanitized(arch, config: Dict[str, Any], weights: Dict[str, mx.array]):
-    """mlx-vlm's model for ``config`` and ``weights`` as its sanitize steps
-    leave them (the tower dropped where the weights hold none)."""
-    from mlx_vlm.utils import sanitize_weights, update_module_configs
-
-    model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
-    model = arch.Model(model_config)
-    weights = sanitize_weights(model, weights)
-    weights = sanitize_weights(arch.VisionModel, weights, model_config.vision_config)
-    weights = sanitize_weights(arch.LanguageModel, weights, model_config.text_config)
-    if not any(k.startswith("vision_tower.") for k in weights):
-        model.vision_tower = None  # a text-only checkpoint: no tower to load
-    return model, weights
-
-
-def build_model(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
-    """mlx-vlm's whole model holding ``weights`` (the trunk's tensors, checkpoint
-    names, no MTP tensor), as ``convert`` quantizes and writes it; ``load_trunk``
-    reads what it writes. Failures are one line."""
+def trunk_from_weights(config: Dict[str, Any], weights: Dict[str, mx.array]):
+    """mlx-vlm's language model holding ``weights`` (float trunk tensors, as a
+    checkpoint names them): what ``convert`` quantizes and writes. The
+    language model's own parameter names are the ones ``load_trunk`` reads
+    back (its sanitize passes them through)."""
     arch = _module(config)
     config = dict(config)
     config.setdefault("vision_config", {})
-    try:
-        model, weights = _sanitized(arch, config, dict(weights))
-        model.load_weights(list(weights.items()), strict=True)
-    except Exception as e:
-        raise MTPError(
-            f"the weights do not fit {config['model_type']} ({first_line(e)})"
-        ) from None
-    model.eval()
-    return model
+    model, weights = _built(arch, config, dict(weights))
+    lm = model.language_model
+    prefix = "language_model."
+    lm.load_weights(
+        [(k[len(prefix) :], v) for k, v in weights.items() if k.startswith(prefix)],
+        strict=True,
+    )
+    lm.eval()
+    return lm
+
+
+def as_saved(model: nn.Module, config: Dict[str, Any]) -> nn.Module:
+    """What ``convert`` saves for ``model``: a language model of a family here
+    under ``language_model.``, the names mlx-vlm's own conversions write and
+    every such family's sanitize reads back; any other model as it is."""
+    if not serves(config):
+        return model
+    holder = nn.Module()
+    holder.language_model = model
+    return holder
+
+
+def saved_quantization(
+    quant: Optional[Dict[str, Any]], trunk: Dict[str, Any], config: Dict[str, Any]
+) -> Optional[Dict[str, Any]]:
+    """``quant`` with, for a family here, every quantized trunk module listed
+    under its saved path: mlx-vlm re-quantizes a module without an entry only
+    where its weight's size divides by 64 (tiny or odd-shaped ones, a gate of
+    one output, would not load back)."""
+    if quant is None or not serves(config):
+        return quant
+    return {**quant, **{f"language_model.{p}": dict(q) for p, q in trunk.items()}}
 
 
 class _ModulesPath:
@@ -165,9 +195,13 @@ class VLMTextTarget(Target):
 
     def _positions(self, tokens: mx.array, cache: Optional[List[Any]]) -> mx.array:
         B, T = tokens.shape
-        offset = 0 if not cache else getattr(cache[self._offset_layer], "offset", None)
-        if offset is None:  # a recurrent layer first (GLM-5.3): the first that counts
-            offset = cache_length(cache)
+        offset = 0
+        if cache:
+            c = cache[self._offset_layer]
+            # a cache of caches (hy_v4's ``CacheList``) counts by its first member
+            offset = c.offset if hasattr(c, "offset") else cache_offset(c)
+            if offset is None:  # a recurrent layer first (GLM-5.3): the first that counts
+                offset = cache_length(cache)
         if isinstance(offset, mx.array):
             offset = offset.reshape(-1, 1)
         return (mx.arange(T, dtype=mx.int32)[None] + offset) * mx.ones(

@@ -264,3 +264,21 @@ def test_info_lists_the_family_its_layers_and_source():
     assert found["models"].startswith("Qwen3.8-Flash-Next")
     assert "mlx-vlm 0.7.10" in found["models"]
     assert found["mtp_layers"] == 1 and not found["layer_per_depth"]
+
+
+def test_convert_quantized_keeps_the_head_at_8_bits(model, folders, tmp_path):
+    """``convert -q`` builds the trunk with mlx-vlm's classes, writes it under
+    mlx-vlm's names (every quantized module listed) and the head at 8 bits."""
+    from mlx_vlm.utils import load_model
+
+    from mlx_mtp.convert import convert
+
+    out = convert(folders[0], tmp_path / "q4", quantize=True, q_group_size=32)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    head_q = {k: v for k, v in quant.items() if k.startswith("mtp.")}
+    assert head_q and all(v["bits"] == 8 for v in head_q.values())
+    m, _ = mlx_mtp.load(out)
+    assert {x.bits for _, x in m.head.named_modules() if hasattr(x, "bits")} == {8}
+    got, stats = mtp_greedy(m, PROMPT, 24, 2)
+    assert got == vlm_greedy(load_model(out).language_model, PROMPT, 24)
+    assert stats.accepted > 0

@@ -25,6 +25,8 @@ or a function of the trunk model naming a trunk layer of the block's kind),
 ``patch_trunk(model)`` (called once the head is loaded, e.g. to give the trunk
 caches that roll back) and ``NO_HEAD_NOTICE`` (what the loader says of a model
 of the family found without its head).
+``prepare_trunk(model)``: called on every trunk ``vlm_text`` loads for the
+family, with a head or without (Hunyuan-V4's exact indexer top-k).
 """
 
 import importlib

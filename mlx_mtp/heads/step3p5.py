@@ -115,7 +115,13 @@ def _extended(args: Any, n: int) -> Any:
 
 
 def _layer(args, config, backbone, weights, j: int) -> Step3p5MTP:
-    n = args.num_hidden_layers + j
+    return layer_for(args, config, backbone, weights, j, prefix(config, j))
+
+
+def layer_for(args, config, backbone, weights, j: int, pre: str, n=None):
+    """MTP layer ``j``: ``backbone``'s layer class at index ``n`` (the trunk's
+    ``N + j`` by default), its tensors under ``pre`` (Step-3.7 reuses it)."""
+    n = args.num_hidden_layers + j if n is None else n
     layer = type(backbone.layers[0])(_extended(args, n), n)
     eps = args.rms_norm_eps
     for name in _LAYER_NORMS:
@@ -123,7 +129,6 @@ def _layer(args, config, backbone, weights, j: int) -> Step3p5MTP:
     for name in _ATTN_NORMS:
         setattr(layer.self_attn, name, ZeroCentredRMSNorm(args.head_dim, eps))
     block = windowed(layer, args.sliding_window if layer.is_sliding else None)
-    pre = prefix(config, j)
     heads = (f"{pre}shared_head.output.", f"{pre}transformer.shared_head.output.")
     has_head = any(k.startswith(heads) for k in weights)
     return Step3p5MTP(args, block, has_head)
