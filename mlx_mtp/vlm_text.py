@@ -37,6 +37,7 @@ MLX_VLM_VERSION = "0.7.10"
 INSTALL = "pip install 'mlx-mtp[vision]'"
 # model_type -> the module of mlx_vlm.models with its classes
 FAMILIES = {"qwen4_exp": "qwen4_exp"}
+FAMILIES["deepseek_v4"] = "deepseek_v4"  # one flat config, no tower classes
 
 
 def serves(config: Dict[str, Any]) -> bool:
@@ -90,12 +91,14 @@ def load_trunk(
             for key in [k for k in weights if family.is_mtp_key(k, config)]:
                 split[key] = weights.pop(key)
         weights = sanitize_weights(model, weights)
-        weights = sanitize_weights(
-            arch.VisionModel, weights, model_config.vision_config
-        )
-        weights = sanitize_weights(
-            arch.LanguageModel, weights, model_config.text_config
-        )
+        if hasattr(arch, "VisionModel"):  # as mlx-vlm's load_model: a flat
+            weights = sanitize_weights(  # config (deepseek_v4) has neither
+                arch.VisionModel, weights, model_config.vision_config
+            )
+        if hasattr(arch, "LanguageModel"):
+            weights = sanitize_weights(
+                arch.LanguageModel, weights, model_config.text_config
+            )
         if not any(k.startswith("vision_tower.") for k in weights):
             model.vision_tower = None  # a text-only checkpoint: no tower to load
         model = load_model_weights(model, config, weights, path, lazy=True)
