@@ -1,4 +1,4 @@
-"""A tiny random DeepSeek-V4-Flash (``deepseek_v4``) in its published layout, with its MTP layer.
+"""A tiny random DeepSeek-V4-Flash (``deepseek_v4``), published layout, MTP layer in.
 
 Written in DeepSeek's original inference layout (the names mlx-vlm 0.7.10's
 ``deepseek_v4.LanguageModel.sanitize`` reads): ``embed``, ``head``, ``norm``,
@@ -98,7 +98,8 @@ def _draw(params: Dict[str, mx.array], cfg: dict) -> None:
         if k.endswith("gate.weight"):
             params[k] = 0.5 * mx.random.normal(v.shape)
         elif k.endswith("tid2eid"):
-            order = mx.argsort(mx.random.uniform(shape=(v.shape[0], cfg["n_routed_experts"])))
+            draws = mx.random.uniform(shape=(v.shape[0], cfg["n_routed_experts"]))
+            order = mx.argsort(draws)
             params[k] = order[:, : v.shape[1]].astype(mx.int32)
         elif re.search(r"(_hc|hc_head)\.fn$", k):
             params[k] = 0.05 * mx.random.normal(v.shape)
@@ -119,14 +120,15 @@ def config_for(**overrides) -> dict:
 
 
 def build_weights(seed: int = 0, agreeable: bool = True, **overrides):
-    """(config, trunk tensors, ``mtp.0.*`` tensors), named as the checkpoint has them."""
+    """(config, trunk tensors, ``mtp.0.*`` tensors), named as published."""
     from mlx_vlm.models.deepseek_v4 import Model, ModelConfig
     from mlx_vlm.speculative.drafters.deepseek_v4_mtp import Model as Drafter
     from mlx_vlm.speculative.drafters.deepseek_v4_mtp import ModelConfig as DConfig
 
     config = config_for(**overrides)
     mx.random.seed(seed)
-    lm = dict(tree_flatten(Model(ModelConfig.from_dict(config)).language_model.parameters()))
+    model = Model(ModelConfig.from_dict(config))
+    lm = dict(tree_flatten(model.language_model.parameters()))
     _draw(lm, config)
     if agreeable:
         _shrink(lm, 0.1)
@@ -154,7 +156,7 @@ def build_weights(seed: int = 0, agreeable: bool = True, **overrides):
     mtp = {}
     for p in ("fn", "base", "scale"):
         mtp[f"hc_head_{p}"] = head.pop(f"hc_head.{p}")
-    block = {k[len("decoder.") :]: v for k, v in head.items() if k.startswith("decoder.")}
+    block = {k[8:]: v for k, v in head.items() if k.startswith("decoder.")}
     mtp.update({k: v for k, v in head.items() if not k.startswith("decoder.")})
     mtp.update(_published_block(block, config))
     return config, trunk, {f"mtp.0.{k}": v for k, v in mtp.items()}

@@ -1,4 +1,4 @@
-"""DeepSeek-V4-Flash (``deepseek_v4``) MTP head: hyper-connection streams, a window-only block.
+"""DeepSeek-V4-Flash (``deepseek_v4``) MTP head: hyper-connection streams, window block.
 
 The source of truth is mlx-vlm 0.7.10 (``speculative/drafters/deepseek_v4_mtp/
 deepseek_v4_mtp.py`` with ``drafters/mtp_base.py``; the trunk

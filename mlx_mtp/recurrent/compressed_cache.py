@@ -41,8 +41,12 @@ def _copy(a: Optional[mx.array]) -> Optional[mx.array]:
     return None if a is None else mx.array(a)
 
 
-def _cat(parts: List[mx.array]) -> Optional[mx.array]:
-    return None if not parts else mx.concatenate(parts, axis=1)
+def _open_block(parts: list, lo: int, hi: int, ratio: int) -> mx.array:
+    """Rows ``lo:hi`` of ``parts`` joined, zero-padded to a block of ``ratio``
+    (the buffer's slots past the open rows are never read)."""
+    rows = mx.concatenate([p for p in parts if p is not None], axis=1)[:, lo:hi]
+    pad = mx.zeros((rows.shape[0], ratio - rows.shape[1], rows.shape[2]), rows.dtype)
+    return mx.concatenate([rows, pad], axis=1)
 
 
 def _check(n: int, verified: int) -> None:
@@ -139,18 +143,11 @@ class RollbackPoolingCache(PoolingCache):
         had = 0 if pooled is None else pooled.shape[1]
         self.pooled = pooled if groups == 0 else self.pooled[:, : had + groups]
         if self.remainder == 0:
-            return  # the next write starts a group: the buffer's rows are not read
-        kv = _cat(([open_kv] if open_kv is not None else []) + [k for k, _ in rows])
-        gate = _cat(([open_gate] if open_gate is not None else []) + [g for _, g in rows])
-        lo = groups * self.ratio
-        pad = self.ratio - self.remainder
-        self.buf_kv = mx.concatenate(
-            [kv[:, lo:total], mx.zeros((kv.shape[0], pad, kv.shape[2]), kv.dtype)], 1
-        )
-        self.buf_gate = mx.concatenate(
-            [gate[:, lo:total], mx.zeros((gate.shape[0], pad, gate.shape[2]), gate.dtype)],
-            1,
-        )
+            return  # the next write opens a group: the buffer is not read
+        lo, ratio = groups * self.ratio, self.ratio
+        self.buf_kv = _open_block([open_kv] + [k for k, _ in rows], lo, total, ratio)
+        gates = [open_gate] + [g for _, g in rows]
+        self.buf_gate = _open_block(gates, lo, total, ratio)
 
     def is_trimmable(self) -> bool:
         return False
@@ -216,5 +213,7 @@ def patch_trunk(model: nn.Module) -> None:
         return [rollable(c) for c in base.make_cache(self)]
 
     model.__class__ = type(
-        base.__name__, (base,), {"make_cache": make_cache, "_mtp_rolls_back_windows": True}
+        base.__name__,
+        (base,),
+        {"make_cache": make_cache, "_mtp_rolls_back_windows": True},
     )
