@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_mtp import vlm_text
 from mlx_mtp.errors import MTPError, first_line
 from mlx_mtp.heads import family_for, load_head_weights, norms
 from mlx_mtp.loader import sanitize_block
@@ -52,8 +53,40 @@ def _pre_quantized(weights: Dict[str, mx.array]):
     return predicate
 
 
+def build_vlm_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
+    """mlx-vlm's model for a family only it loads (``vlm_text.FAMILIES``),
+    sanitized and loaded as mlx-vlm's ``load_model`` does: saved as it is,
+    its tensors carry the names mlx-vlm (and ``vlm_text.load_trunk``) read."""
+    from mlx_vlm.utils import sanitize_weights, update_module_configs
+
+    arch = vlm_text._module(config)  # without mlx-vlm: one line saying so
+    try:
+        full = {**config, "vision_config": config.get("vision_config") or {}}
+        model_config = arch.ModelConfig.from_dict(full)
+        parts = ["text", "vision"]
+        model_config = update_module_configs(model_config, arch, full, parts)
+        model = arch.Model(model_config)
+        weights = sanitize_weights(model, dict(weights))
+        for part, sub in (("VisionModel", "vision"), ("LanguageModel", "text")):
+            if hasattr(arch, part):  # a flat config (deepseek_v4) has neither
+                sub_config = getattr(model_config, f"{sub}_config")
+                weights = sanitize_weights(getattr(arch, part), weights, sub_config)
+        if not any(k.startswith("vision_tower.") for k in weights):
+            model.vision_tower = None  # a text-only checkpoint, as mlx_mtp.load has it
+        nn.quantize(model, class_predicate=_pre_quantized(weights))
+        model.load_weights(list(weights.items()), strict=True)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MTPError(
+            f"the weights do not fit {config['model_type']} ({first_line(e)})"
+        ) from None
+    model.eval()
+    return model
+
+
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
+    if vlm_text.serves(config):  # no mlx-lm class: mlx-vlm's whole model
+        return build_vlm_trunk(config, weights)
     model_class, args_class = model_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -80,6 +113,8 @@ def build_heads(
     family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
+    if vlm_text.serves(config):  # the head is built on mlx-vlm's language model
+        model = model.language_model
     args = getattr(model, "args", None)
     backbone = find_backbone(model)
     # a family whose block tensors the trunk's sanitize cannot take brings its own

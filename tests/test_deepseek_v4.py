@@ -339,3 +339,45 @@ def test_info_lists_the_family_its_layers_and_source():
     assert r.returncode == 0
     (line,) = [x for x in r.stdout.splitlines() if x.split()[:1] == ["deepseek_v4"]]
     assert "DeepSeek-V4-Flash" in line and "MTP layers: 1" in line
+
+
+def test_convert_q4_keeps_the_head_at_8_bits_and_info_says_so(folders, tmp_path):
+    """``convert -q``: the trunk at 4 bits through mlx-vlm's own classes, the
+    head's linear layers at 8; the folder loads, its head drafts, ``info``
+    lists both precisions."""
+    out = tmp_path / "q4"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "convert", str(folders[0]), str(out),
+         "-q", "--q-bits", "4", "--q-group-size", "32"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert (quant["group_size"], quant["bits"]) == (32, 4)
+    head = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    assert head and all(k.startswith("mtp.0.") for k in head)
+    assert all(v["bits"] == 8 for v in head.values())
+    stored = mx.load(str(out / "mtp.safetensors"))
+    assert {k[: -len(".scales")] for k in stored if k.endswith(".scales")} == set(head)
+    trunk = mx.load(str(out / "model.safetensors"))
+    assert not any("mtp" in k for k in trunk)
+    assert any(k.startswith("language_model.") and k.endswith(".scales") for k in trunk)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "info", str(out), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "deepseek_v4" and info["mtp_layers"] == 1
+    assert "4-bit/g32" in info["trunk_precision"]
+    assert "8-bit/g32" in info["mtp_precision"]
+    assert "4-bit/g32" not in info["mtp_precision"]
+
+    q, _ = mlx_mtp.load(out)
+    assert q.head is not None and q.notice is None
+    plain, _ = mtp_greedy(q, PROMPT, 20, 0)
+    got, stats = mtp_greedy(q, PROMPT, 20, 2)
+    assert got == plain and stats.accepted > 0
+    # loaded as written: the head's layers at 8 bits, the trunk's at 4
+    assert q.head.e_proj.bits == q.head.block.attn.wq_a.bits == 8
+    assert q.target.backbone.layers[0].attn.wq_a.bits == 4
