@@ -83,6 +83,23 @@ def build_vlm_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.
     return model
 
 
+def vlm_unlisted(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """The quantized modules mlx-vlm's loader leaves in floats unless
+    ``config["quantization"]`` names them: it skips a module whose float
+    weight's size 64 does not divide. Each with its parameters."""
+    out = {}
+    for path, m in model.named_modules():
+        if is_quantized(m):
+            *rows, packed = m.weight.shape
+            size = packed * 32 // m.bits
+            for n in rows:
+                size *= n
+            if size % 64:
+                out[path] = {"group_size": m.group_size, "bits": m.bits,
+                             "mode": getattr(m, "mode", "affine")}  # fmt: skip
+    return out
+
+
 def build_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.Module:
     """mlx-lm's model for ``config`` holding ``weights`` (trunk tensors only)."""
     if vlm_text.serves(config):  # no mlx-lm class: mlx-vlm's whole model

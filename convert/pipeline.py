@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
+from mlx_mtp import vlm_text
 from mlx_mtp.drafters import is_drafter
 from mlx_mtp.errors import MTPError
 
@@ -25,6 +26,7 @@ from .model import (
     normalize_config,
     split_mtp,
     trunk_group_size,
+    vlm_unlisted,
 )
 from .output import (
     atomic_folder,
@@ -83,6 +85,8 @@ def _convert(
     apply_trunk(model, precision)
     head_w, head_q = _heads(model, config, mtp_w, precision)
     quant = quantization_config(quantized_modules(model), head_q)
+    if quant is not None and vlm_text.serves(config):
+        quant.update(vlm_unlisted(model))
     if quant is not None:
         config["quantization"] = quant
     if precision.dtype:
