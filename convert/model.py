@@ -57,9 +57,9 @@ def build_vlm_trunk(config: Dict[str, Any], weights: Dict[str, mx.array]) -> nn.
     """mlx-vlm's model for a family only it loads (``vlm_text.FAMILIES``),
     sanitized and loaded as mlx-vlm's ``load_model`` does: saved as it is,
     its tensors carry the names mlx-vlm (and ``vlm_text.load_trunk``) read."""
+    arch = vlm_text._module(config)  # first: without mlx-vlm, one line saying so
     from mlx_vlm.utils import sanitize_weights, update_module_configs
 
-    arch = vlm_text._module(config)  # without mlx-vlm: one line saying so
     try:
         full = {**config, "vision_config": config.get("vision_config") or {}}
         model_config = arch.ModelConfig.from_dict(full)

@@ -310,6 +310,21 @@ def test_without_mlx_vlm_the_error_is_one_line(folders, tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "mlx-vlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # convert needs mlx-vlm's classes: one line; describing the folder does not
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "convert", str(folders[0]),
+         str(tmp_path / "out"), "-q"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "mlx-vlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "info", str(folders[0]), "--json"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "deepseek_v4" and info["mtp_layers"] == 1
 
 
 def test_a_head_under_another_index_is_one_line(tmp_path):

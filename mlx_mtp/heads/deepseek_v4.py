@@ -41,11 +41,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_vlm.models.base import create_attention_mask
-from mlx_vlm.models.cache import KVCache
-from mlx_vlm.models.deepseek_v4.language import DeepseekV4Block
 
-from ..recurrent.compressed_cache import patch_trunk  # noqa: F401  (loader hook)
 from .base import MTPHead
 from .deepseek_v41 import DeepSeekV41MTP, is_mtp_key  # noqa: F401  (same names)
 
@@ -55,6 +51,18 @@ MODEL_TYPES = {
 PREFIX = "mtp.0."
 # sanitized as a trunk layer (mlx-vlm's names come out under ``model.``)
 TRUNK_LAYER_PREFIX = "layers.0."
+
+
+# mlx-vlm is imported where it is used: reading a folder's description
+# (``info``) or its head's names needs no mlx-vlm, and a command that does
+# says so in one line (``vlm_text.require``)
+
+
+def patch_trunk(model: nn.Module) -> None:
+    """The loader's hook: the trunk's caches roll back."""
+    from ..recurrent.compressed_cache import patch_trunk as rolls_back
+
+    rolls_back(model)
 
 
 def num_layers(config: Dict[str, Any]) -> int:
@@ -72,14 +80,20 @@ class DeepSeekV4MTP(DeepSeekV41MTP):
     chain_hidden = "pre"
 
     def __init__(self, args: Any):
+        from mlx_vlm.models.deepseek_v4.language import DeepseekV4Block
+
         one = replace(args, num_hidden_layers=1, compress_ratios=[0], num_hash_layers=0)
         super().__init__(args, DeepseekV4Block(one, layer_idx=0), hc_head=True)
 
     def make_cache(self) -> List[Any]:
+        from mlx_vlm.models.cache import KVCache
+
         # every row kept (the mask applies the window), so tentative rows trim away
         return [KVCache()]
 
     def states(self, hidden: mx.array, tokens: mx.array, cache: Optional[List[Any]]):
+        from mlx_vlm.models.base import create_attention_mask
+
         c = cache[0] if cache is not None else None
         B, L = tokens.shape
         x = self.fuse(self.embed(tokens), hidden)
