@@ -396,3 +396,58 @@ def test_convert_q4_keeps_the_head_at_8_bits_and_info_says_so(folders, tmp_path)
     # loaded as written: the head's layers at 8 bits, the trunk's at 4
     assert q.head.e_proj.bits == q.head.block.attn.wq_a.bits == 8
     assert q.target.backbone.layers[0].attn.wq_a.bits == 4
+
+
+def test_served_streams_take_turns_and_answer_as_alone(folders):
+    """Through the server: three clients at once get the answers each gets
+    alone (the caches have no batch form: streams take turns), with drafts
+    accepted; a follow-up request reuses the prompt cache the first turn left
+    and answers as a fresh decode does."""
+    import threading
+
+    from live_server import LiveServer
+
+    from mlx_mtp.draft_settings import DraftSettings
+    from mlx_mtp.generate import stream_generate
+    from mlx_mtp.serve import ServeConfig
+
+    m, tok = mlx_mtp.load(folders[0])
+    config = ServeConfig(drafts=DraftSettings(adaptive=False))
+    server = LiveServer(m, tok, "deepseek_v4", config)
+    try:
+        client = server.client()
+        assert server.get("/health")[1]["batched"] is False
+
+        def ask(prompt, n=16):
+            r = client.completions.create(
+                model="deepseek_v4", prompt=prompt, max_tokens=n,
+                extra_body={"draft_max": 3},
+            )  # fmt: skip
+            return r.choices[0].text, r.usage
+
+        prompts = [f"Q{i}: " + "abcdefgh"[: i + 2] * (i + 2) for i in range(3)]
+        alone = [ask(p) for p in prompts]
+        together = [None] * 3
+        threads = [
+            threading.Thread(
+                target=lambda i=i: together.__setitem__(i, ask(prompts[i]))
+            )
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        assert sum(u.mtp["accepted"] for _, u in together) > 0
+        first = tok.encode(prompts[0])
+        answer = [r.token for r in stream_generate(m, tok, first, 16)]
+        longer = first + answer[:8]
+        again, usage = ask(longer)
+        # caches that cannot be cut back keep the prompt as its turn prefilled
+        # it (all but its last token)
+        assert usage.prompt_tokens_details.cached_tokens >= len(first) - 1
+        expected = list(stream_generate(m, tok, longer, 16))
+        assert again == "".join(r.text for r in expected)
+    finally:
+        server.close()
