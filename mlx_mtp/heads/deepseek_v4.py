@@ -55,14 +55,11 @@ TRUNK_LAYER_PREFIX = "layers.0."
 
 # mlx-vlm is imported where it is used: reading a folder's description
 # (``info``) or its head's names needs no mlx-vlm, and a command that does
-# says so in one line (``vlm_text.require``)
-
-
-def patch_trunk(model: nn.Module) -> None:
-    """The loader's hook: the trunk's caches roll back."""
-    from ..recurrent.compressed_cache import patch_trunk as rolls_back
-
-    rolls_back(model)
+# says so in one line first (``vlm_text.require``)
+try:
+    from ..recurrent.compressed_cache import patch_trunk  # noqa: F401  (loader hook)
+except ImportError:  # no mlx-vlm: nothing of this family loads to be patched
+    pass
 
 
 def num_layers(config: Dict[str, Any]) -> int:
