@@ -41,6 +41,7 @@ FAMILIES = {"qwen4_exp": "qwen4_exp"}
 FAMILIES["glm5_next"] = "glm5_next"  # GLM-5.3-Flash
 FAMILIES["hy_v4"] = "hy_v4"  # Hunyuan-V4 (mlx-vlm's models/hy_v4)
 FAMILIES["step3p7"] = "step3p7"  # Step-3.7 (mlx-vlm's models/step3p7)
+FAMILIES["deepseek_v4"] = "deepseek_v4"  # one flat config, no tower classes
 
 
 def serves(config: Dict[str, Any]) -> bool:

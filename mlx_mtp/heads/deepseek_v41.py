@@ -135,13 +135,20 @@ class DeepSeekV41MTP(MTPHead):
         out = mx.sum(mix[..., None] * streams.astype(mx.float32), axis=2)
         return out.astype(streams.dtype)
 
+    def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        """``[B, L, hc, D]``: per stream, ``e_proj(enorm(e)) + h_proj(hnorm(h_s))``
+        (``hidden``: the streams flattened, ``[B, L, hc * D]``)."""
+        B, L = embedded.shape[:2]
+        h = hidden.reshape(B, L, self.args.hc_mult, -1).astype(embedded.dtype)
+        return self.e_proj(self.enorm(embedded))[:, :, None, :] + self.h_proj(
+            self.hnorm(h)
+        )
+
     def states(self, hidden: mx.array, tokens: mx.array, cache: Optional[List[Any]]):
         c = cache[0] if cache is not None else self.make_cache()[0]
         hc, d = self.args.hc_mult, self.args.hidden_size
         B, L = tokens.shape
-        e = self.embed(tokens)
-        h = hidden.reshape(B, L, hc, d).astype(e.dtype)
-        streams = self.e_proj(self.enorm(e))[:, :, None, :] + self.h_proj(self.hnorm(h))
+        streams = self.fuse(self.embed(tokens), hidden)
         first = mx.zeros((B, L, hc), dtype=mx.float32)
         first[..., 0] = 1.0
         previous = 0 if c.window is None else c.window.shape[1]
