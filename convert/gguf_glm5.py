@@ -194,6 +194,9 @@ def build_config(meta, names: List[str], n_mtp: Optional[int] = None) -> Dict[st
     }
     if lower is not None:
         text["linear_lower_bound"] = linear["gate_lower_bound"]
+    gating = key("expert_gating_func")  # written where the config names one
+    if gating is not None:
+        text["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
     clamp = key("swiglu_clamp_exp")
     if clamp:
         text["swiglu_limit"] = _f32(clamp[0])
@@ -217,8 +220,14 @@ def _value(t) -> mx.array:
     return dense_tensor(got, t.name) if len(got) > 1 else next(iter(got.values()))
 
 
-def _tensors(reader, config: Dict[str, Any], skip=(), bar=None, types=None):
-    """The checkpoint's tensors of every GGUF tensor (``skip``: GGUF names)."""
+def _is_mtp(name: str, n: int) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= n
+
+
+def _tensors(reader, config: Dict[str, Any], mtp_only=False, bar=None, types=None):
+    """The checkpoint's tensors of every GGUF tensor (``mtp_only``: of the
+    MTP layers' alone)."""
     text = config["text_config"]
     heads, nope = text["num_attention_heads"], text["qk_nope_head_dim"]
     out: Dict[str, mx.array] = {}
@@ -229,7 +238,7 @@ def _tensors(reader, config: Dict[str, Any], skip=(), bar=None, types=None):
     for i, t in enumerate(reader.tensors):
         if bar is not None:
             bar.update(task, advance=t.n_bytes, done=i + 1)
-        if t.name in skip:
+        if mtp_only and not _is_mtp(t.name, text["num_hidden_layers"]):
             continue
         if t.name in ROOT:
             names = {ROOT[t.name]: _value(t)}
@@ -296,7 +305,11 @@ def read(path, reader, meta, mtp_reader=None, bar=None, tokenizer=None) -> Sourc
         trunk_n = int(meta.arch_key("block_count")) - int(
             meta.arch_key("nextn_predict_layers", 0) or 0
         )
-        if not n_mtp or int(mtp_meta.arch_key("block_count")) - n_mtp != trunk_n:
+        if not n_mtp:
+            raise MTPError(
+                "the MTP GGUF holds no MTP layer (no glm5-next.nextn_predict_layers)"
+            )
+        if int(mtp_meta.arch_key("block_count")) - n_mtp != trunk_n:
             raise MTPError(
                 "the MTP GGUF's layers do not follow this model's "
                 f"{trunk_n} (llama.cpp's --mtp file of the same checkpoint)"
@@ -305,6 +318,7 @@ def read(path, reader, meta, mtp_reader=None, bar=None, tokenizer=None) -> Sourc
     types: Dict[str, str] = {}
     weights = _tensors(reader, config, bar=bar, types=types)
     if mtp_reader is not None:
-        # its embedding, final norm and output repeat the model's
-        weights.update(_tensors(mtp_reader, config, skip=set(ROOT), bar=bar))
+        # its embedding, final norm and output repeat the model's: its MTP
+        # layers alone are taken
+        weights.update(_tensors(mtp_reader, config, mtp_only=True, bar=bar))
     return Source(path, config, weights, tokenizer, gguf_types=types)
