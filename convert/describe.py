@@ -23,7 +23,7 @@ from mlx_mtp.weights import check_safetensors
 from .gguf_glm5 import ARCHS as GLM5
 from .gguf_hybrid import ARCHS as HYBRID
 from .gguf_nemotron import ARCHS as NEMOTRON
-from .gguf_source import ARCHS, NO_MTP, Metadata, open_gguf
+from .gguf_source import ARCHS, REFUSED, Metadata, open_gguf
 from .pipeline import is_gguf
 
 
@@ -171,9 +171,8 @@ def describe_gguf(path: Path) -> ModelInfo:
     archs = {**ARCHS, **HYBRID, **NEMOTRON, **GLM5}
     if arch in archs:
         named = f"{arch} ({archs[arch]})"
-    elif arch in NO_MTP:  # the family, and why its GGUF does not convert
-        family = NO_MTP[arch].split(":")[0]
-        named = f"{arch} ({family}; not convertible: no MTP layer)"
+    elif arch in REFUSED:  # the family; convert says why it does not convert
+        named = f"{arch} ({REFUSED[arch][0]}; not convertible from GGUF)"
     else:
         named = f"{arch} (not supported)"
     return ModelInfo(

@@ -39,13 +39,19 @@ ARCHS = {
     "glm-dsa": "glm_moe_dsa",  # GLM-5: deepseek2's MLA plus the DSA indexer
     "step35": "step3p5",  # see gguf_step35
 }
-# llama.cpp architectures whose converter writes no MTP layer: refused, saying so
-# (conversion/qwen4exp.py at 0c1e57098bba43ac29e6e3b677cdceebdd22334f)
-NO_MTP = {
+# llama.cpp architectures refused: arch -> (family, why) (llama.cpp
+# 0c1e57098bba43ac29e6e3b677cdceebdd22334f, conversion/{qwen4exp,deepseek}.py)
+REFUSED = {
     "qwen4exp": (
-        "qwen4_exp (Qwen3.8-Flash-Next): llama.cpp's converter drops its MTP "
-        "layer (Qwen4ExpTextModel, no_mtp), so the GGUF has no head to keep; "
-        "convert the Hugging Face checkpoint instead"
+        "qwen4_exp (Qwen3.8-Flash-Next)",
+        "llama.cpp's converter drops its MTP layer (Qwen4ExpTextModel, no_mtp), "
+        "so the GGUF has no head to keep",
+    ),
+    "deepseek4": (
+        "deepseek_v4 (DeepSeek-V4)",
+        "llama.cpp writes its MTP layers only into a separate --mtp file "
+        "(e_proj and h_proj fused, experts in MXFP4) and mlx-mtp does not read "
+        "deepseek4 GGUFs; its metadata records none of V4.1's shared-KV layout",
     ),
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
@@ -101,8 +107,12 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
-    if meta.arch in NO_MTP:
-        raise MTPError(f"GGUF architecture {meta.arch!r} is {NO_MTP[meta.arch]}")
+    if meta.arch in REFUSED:
+        family, why = REFUSED[meta.arch]
+        raise MTPError(
+            f"GGUF architecture {meta.arch!r} is {family}: {why}; convert the "
+            "Hugging Face checkpoint instead"
+        )
     if meta.arch in gguf_glm5.ARCHS:
         return gguf_glm5.build_config(meta, tensor_names)
     if meta.arch in gguf_hybrid.ARCHS:

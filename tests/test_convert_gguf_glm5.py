@@ -183,15 +183,16 @@ def test_info_names_the_family(built, capsys):
     assert (got["layers"], got["mtp_layers"]) == (4, 1)
 
 
-def _qwen4exp_gguf(path: Path) -> Path:
-    """A GGUF as llama.cpp's converter writes Qwen3.8-Flash-Next: no nextn key,
-    no MTP block (``Qwen4ExpTextModel.no_mtp``)."""
+def _bare_gguf(path: Path, arch: str) -> Path:
+    """A GGUF as llama.cpp's converter writes ``arch`` by default: metadata,
+    tokenizer, no nextn key and no MTP block (``Qwen4ExpTextModel.no_mtp``;
+    ``DeepseekV4Model`` skips ``mtp.*`` without ``--mtp``)."""
     import gguf
     from tiny_plain import _tokenizer_metadata
 
-    writer = gguf.GGUFWriter(str(path), "qwen4exp")
-    writer.add_uint32("qwen4exp.block_count", 2)
-    writer.add_uint32("qwen4exp.embedding_length", 32)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", 2)
+    writer.add_uint32(f"{arch}.embedding_length", 32)
     _tokenizer_metadata(writer, 0)
     writer.add_tensor("token_embd.weight", np.zeros((288, 32), np.float32))
     writer.write_header_to_file()
@@ -201,9 +202,18 @@ def _qwen4exp_gguf(path: Path) -> Path:
     return path
 
 
-def test_qwen4exp_gguf_is_refused_saying_why(tmp_path, capsys):
-    path = _qwen4exp_gguf(tmp_path / "q.gguf")
-    with pytest.raises(MTPError, match="drops its MTP layer"):
+@pytest.mark.parametrize(
+    "arch,family,why",
+    [
+        ("qwen4exp", "qwen4_exp (Qwen3.8-Flash-Next)", "drops its MTP layer"),
+        ("deepseek4", "deepseek_v4 (DeepSeek-V4)", "separate --mtp file"),
+    ],
+)
+def test_gguf_without_a_head_to_keep_is_refused_saying_why(
+    tmp_path, capsys, arch, family, why
+):
+    path = _bare_gguf(tmp_path / "m.gguf", arch)
+    with pytest.raises(MTPError, match=why):
         convert(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     r = subprocess.run(
@@ -212,11 +222,10 @@ def test_qwen4exp_gguf_is_refused_saying_why(tmp_path, capsys):
     )  # fmt: skip
     assert r.returncode != 0 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "qwen4_exp" in lines[0] and "Hugging Face" in lines[0]
+    assert len(lines) == 1 and family in lines[0] and "Hugging Face" in lines[0]
     assert run_app(["info", str(path), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["architecture"].startswith("qwen4exp (qwen4_exp (Qwen3.8-Flash-Next)")
-    assert "no MTP layer" in got["architecture"]
+    assert got["architecture"] == f"{arch} ({family}; not convertible from GGUF)"
 
 
 def _llama_cpp():
