@@ -111,13 +111,30 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
+_NEEDED = object()
+
+
+def _keys(meta):
+    """``meta.arch_key`` where a key without a default must be there."""
+
+    def key(name: str, default=_NEEDED):
+        value = meta.arch_key(name)
+        if value is not None:
+            return value
+        if default is _NEEDED:
+            raise MTPError(f"a glm5-next GGUF without {meta.arch}.{name}")
+        return default
+
+    return key
+
+
 def build_config(meta, names: List[str], n_mtp: Optional[int] = None) -> Dict[str, Any]:
-    key = meta.arch_key
+    key = _keys(meta)
     if n_mtp is None:
         n_mtp = int(key("nextn_predict_layers", 0) or 0)
     blocks = int(key("block_count"))
     n = blocks - int(key("nextn_predict_layers", 0) or 0)
-    kinds = key("attention.head_count_kv")
+    kinds = key("attention.head_count_kv", None)
     if not isinstance(kinds, list) or len(kinds) < n:
         raise MTPError(
             "a glm5-next GGUF without its per-layer attention.head_count_kv "
@@ -128,10 +145,10 @@ def build_config(meta, names: List[str], n_mtp: Optional[int] = None) -> Dict[st
     rope = int(key("rope.dimension_count", 0) or 0)
     if rope:
         raise MTPError(f"glm5-next with {rope} rope dimensions (its MLA is NoPE)")
-    indexer = key("attention.indexer.types")
+    indexer = key("attention.indexer.types", None)
     if indexer is None:  # a DSA layer without indexer tensors shares one
         indexer = [f"blk.{i}.indexer.proj.weight" in present for i in range(n)]
-    lower = key("kda.gate_lower_bound")
+    lower = key("kda.gate_lower_bound", None)
     linear = {
         "num_heads": heads,
         "head_dim": int(key("kda.head_dim")),
@@ -187,17 +204,17 @@ def build_config(meta, names: List[str], n_mtp: Optional[int] = None) -> Dict[st
         "hc_eps": _f32(key("hyper_connection.epsilon", 1e-6)),
         "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
         "vocab_size": int(
-            key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+            key("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens") or [])
         ),
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": "output.weight" not in present,
     }
     if lower is not None:
         text["linear_lower_bound"] = linear["gate_lower_bound"]
-    gating = key("expert_gating_func")  # written where the config names one
+    gating = key("expert_gating_func", None)  # written where the config names one
     if gating is not None:
         text["scoring_func"] = "sigmoid" if gating == 2 else "softmax"
-    clamp = key("swiglu_clamp_exp")
+    clamp = key("swiglu_clamp_exp", None)
     if clamp:
         text["swiglu_limit"] = _f32(clamp[0])
     config: Dict[str, Any] = {

@@ -228,6 +228,40 @@ def test_gguf_without_a_head_to_keep_is_refused_saying_why(
     assert got["architecture"] == f"{arch} ({family}; not convertible from GGUF)"
 
 
+def test_a_glm5_next_gguf_it_cannot_read_is_one_line(built, tmp_path):
+    """Metadata without the layer kinds, then a tensor of no known kind."""
+    import gguf
+
+    bare = _bare_gguf(tmp_path / "bare.gguf", "glm5-next")
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "convert", str(bare), str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "head_count_kv" in lines[0]
+
+    _, _, ggufs, _ = built
+    reader = gguf.GGUFReader(str(ggufs["with"]))
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "glm5-next")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(
+            field.name, field.contents(), field.types[0],
+            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None,
+        )  # fmt: skip
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    writer.add_tensor("blk.0.attn_sinks.weight", np.zeros(2, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(MTPError, match="blk.0.attn_sinks.weight has no counterpart"):
+        convert(tmp_path / "odd.gguf", tmp_path / "out")
+
+
 def _llama_cpp():
     root = os.environ.get("LLAMA_CPP")
     if not root or not Path(root, "convert_hf_to_gguf.py").exists():
