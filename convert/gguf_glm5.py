@@ -224,10 +224,15 @@ def build_config(meta, names: List[str], n_mtp: Optional[int] = None) -> Dict[st
         "tie_word_embeddings": text["tie_word_embeddings"],
         "torch_dtype": "float16",
     }
-    for name in ("bos_token_id", "eos_token_id"):  # (the pad id is the tokenizer's)
-        value = meta.get(f"tokenizer.ggml.{name}")
-        if value is not None:
-            text[name] = config[name] = int(value)
+    for name, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),  # (else mlx-vlm's, out of range)
+    ):
+        value = meta.get(f"tokenizer.ggml.{gguf_key}")
+        text[name] = None if value is None else int(value)
+        if name != "pad_token_id" and value is not None:
+            config[name] = text[name]
     return config
 
 

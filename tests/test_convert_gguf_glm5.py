@@ -167,11 +167,19 @@ def test_quantized_gguf_converts_at_its_own_width(built, tmp_path):
         dtype="float32",
     )  # fmt: skip
     # the same modules at the same widths (the grids may differ by a rounding:
-    # the file's values come through MLX's dequantize here, gguf's there)
+    # the file's values come through MLX's dequantize here, gguf's there),
+    # but for the trunk's indexer weights, which llama.cpp keeps F32 and so
+    # stay floats
     ta, tb = tensors(out), tensors(ref)
-    assert {f: {k: v.shape for k, v in t.items()} for f, t in ta.items()} == {
-        f: {k: v.shape for k, v in t.items()} for f, t in tb.items()
-    }
+    assert set(ta) == set(tb)
+    differ = set()
+    for f, a in ta.items():
+        b = tb[f]
+        differ |= set(a) ^ set(b)
+        differ |= {k for k in a if k in b and a[k].shape != b[k].shape}
+    proj = "language_model.model.layers.1.self_attn.indexer.weights_proj."
+    assert differ == {proj + p for p in ("weight", "scales", "biases")}
+    assert ta["model.safetensors"][proj + "weight"].dtype == mx.float32
     assert mtp_greedy(out)[0] == mtp_greedy(ref)[0]
 
 
@@ -270,40 +278,57 @@ def _llama_cpp():
     return root
 
 
+def _llama_cpp_gguf(hf: Path, out: Path, outtype: str) -> Path:
+    helper = Path(__file__).with_name("llama_cpp_convert.py")
+    r = subprocess.run(
+        [sys.executable, str(helper), str(hf), "--outtype", outtype,
+         "--outfile", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
 def test_llama_cpps_own_converter_writes_what_the_tests_write(built, tmp_path):
-    """llama.cpp's convert_hf_to_gguf.py on the tiny checkpoint: the same
-    tensors and model keys as ``tiny_glm5_gguf``, and converting its file
-    gives the checkpoint's tensors."""
+    """llama.cpp's convert_hf_to_gguf.py on the tiny checkpoint, at f32 and
+    q8_0: the same tensors, types and model keys as ``tiny_glm5_gguf``, and
+    converting its f32 file gives the checkpoint's tensors."""
     from mlx_mtp.convert import gguf_source
     from mlx_mtp.convert.gguf_file import GGUFFile
     from mlx_mtp.convert.source import copy_tokenizer
 
     _llama_cpp()
-    _, hf, ggufs, ref = built
-    theirs = tmp_path / "llama.gguf"
-    helper = Path(__file__).with_name("llama_cpp_convert.py")
-    r = subprocess.run(
-        [sys.executable, str(helper), str(hf), "--outtype", "f32",
-         "--outfile", str(theirs)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    a, b = GGUFFile(ggufs["with"]), GGUFFile(theirs)
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(ta) == set(tb)
-    for name, t in ta.items():
-        assert t.shape == tb[name].shape, name
-        np.testing.assert_allclose(t.data, tb[name].data, rtol=1e-6, err_msg=name)
-    model_keys = [k for k in b.fields if k.startswith("glm5-next.")]
-    assert {k: a.fields.get(k) for k in model_keys} == {
-        k: b.fields[k] for k in model_keys
+    config, hf, ggufs, ref = built
+    _, trunk, mtp = tiny_glm5_gguf.build()
+    ours = {
+        "f32": ggufs["with"],
+        "q8_0": tiny_glm5_gguf.write_gguf(
+            tmp_path / "q8.gguf", config, {**trunk, **mtp}, qtype=Q.Q8_0
+        ),
     }
+    for outtype, path in ours.items():
+        theirs = _llama_cpp_gguf(hf, tmp_path / f"llama-{outtype}.gguf", outtype)
+        a, b = GGUFFile(path), GGUFFile(theirs)
+        ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+        assert set(ta) == set(tb)
+        for name, t in ta.items():
+            assert t.tensor_type == tb[name].tensor_type, (outtype, name)
+            assert t.shape == tb[name].shape, name
+            x, y = t.data, tb[name].data
+            if x.dtype == np.uint8:  # Q8_0 blocks: the same rounding
+                assert np.array_equal(x, y), (outtype, name)
+            else:
+                np.testing.assert_allclose(x, y, rtol=1e-6, err_msg=name)
+        model_keys = [k for k in b.fields if k.startswith("glm5-next.")]
+        assert {k: a.fields.get(k) for k in model_keys} == {
+            k: b.fields[k] for k in model_keys
+        }
     # its vocabulary is a stand-in (see llama_cpp_convert): the checkpoint's
     # tokenizer files go with it
     real = gguf_source.gguf_tokenizer_writer
     gguf_source.gguf_tokenizer_writer = lambda path, fields: copy_tokenizer(hf)
     try:
-        out = convert(theirs, tmp_path / "out", dtype="float32")
+        out = convert(tmp_path / "llama-f32.gguf", tmp_path / "out", dtype="float32")
     finally:
         gguf_source.gguf_tokenizer_writer = real
     assert_same_tensors(out, ref)

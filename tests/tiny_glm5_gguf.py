@@ -74,10 +74,12 @@ _SUFFIXED = {  # name -> the full GGUF name in the block
     "self_attn.A_log": "ssm_a",
     "self_attn.dt_bias": "ssm_dt.bias",
 }
-# llama.cpp's tensor_force_quant: these stay F32 in a quantized file
+# llama.cpp's tensor_force_quant (Glm5NextModel): these stay F32 in a
+# quantized file; so do the routers (the base class's rule)
 _EXACT = (
     "hc_attn_", "hc_ffn_", "indexer_compressor_", "ssm_a", "ssm_dt", "exp_probs_b"
 )
+_F32 = ("ffn_gate_inp", "indexer.proj")
 
 
 def build(seed: int = 0, **overrides):
@@ -131,13 +133,20 @@ def gguf_tensors(config: dict, weights: dict, mtp: str = "with") -> dict:
     return out
 
 
-def _quantized(name: str, w: np.ndarray, qtype) -> bool:
-    """Whether llama.cpp's converter stores GGUF tensor ``name`` at ``qtype``."""
+def storage(name: str, w: np.ndarray, qtype) -> str:
+    """How llama.cpp's converter at ``--outtype`` ``qtype`` stores GGUF tensor
+    ``name``: "Q" (at ``qtype``), "F16" (a matrix whose rows do not split
+    into its blocks) or "F32" (vectors, convs, the exact ones, the routers)."""
     import gguf
 
+    if (
+        w.ndim < 2
+        or any(k in name for k in _EXACT + _F32)
+        or name.split(".")[-2].startswith("ssm_conv1d")
+    ):
+        return "F32"
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    exact = any(k in name for k in _EXACT)
-    return w.ndim >= 2 and w.shape[-1] % block == 0 and not exact
+    return "Q" if w.shape[-1] % block == 0 else "F16"
 
 
 def held(config: dict, weights: dict, qtype) -> dict:
@@ -145,31 +154,31 @@ def held(config: dict, weights: dict, qtype) -> dict:
 
     In the tiny model every quantized GGUF tensor has the checkpoint's own
     rows (the same matrix, or experts stacked), so its rounding applies to
-    the checkpoint's tensor as it is; a split one (``attn_k_b``) is refused.
+    the checkpoint's tensor as it is; F16 rounds each value, so it applies
+    through any split or transpose (``attn_k_b``) too.
     """
     import gguf
     import mlx.core as mx
 
-    rounded = {
-        name
+    stored = {
+        name: storage(name, w, qtype)
         for name, w in gguf_tensors(config, weights).items()
-        if _quantized(name, w, qtype)
     }
-    if rounded & {n for n in rounded if "_b.weight" in n and "attn_" in n}:
-        raise ValueError("a split MLA tensor is quantized: not the tiny layout")
-    gguf_of = {}
-    for name in weights:
-        one = gguf_tensors(config, {name: weights[name]})
-        if len(one) == 1:
-            gguf_of[name] = next(iter(one))
-        elif ".mlp.experts." in name:  # stacked with the layer's other experts
-            _, _, i, _, _, _, proj, _ = name.split(".")
-            gguf_of[name] = f"blk.{i}.ffn_{proj[: -len('_proj')]}_exps.weight"
     out = {}
     for name, v in weights.items():
+        if ".mlp.experts." in name:  # stacked with the layer's other experts
+            parts = name.split(".")  # model.language_model.layers.{i}....{proj}.weight
+            i, proj = parts[3], parts[-2]
+            kinds = {stored[f"blk.{i}.ffn_{proj[: -len('_proj')]}_exps.weight"]}
+        else:
+            kinds = {stored[g] for g in gguf_tensors(config, {name: v})}
         w = np.array(v, np.float32)
-        if gguf_of.get(name) in rounded:
+        if kinds == {"Q"} and not name.endswith("kv_b_proj.weight"):
             w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+        elif kinds == {"F16"}:
+            w = w.astype(np.float16).astype(np.float32)
+        elif kinds != {"F32"}:
+            raise ValueError(f"{name}: stored as {kinds}, not the tiny layout")
         out[name] = mx.array(w)
     return out
 
@@ -239,10 +248,11 @@ def write_gguf(
     _tokenizer_metadata(writer, text["eos_token_id"])
     for name, w in gguf_tensors(config, weights, mtp).items():
         w = w.astype(np.float32)
-        if qtype is not None and _quantized(name, w, qtype):
+        kind = "F32" if qtype is None else storage(name, w, qtype)
+        if kind == "Q":
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(name, w)
+            writer.add_tensor(name, w.astype(np.float16) if kind == "F16" else w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
