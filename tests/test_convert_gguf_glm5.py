@@ -183,6 +183,25 @@ def test_quantized_gguf_converts_at_its_own_width(built, tmp_path):
     assert mtp_greedy(out)[0] == mtp_greedy(ref)[0]
 
 
+def test_cli_converts_a_bare_trunk_and_its_mtp_file(built, tmp_path):
+    """``mlx-mtp convert TRUNK.gguf OUT --mtp-gguf mtp-X.gguf -q``, then
+    ``mlx-mtp info OUT``: the family, a 4-bit trunk and an 8-bit MTP layer."""
+    _, _, ggufs, _ = built
+    out = tmp_path / "q"
+    cli = [sys.executable, "-m", "mlx_mtp"]
+    r = subprocess.run(
+        [*cli, "convert", str(ggufs["none"]), str(out), "--mtp-gguf",
+         str(ggufs["only"]), "-q", "--q-group-size", "32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cli, "info", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
+    assert "glm5_next" in lines["architecture"]
+    assert "4-bit/g32" in lines["trunk"] and "8-bit/g32" in lines["MTP"]
+
+
 def test_info_names_the_family(built, capsys):
     _, _, ggufs, _ = built
     assert run_app(["info", str(ggufs["with"]), "--json"]) == 0
