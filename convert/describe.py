@@ -20,9 +20,10 @@ from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
 from mlx_mtp.weights import check_safetensors
 
+from .gguf_glm5 import ARCHS as GLM5
 from .gguf_hybrid import ARCHS as HYBRID
 from .gguf_nemotron import ARCHS as NEMOTRON
-from .gguf_source import ARCHS, Metadata, open_gguf
+from .gguf_source import ARCHS, REFUSED, Metadata, open_gguf
 from .pipeline import is_gguf
 
 
@@ -167,13 +168,17 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
-    archs = {**ARCHS, **HYBRID, **NEMOTRON}
+    archs = {**ARCHS, **HYBRID, **NEMOTRON, **GLM5}
+    if arch in archs:
+        named = f"{arch} ({archs[arch]})"
+    elif arch in REFUSED:  # the family; convert says why it does not convert
+        named = f"{arch} ({REFUSED[arch][0]}; not convertible from GGUF)"
+    else:
+        named = f"{arch} (not supported)"
     return ModelInfo(
         path=str(path),
         format="GGUF",
-        architecture=f"{arch} ({archs[arch]})"
-        if arch in archs
-        else f"{arch} (not supported)",
+        architecture=named,
         layers=first_mtp,
         mtp_layers=len(present),
         trunk_precision=dict(trunk),

@@ -22,7 +22,7 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 from mlx_mtp.target import find_backbone
 
-from . import gguf_hybrid, gguf_nemotron, gguf_step35
+from . import gguf_glm5, gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -38,6 +38,21 @@ ARCHS = {
     "deepseek2": "deepseek_v3",  # deepseek_v2 when its gating is softmax
     "glm-dsa": "glm_moe_dsa",  # GLM-5: deepseek2's MLA plus the DSA indexer
     "step35": "step3p5",  # see gguf_step35
+}
+# llama.cpp architectures refused: arch -> (family, why) (llama.cpp
+# 0c1e57098bba43ac29e6e3b677cdceebdd22334f, conversion/{qwen4exp,deepseek}.py)
+REFUSED = {
+    "qwen4exp": (
+        "qwen4_exp (Qwen3.8-Flash-Next)",
+        "llama.cpp's converter drops its MTP layer (Qwen4ExpTextModel, no_mtp), "
+        "so the GGUF has no head to keep",
+    ),
+    "deepseek4": (
+        "deepseek_v4 (DeepSeek-V4)",
+        "llama.cpp writes its MTP layers only into a separate --mtp file "
+        "(e_proj and h_proj fused, experts in MXFP4) and mlx-mtp does not read "
+        "deepseek4 GGUFs; its metadata records none of V4.1's shared-KV layout",
+    ),
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
 # (llama.cpp splits kv_b_proj exactly as mlx-lm's sanitize does: k_b transposed)
@@ -92,6 +107,14 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
+    if meta.arch in REFUSED:
+        family, why = REFUSED[meta.arch]
+        raise MTPError(
+            f"GGUF architecture {meta.arch!r} is {family}: {why}; convert the "
+            "Hugging Face checkpoint instead"
+        )
+    if meta.arch in gguf_glm5.ARCHS:
+        return gguf_glm5.build_config(meta, tensor_names)
     if meta.arch in gguf_hybrid.ARCHS:
         return gguf_hybrid.build_config(meta, tensor_names)
     if meta.arch == "step35":
@@ -99,7 +122,9 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
     if meta.arch in gguf_nemotron.ARCHS:
         return gguf_nemotron.build_config(meta, tensor_names)
     if meta.arch not in ARCHS:
-        supported = ", ".join([*ARCHS, *gguf_hybrid.ARCHS, *gguf_nemotron.ARCHS])
+        supported = ", ".join(
+            [*ARCHS, *gguf_hybrid.ARCHS, *gguf_nemotron.ARCHS, *gguf_glm5.ARCHS]
+        )
         raise MTPError(
             f"unsupported GGUF architecture {meta.arch!r} (supported: {supported})"
         )
@@ -396,6 +421,10 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     mtp_reader = None
     if mtp_gguf is not None:
         mtp_reader = open_gguf(mtp_gguf)
+    if meta.arch in gguf_glm5.ARCHS:  # read under the checkpoint's own names
+        writer = gguf_tokenizer_writer(path, reader.fields)
+        return gguf_glm5.read(path, reader, meta, mtp_reader, bar, writer)
+    if mtp_reader is not None:
         mtp_meta = Metadata(mtp_reader)
         n = int(mtp_meta.arch_key("nextn_predict_layers") or 1)
         if "text_config" in config:  # Qwen3.5's key
