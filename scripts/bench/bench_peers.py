@@ -110,6 +110,11 @@ def side_mlx_mtp(args, modes):
     import mlx_mtp
 
     model, tok = mlx_mtp.load(args.model)
+    # every engine here generates max_tokens, past an end token (mlx-lm's and
+    # mlx-vlm's generate_step do not stop at one)
+    for t in (tok, getattr(tok, "tokenizer", None)):
+        if t is not None and hasattr(t, "_eos_token_ids"):
+            t._eos_token_ids = set()
     draft = None
     if args.dflash:
         draft, _ = mlx_mtp.load(args.model, draft=args.dflash)

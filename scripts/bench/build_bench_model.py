@@ -8,10 +8,13 @@ memory-bound regime of docs/performance.md.
 
     python scripts/bench/build_bench_model.py OUT [--family mimo] [--hidden 1024]
         [--layers 8] [--vocab N] [--experts N] [--disagreeable] [--mrope]
+        [--vision]
 
 Families: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (dense or MoE as their
 tiny configs), qwen3_next (MoE, gated delta net), qwen3_5 (dense GDN),
-qwen3_5_moe.
+qwen3_5_moe. ``--vision`` (qwen3_5, qwen3_5_moe; mlx-vlm needed) writes a
+vision-language folder: the language model at the given size, a tiny
+vision tower (decode speed after an image is what it is for).
 """
 
 import argparse
@@ -35,6 +38,11 @@ def main():
     ap.add_argument("--experts-per-token", type=int)
     ap.add_argument("--disagreeable", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--vision",
+        action="store_true",
+        help="qwen3_5*: a vision-language folder (tests/tiny_vlm.py's tower)",
+    )
     ap.add_argument(
         "--mrope",
         action="store_true",
@@ -79,6 +87,14 @@ def main():
                 num_experts_per_tok=args.experts_per_token or 2,
             )
         build = tiny.build_folder
+    if args.vision:
+        import tiny_vlm  # noqa: E402
+
+        full = tiny_vlm.build_folder(
+            args.out, args.seed, not args.disagreeable, args.family, **over
+        )
+        print(full)
+        return
     full, _ = build(
         args.out, args.family, args.seed, agreeable=not args.disagreeable, **over
     )
