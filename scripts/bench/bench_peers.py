@@ -33,6 +33,12 @@ mlx-lm's.
         --mtplx-python VENV2/bin/python [--dflash DRAFTER --dflash-python VENV3/bin/python]
         [--tokens 48] [--prompts 2] [--reps 3]
 
+With ``--image PNG`` (a vision-language folder: ``build_bench_model.py
+--family qwen3_5 --vision``) every prompt reads the image first, as
+mlx-mtp's processor makes it (the same tokens and pixels for both engines);
+only mlx-mtp and mlx-vlm run, and mlx-vlm's plain decoding is the
+reference.
+
 The model is a Qwen3.5-shaped folder (``build_bench_model.py --family
 qwen3_5``) whose ``rope_parameters`` carry an ``mrope_section`` (mlx-vlm's
 config needs one; with text alone every section sees the same positions, so
@@ -66,6 +72,21 @@ def prompts(n, length=40):
         for a, b in ((7, 3), (13, 5), (31, 11), (17, 2))
     ]
     return rows[:n]
+
+
+def image_prompts(args):
+    """``args.prompts`` text prompts after ``args.image``, as mlx-mtp's
+    processor reads them (tokens and the image's pixels): both engines
+    decode the same tokens."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+    from mlx_mtp import vision
+
+    vp = vision.processor_for(Path(args.model), load_tokenizer(Path(args.model)))
+    texts = ["Describe the picture.", "What is in it?", "Name its colours.",
+             "Write a caption."]  # fmt: skip
+    return [vp.prompt(t, args.image) for t in texts[: args.prompts]]
 
 
 class Clock:
@@ -128,6 +149,8 @@ def side_mlx_mtp(args, modes):
 
     def one(p, mode):
         m = draft if mode == "dflash" else model
+        if isinstance(p, int):  # an image prompt, by its index
+            p = args.image_prompts[p]
         c, out, last = Clock(), [], None
         for r in mlx_mtp.stream_generate(m, tok, p, args.tokens, **kw[mode]):
             out.append(int(r.token))
@@ -180,8 +203,16 @@ def side_mlx_vlm(args, modes):
                       draft_block_size=int(mode[1:]))
         elif mode == "dflash":
             kw.update(draft_model=drafters["dflash"], draft_kind="dflash")
+        pixels = None
+        if isinstance(p, int):  # an image prompt, by its index
+            p = args.image_prompts[p]
+            pixels = mx.concatenate(
+                [mx.array(s.data["pixel_values"]) for s in p.segments]
+            )
+            kw["image_grid_thw"] = mx.array([s.data["grid_thw"] for s in p.segments])
+            p = list(p.tokens)
         c, out = Clock(), []
-        for item in generate_step(mx.array([p]), model, None, None, **kw):
+        for item in generate_step(mx.array([p]), model, pixels, None, **kw):
             t = item[0]
             for x in (t.tolist() if hasattr(t, "tolist") else [t]):
                 if isinstance(x, list):
@@ -218,14 +249,14 @@ def side_mtplx(args, modes):
         # MTPLX's speculative paths take no token callback: its own decode
         # clock (GenerationStats.decode_tok_s, prefill out) times every mode
         t = time.perf_counter()
+        # no stop token: every engine here generates max_tokens
+        kw = dict(max_tokens=args.tokens, stop_token_ids=set())
         if mode == "plain":
-            out = generate_ar(rt, p, max_tokens=args.tokens, sampler=greedy)
+            out = generate_ar(rt, p, sampler=greedy, **kw)
         elif mode == "mtp1":
-            out = generate_mtp1(rt, p, max_tokens=args.tokens, **spec)
+            out = generate_mtp1(rt, p, **spec, **kw)
         else:
-            out = generate_mtpk(
-                rt, p, max_tokens=args.tokens, speculative_depth=3, **spec
-            )
+            out = generate_mtpk(rt, p, speculative_depth=3, **spec, **kw)
         toks = [int(x) for x in out.tokens]
         st = out.stats
         tps = st.decode_tok_s or len(toks) / (time.perf_counter() - t)
@@ -281,9 +312,15 @@ def run_side(args):
     args.model_path = Path(args.model)
     modes = args.modes.split(",")
     one = SIDES[args.side](args, modes)
-    ps = prompts(args.prompts)
+    if args.image:
+        args.image_prompts = image_prompts(args)
+        ps = list(range(args.prompts))  # indices into args.image_prompts
+        warm = ps[0]
+    else:
+        ps = prompts(args.prompts)
+        warm = ps[0][:16]
     for m in modes:  # warm every path once
-        one(ps[0][:16], m)
+        one(warm, m)
     rows = []
     for i, p in enumerate(ps):
         order = modes[i % len(modes):] + modes[: i % len(modes)]
@@ -302,6 +339,8 @@ def main():
     ap.add_argument("--dflash-python", help="python of an environment with dflash-mlx")
     ap.add_argument("--dflash", help="a DFlash drafter folder of the model")
     ap.add_argument("--engines", default="mlx-lm,mlx-mtp,mlx-vlm,MTPLX,dflash-mlx")
+    ap.add_argument("--image", help="an image every prompt reads (a VLM folder: "
+                    "mlx-mtp and mlx-vlm only)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
@@ -321,6 +360,8 @@ def main():
         "dflash-mlx": args.dflash_python if args.dflash else None,
     }
     engines = [e for e in args.engines.split(",") if pythons.get(e)]
+    if args.image:  # the engines that read images
+        engines = [e for e in engines if e in ("mlx-mtp", "mlx-vlm")]
     modes = {e: list(ENGINE_MODES[e]) for e in engines}
     if args.dflash:
         for e in ("mlx-mtp", "mlx-vlm"):
@@ -342,6 +383,8 @@ def main():
                        "--prompts", str(args.prompts)]
                 if args.dflash:
                     cmd += ["--dflash", args.dflash]
+                if args.image:
+                    cmd += ["--image", args.image]
                 t = time.perf_counter()
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if out.returncode:  # reported, and the other engines go on
@@ -366,12 +409,13 @@ def report(rows, args):
     def pick(e, m):
         return [r for r in rows if r["engine"] == e and r["mode"] == m]
 
-    ref = {r["prompt"]: r["tokens"] for r in pick("mlx-lm", "plain")}
-    lm = statistics.median(r["tps"] for r in pick("mlx-lm", "plain")) if ref else None
+    base = "mlx-lm" if pick("mlx-lm", "plain") else "mlx-vlm"
+    ref = {r["prompt"]: r["tokens"] for r in pick(base, "plain")}
+    lm = statistics.median(r["tps"] for r in pick(base, "plain")) if ref else None
     print(f"{args.model}: {args.tokens} tokens, {args.prompts} prompts, "
           f"{args.reps} repetitions; decode tok/s, first token to last")
-    print("| engine | mode | tok/s | of own plain | of mlx-lm | tokens/forward "
-          "| drafts kept | same as mlx-lm |")
+    print(f"| engine | mode | tok/s | of own plain | of {base} | tokens/forward "
+          f"| drafts kept | same as {base} |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for e in dict.fromkeys(r["engine"] for r in rows):
         for m in dict.fromkeys(r["mode"] for r in rows if r["engine"] == e):
