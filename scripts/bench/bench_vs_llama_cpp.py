@@ -461,8 +461,9 @@ def table(runs, names, metric: str, what: str, short: bool = False):
     def med(xs):
         return statistics.median(xs) if xs else float("nan")
 
-    print(f"\n### decode tok/s ({what}), ratios over each side's own plain decoding")
     if not short:
+        print(f"\n### decode tok/s ({what}), ratios over each side's own plain "
+              "decoding")
         print("| kind | side | tok/s | / own plain | drafts made / kept | "
               "= own plain |")
         print("|" + " --- |" * 6)
