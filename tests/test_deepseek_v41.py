@@ -413,3 +413,18 @@ def test_info_lists_the_family(capsys):
     rows = {r["model_type"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["deepseek_v41"]["mtp_layers"] == 1
     assert "DeepSeek-V4.1" in rows["deepseek_v41"]["models"]
+
+
+def test_dspark_stages_under_mtp_are_refused_in_one_line(tmp_path, capsys):
+    # V4.1 releases ship DSpark stages under mtp.* (vLLM's speculative.py):
+    # a block drafter this head would misread
+    config, trunk_w, mtp_w = tiny_v41.build_weights(0, True)
+    h = config["hidden_size"]
+    mtp_w["mtp.0.main_proj.weight"] = mx.zeros((h, 2 * h))
+    folder = tiny_v41.save_folder(tmp_path / "dspark", config, trunk_w, mtp_w)
+    code = run_app(["generate", "-m", str(folder), "-p", "hi", "-n", "2",
+                    "--no-chat-template"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "DSpark" in err[0]
+    assert run_app(["generate", "-m", str(folder), "-p", "hi", "-n", "2",
+                    "--no-chat-template", "--no-mtp"]) == 0  # fmt: skip

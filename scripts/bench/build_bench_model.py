@@ -90,6 +90,7 @@ def main():
     if args.vision:
         import tiny_vlm  # noqa: E402
 
+        tiny_vlm.VISION["out_hidden_size"] = h  # the tower hands on text-wide rows
         full = tiny_vlm.build_folder(
             args.out, args.seed, not args.disagreeable, args.family, **over
         )
