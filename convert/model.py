@@ -90,8 +90,6 @@ def build_heads(
     family = family_for(config)
     if family is None or not mtp:
         return [], dict(mtp)
-    if vlm_text.serves(config):  # the head is built on mlx-vlm's language model
-        model = model.language_model
     args = getattr(model, "args", None)
     backbone = find_backbone(model)
     # a family whose block tensors the trunk's sanitize cannot take brings its own

@@ -369,9 +369,14 @@ def test_convert_q4_keeps_the_head_at_8_bits_and_info_says_so(folders, tmp_path)
     assert r.returncode == 0, r.stderr
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert (quant["group_size"], quant["bits"]) == (32, 4)
-    head = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    listed = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    head = {k: v for k, v in listed.items() if k.startswith("mtp.")}
+    # the trunk's modules are listed under mlx-vlm's names, for its loader
+    trunk_listed = {k: v for k, v in listed.items() if k not in head}
     assert head and all(k.startswith("mtp.0.") for k in head)
     assert all(v["bits"] == 8 for v in head.values())
+    assert all(k.startswith("language_model.") for k in trunk_listed)
+    assert all(v["bits"] == 4 for v in trunk_listed.values())
     stored = mx.load(str(out / "mtp.safetensors"))
     assert {k[: -len(".scales")] for k in stored if k.endswith(".scales")} == set(head)
     trunk = mx.load(str(out / "model.safetensors"))
