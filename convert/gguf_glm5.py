@@ -316,9 +316,7 @@ def read(path, reader, meta, mtp_reader=None, bar=None, tokenizer=None) -> Sourc
     names = [t.name for t in reader.tensors]
     n_mtp = None
     if mtp_reader is not None:
-        from .gguf_source import Metadata
-
-        mtp_meta = Metadata(mtp_reader)
+        mtp_meta = type(meta)(mtp_reader)  # gguf_source's Metadata (it imports us)
         if mtp_meta.arch != meta.arch:
             raise MTPError(
                 f"the MTP GGUF is {mtp_meta.arch!r}, the model {meta.arch!r}"

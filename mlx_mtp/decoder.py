@@ -209,10 +209,9 @@ class Decoder(DraftView):
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
         """Let ``streams`` leave; with ``extract`` each gets its caches back.
         What the rounds measured of the costs is stored for later runs."""
-        if getattr(self.model, "_round_costs", None) is not None:
-            from .probe import save_corrections
-
-            save_corrections(self.model)
+        fix = getattr(self.model, "_round_costs", None)
+        if fix is not None:
+            fix.save()
         if not self.batched:  # its caches never left it
             if self.ahead is not None:  # the trunk read one token past its history
                 if self.ahead.undo is not None:
@@ -503,9 +502,7 @@ class Decoder(DraftView):
         moved = fix.record(key, width, seconds)
         if not moved or not getattr(s.source, "weighs_costs", False):
             return
-        from .probe import machine_costs  # (the probe runs the loop)
-
-        s.source.recost(lambda name: machine_costs(self.model, drafters.get(name)))
+        s.source.recost(lambda name: fix.corrected(drafters.get(name)))
 
     def _recost(self, s: Stream) -> bool:
         """From a long context on, weigh ``s``'s rounds by costs measured at

@@ -130,6 +130,8 @@ def corrections(model) -> Optional[RoundCosts]:
         found = RoundCosts(
             entry.get("rounds"), float(step) / 1e3 if step else None
         )
+        found.corrected = lambda drafter: machine_costs(model, drafter)
+        found.save = lambda: save_corrections(model)
         object.__setattr__(model, "_round_costs", found)
     return found
 

@@ -115,6 +115,10 @@ class RoundCosts:
         self.samples: Dict[str, Dict[int, Deque[Sample]]] = {}
         self.stored_unit = probe_unit
         self.dirty = False
+        # set by the probe (which runs the loop, so the loop calls it back
+        # through these): a drafter's costs as corrected, and storing them
+        self.corrected: Callable[[Any], Any] = lambda drafter: None
+        self.save: Callable[[], None] = lambda: None
         self.seen: Dict[str, Dict[int, float]] = {}  # as last passed on
         stored = stored or {}
         try:

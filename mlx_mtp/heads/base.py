@@ -125,7 +125,7 @@ class MTPHead(nn.Module):
         c = cache[0] if cache is not None else None
         e = self.embed(tokens)
         if self.zero_first_embedding:
-            e = _zero_position_0(e, 0 if c is None else c.offset)
+            e = zero_position_0(e, 0 if c is None else c.offset)
         x = self.fuse(e, hidden.astype(e.dtype))
         mask = create_attention_mask(x, c, return_array=True)
         x = self.block(x, mask, c)
@@ -155,7 +155,7 @@ class MTPHead(nn.Module):
         return rel if top in self.OWN else f"block.{rel}"
 
 
-def _zero_position_0(e: mx.array, offset) -> mx.array:
+def zero_position_0(e: mx.array, offset) -> mx.array:
     """``e`` with the embedding at sequence position 0 zeroed.
 
     ``offset`` is the position of ``e``'s first row: an int, or one per

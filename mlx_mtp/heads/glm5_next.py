@@ -42,7 +42,7 @@ from mlx_vlm.models.glm5_next.language import Glm5NextAttention, Glm5NextMoE
 
 from ..recurrent.vlm_cache import TrimmablePoolingCache, VerifyCacheList
 from ..recurrent.vlm_cache import patch_trunk  # noqa: F401  (the loader's hook)
-from .base import _zero_position_0
+from .base import zero_position_0
 from .wiring import FusedHead
 
 MODEL_TYPES = {
@@ -90,7 +90,7 @@ class Glm5NextMTP(FusedHead):
         c = cache[0] if cache is not None else None
         e = self.embed(tokens)
         if self.zero_first_embedding:
-            e = _zero_position_0(e, 0 if c is None else c.offset)
+            e = zero_position_0(e, 0 if c is None else c.offset)
         x = self.block(self.fuse(e, hidden.astype(e.dtype)), c)
         h = self.final_norm(x)
         return h, h
