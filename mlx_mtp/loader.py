@@ -388,6 +388,10 @@ def _attach_head(model, trunk, family, config, head_weights, path: Path, mtp):
             )
         missing = getattr(family, "NO_HEAD_NOTICE", "no MTP tensors in this checkpoint")
         return None, f"{path.name}: {missing}, generating without MTP"
+    # a family may know tensors under its head's names that are no head of it
+    unusable = getattr(family, "unusable_head", lambda w: None)(head_weights)
+    if unusable:
+        return None, f"{path.name}: {unusable}, generating without MTP"
     head = _build_head(model, trunk, family, config, head_weights)
     if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
         family.patch_trunk(model)

@@ -415,16 +415,20 @@ def test_info_lists_the_family(capsys):
     assert "DeepSeek-V4.1" in rows["deepseek_v41"]["models"]
 
 
-def test_dspark_stages_under_mtp_are_refused_in_one_line(tmp_path, capsys):
-    # V4.1 releases ship DSpark stages under mtp.* (vLLM's speculative.py):
-    # a block drafter this head would misread
+def test_dspark_stages_under_mtp_generate_without_mtp(tmp_path, capsys):
+    # V4.1 releases ship DSpark stages under mtp.* (vLLM's speculative.py): a
+    # block drafter this head would misread; the trunk generates plainly
     config, trunk_w, mtp_w = tiny_v41.build_weights(0, True)
     h = config["hidden_size"]
     mtp_w["mtp.0.main_proj.weight"] = mx.zeros((h, 2 * h))
     folder = tiny_v41.save_folder(tmp_path / "dspark", config, trunk_w, mtp_w)
-    code = run_app(["generate", "-m", str(folder), "-p", "hi", "-n", "2",
-                    "--no-chat-template"])  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and "DSpark" in err[0]
+    model = mlx_mtp.load_model(folder)
+    assert model.head is None and "DSpark" in model.notice
+    reference, _ = mlx_lm_load_model(tiny_v41.save_folder(
+        tmp_path / "trunk", config, trunk_w))  # fmt: skip
+    prompt = tiny.random_prompt(12, seed=3)
+    got, _, _ = mtp_greedy(model, prompt, 6, draft_max=2)
+    assert got == reference_greedy(reference, prompt, 6)
     assert run_app(["generate", "-m", str(folder), "-p", "hi", "-n", "2",
-                    "--no-chat-template", "--no-mtp"]) == 0  # fmt: skip
+                    "--no-chat-template"]) == 0  # fmt: skip
+    assert "DSpark" in capsys.readouterr().err

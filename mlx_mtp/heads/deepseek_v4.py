@@ -43,7 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import MTPHead
-from .deepseek_v41 import DeepSeekV41MTP, is_mtp_key, refuse_dspark  # noqa: F401
+from .deepseek_v41 import DeepSeekV41MTP, is_mtp_key, unusable_head  # noqa: F401
 
 MODEL_TYPES = {
     "deepseek_v4": "DeepSeek-V4-Flash (source of truth: mlx-vlm 0.7.10 deepseek_v4_mtp)"
@@ -105,7 +105,6 @@ class DeepSeekV4MTP(DeepSeekV41MTP):
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
-    refuse_dspark(weights)  # DeepSeek-V4-Flash-0731 ships DSpark stages
     found = sorted({k.split(".")[1] for k in weights if k.startswith("mtp.")})
     if found != ["0"]:
         raise ValueError(

@@ -176,24 +176,23 @@ def _layer(args: Any, weights: Dict[str, mx.array], j: int) -> DeepSeekV41MTP:
     return DeepSeekV41MTP(args, block, hc_head=f"{pre}hc_head_fn" in weights)
 
 
-def refuse_dspark(weights: Dict[str, mx.array]) -> None:
-    """A checkpoint whose ``mtp.*`` holds DSpark stages (a block drafter:
-    ``main_proj`` over several target layers, a ``markov_head``), not MTP
-    layers: vLLM's ``config/speculative.py`` says V4.1 releases ship those,
-    mlx-vlm 0.7.10 runs them as ``deepseek_v4_dspark``; this head would read
-    them wrongly, so it is refused in one line."""
+def unusable_head(weights: Dict[str, mx.array]) -> Optional[str]:
+    """Why ``mtp.*`` holds no MTP layers, where it holds DSpark stages (a
+    block drafter: ``main_proj`` over several target layers, a
+    ``markov_head``): vLLM's ``config/speculative.py`` says V4.1 releases ship
+    those, and mlx-vlm 0.7.10 runs them as ``deepseek_v4_dspark``. This head
+    would misread them; the loader then generates without MTP."""
     if any(".main_proj." in k or k.startswith("mtp.markov_head.") for k in weights):
-        raise ValueError(
+        return (
             "its mtp.* tensors are DSpark stages (main_proj, markov_head: a block "
-            "drafter), not MTP layers; mlx-mtp does not run DSpark drafters yet "
-            "(load it with mtp=False, or --no-mtp)"
+            "drafter), not MTP layers, and mlx-mtp does not run DSpark drafters yet"
         )
+    return None
 
 
 def build(
     args: Any, config: Dict[str, Any], backbone: nn.Module, weights: Dict[str, mx.array]
 ) -> MTPHead:
-    refuse_dspark(weights)
     n = max(1, num_layers(config))
     layers = [_layer(args, weights, j) for j in range(n)]
     return layers[0] if n == 1 else MultiLayerHead(layers)
