@@ -27,6 +27,10 @@ caches that roll back) and ``NO_HEAD_NOTICE`` (what the loader says of a model
 of the family found without its head).
 ``prepare_trunk(model)``: called on every trunk ``vlm_text`` loads for the
 family, with a head or without (Hunyuan-V4's exact indexer top-k).
+``unusable_head(weights)``: why tensors under the head's names are no head of
+the family (DeepSeek-V4.1's DSpark stages), so the loader generates without
+MTP. ``layer_view(x)``: a tapped layer's output as a drafter reads it (GLM-5.3's
+streams, averaged).
 """
 
 import importlib
