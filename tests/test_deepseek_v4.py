@@ -23,16 +23,14 @@ import tiny_dsv4  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
+from vlm_greedy import mtp_greedy  # noqa: E402
 import mlx_mtp
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.recurrent.compressed_cache import (
     RollbackCacheList,
     RollbackPoolingCache,
     RollbackWindowCache,
 )
-from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.stats import MTPStats
 
 PROMPT = random_prompt(30, seed=3)  # past the window (8) and the index top-k (4)
 
@@ -75,14 +73,6 @@ def vlm_greedy(model, prompt, n, stop=()):
         if out[-1] in stop:
             break
     return out
-
-
-def mtp_greedy(m, prompt, n, k, stop=()):
-    stats = MTPStats(trace=[])
-    steps = speculative_generate_step(
-        prompt, m, max_tokens=n, drafts=FixedDraft(k), stop_tokens=stop, stats=stats
-    )
-    return [int(t) for t, _ in steps], stats
 
 
 def test_loads_through_mlx_vlm_with_its_head(model):

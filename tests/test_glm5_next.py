@@ -25,6 +25,7 @@ import tiny_glm5  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
+from vlm_greedy import mtp_greedy, vlm_greedy  # noqa: E402
 import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
@@ -59,27 +60,6 @@ def _vlm_lm(folder):
 @pytest.fixture(scope="module")
 def reference(folders):
     return _vlm_lm(folders[1])
-
-
-def vlm_greedy(lm, prompt, n, stop=()):
-    cache = lm.make_cache()
-    logits = lm(mx.array(prompt)[None], cache=cache).logits
-    out = []
-    while len(out) < n:
-        t = int(mx.argmax(logits[0, -1]))
-        out.append(t)
-        if t in stop:
-            break
-        logits = lm(mx.array([[t]]), cache=cache).logits
-    return out
-
-
-def mtp_greedy(m, prompt, n, k, stop=()):
-    stats = MTPStats(trace=[])
-    steps = speculative_generate_step(
-        prompt, m, max_tokens=n, drafts=FixedDraft(k), stop_tokens=stop, stats=stats
-    )
-    return [int(t) for t, _ in steps], stats
 
 
 def test_loads_through_mlx_vlm_with_its_head(model):

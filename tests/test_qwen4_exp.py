@@ -22,12 +22,10 @@ import tiny_qwen4  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
+from vlm_greedy import mtp_greedy, vlm_greedy  # noqa: E402
 import mlx_mtp
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.recurrent.vlm_cache import RollbackQSACache, VerifyArraysCache
-from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.stats import MTPStats
 
 PROMPT = random_prompt(30, seed=3)  # past the QSA budget: sparse attention
 
@@ -47,27 +45,6 @@ def reference(folders):
     from mlx_vlm.utils import load_model
 
     return load_model(folders[1]).language_model
-
-
-def vlm_greedy(lm, prompt, n, stop=()):
-    cache = lm.make_cache()
-    logits = lm(mx.array(prompt)[None], cache=cache).logits
-    out = []
-    while len(out) < n:
-        t = int(mx.argmax(logits[0, -1]))
-        out.append(t)
-        if t in stop:
-            break
-        logits = lm(mx.array([[t]]), cache=cache).logits
-    return out
-
-
-def mtp_greedy(m, prompt, n, k, stop=()):
-    stats = MTPStats(trace=[])
-    steps = speculative_generate_step(
-        prompt, m, max_tokens=n, drafts=FixedDraft(k), stop_tokens=stop, stats=stats
-    )
-    return [int(t) for t, _ in steps], stats
 
 
 def test_loads_through_mlx_vlm_with_its_head(model):
