@@ -7,7 +7,10 @@ ends a forward holding the final hidden state (mlx-lm's pipeline all-gathers
 it; tensor-parallel layers all-sum their outputs) and the output head (every
 pipeline stage keeps the embedding, final norm and ``lm_head``), so every
 process also holds the MTP head and drafts the same tokens without a transfer.
-In tensor mode the head's blocks are sharded like trunk layers.
+In tensor mode the head's blocks are sharded like trunk layers. A trunk that
+loads through mlx-vlm (``vlm_text``) is split by its family's own tensor
+split (``shard_trunk``, with ``split_counts``), or refused before loading
+with the family's ``NO_SPLIT`` (docs/distributed.md, "mlx-vlm's models").
 
 Every process runs the same speculative loop. ``SyncedVerifier`` adds the one
 collective of a round: an ``all_gather`` of each rank's verify decision and
@@ -28,6 +31,7 @@ import numpy as np
 
 from . import vlm_text
 from .errors import MTPError, first_line
+from .heads import family_for
 from .loader import MTPModel, read_config
 from .loader import load as load_local
 
@@ -87,6 +91,14 @@ def quiet_other_ranks(group) -> None:
     os.close(null)
 
 
+def _own_split(config):
+    """The family's own tensor split of an mlx-vlm trunk (``shard_trunk``), or
+    None: mlx-vlm's models are split only where a family writes the split."""
+    if not vlm_text.serves(config):
+        return None
+    return getattr(family_for(config), "shard_trunk", None)
+
+
 def _plan(
     model, config, group, sharding: str, head=None
 ) -> Tuple[str, Optional[str]]:
@@ -96,6 +108,9 @@ def _plan(
     name = config.get("model_type", type(model).__name__)
     pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     tensor = hasattr(model, "shard")
+    vlm = vlm_text.serves(config)
+    if vlm:  # an mlx-vlm model: the family's own tensor split, no pipeline
+        tensor = _own_split(config) is not None
     # a head that reads a trunk layer's output (DeepSeek-V4.1: the last layer's
     # streams) finds it on the one process a pipeline split gives that layer
     read = tuple(getattr(head, "reads_layers", ()) or ())
@@ -104,16 +119,24 @@ def _plan(
             f"{name}: its MTP head reads trunk layer {read[0]}'s output, which a "
             "pipeline split keeps on one process; use --sharding tensor"
         )
-    pipeline = pipeline and not read
+    pipeline = pipeline and not read and not vlm
+    if sharding == "pipeline" and vlm:
+        raise MTPError(
+            f"{name}: mlx-mtp splits its mlx-vlm model by tensors only; "
+            "use --sharding tensor"
+        )
     if sharding == "pipeline" and not pipeline:
         raise MTPError(f"{name}: mlx-lm has no pipeline split for this model")
     if sharding == "tensor" and not tensor:
         raise MTPError(f"{name}: mlx-lm has no tensor sharding for this model")
     n = group.size()
     if sharding == "tensor" or (sharding == "auto" and tensor and not pipeline):
-        # (DeepSeek-V4.1's output projection splits by groups of heads)
+        # (DeepSeek-V4.1's output projection splits by groups of heads; a
+        # family's own split names the counts it divides, ``split_counts``)
         keys = ("num_attention_heads", "num_key_value_heads", "o_groups")
         heads = [config[k] for k in keys if isinstance(config.get(k), int)]
+        if vlm:
+            heads = list(family_for(config).split_counts(config))
         if any(h % n for h in heads):
             why = f"{name}: its attention heads {heads} do not split over {n} processes"
             if sharding == "tensor":
@@ -161,8 +184,9 @@ class _Sharder:
             blocks = [getattr(head.layer(j), "block", None) for j in range(n)]
             blocks = [b for b in blocks if type(b) is type(layers[0])]
             layers.extend(blocks)
+            split = _own_split(config) or type(model).shard
             try:
-                model.shard(self.group)
+                split(model, self.group)
             finally:
                 del layers[len(layers) - len(blocks) :]
             for b in blocks:  # loaded whole before: keep only this rank's slices
@@ -200,12 +224,13 @@ def unsplittable(path: Union[str, Path]) -> Optional[str]:
         config = read_config(Path(path))
     except MTPError:
         return None  # loading says what is wrong with the path
-    if vlm_text.serves(config):
-        return (
-            f"{config['model_type']}: its language model loads through mlx-vlm, "
-            "whose models mlx-mtp does not split over processes; run it in one "
-            "process"
+    if vlm_text.serves(config) and _own_split(config) is None:
+        # the family says why its layers do not split (``NO_SPLIT``)
+        why = getattr(family_for(config), "NO_SPLIT", None) or (
+            "its language model loads through mlx-vlm, whose model mlx-mtp "
+            "does not split over processes"
         )
+        return f"{config['model_type']}: {why}; run it in one process"
     return None
 
 
@@ -244,7 +269,8 @@ def load(
     "tensor" or "auto" (pipeline where mlx-lm has a split for the model,
     else tensor sharding; a model with neither is loaded whole on every
     process, with ``model.sharding.notice`` saying so; a language model
-    only mlx-vlm loads is refused before any weights load). The returned model
+    only mlx-vlm loads is tensor-split by its family, or refused before any
+    weights load where the family has no split). The returned model
     generates through ``stream_generate`` as usual: call it on every process.
     This is what a server should call to load under ``mlx.launch``.
     """

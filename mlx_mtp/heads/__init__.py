@@ -31,6 +31,10 @@ family, with a head or without (Hunyuan-V4's exact indexer top-k).
 the family (DeepSeek-V4.1's DSpark stages), so the loader generates without
 MTP. ``layer_view(x)``: a tapped layer's output as a drafter reads it (GLM-5.3's
 streams, averaged).
+Over several processes, for a trunk ``vlm_text`` loads (``mlx_mtp.distributed``):
+``shard_trunk(model, group)`` (the family's tensor split of mlx-vlm's lazily
+loaded language model) with ``split_counts(config)`` (the counts it divides
+by the number of processes), or ``NO_SPLIT`` (why it is refused, one line).
 """
 
 import importlib

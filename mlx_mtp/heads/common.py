@@ -93,3 +93,57 @@ class Depth(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         return self.layers[self.depth](x, mask, cache)
+
+
+_SUMMED: dict = {}
+
+
+def summed(module: nn.Module, group: Any) -> None:
+    """``module``, one process's part of a tensor-split branch (an attention
+    or MLP whose last projection holds a slice of its inputs), made to
+    ``all_sum`` its output over ``group``: its class swapped for a subclass,
+    as mlx-vlm's ``sharding_group`` does in the models that have one (its
+    parameters and names unchanged; ``sharding_group = None`` skips the sum)."""
+    base = type(module)
+    if not getattr(base, "_mtp_summed", False):
+        if base not in _SUMMED:
+
+            def __call__(self, *args, **kwargs):
+                out = base.__call__(self, *args, **kwargs)
+                if self.sharding_group is None:
+                    return out
+                return mx.distributed.all_sum(out, group=self.sharding_group)
+
+            _SUMMED[base] = type(
+                base.__name__, (base,), {"__call__": __call__, "_mtp_summed": True}
+            )
+        module.__class__ = _SUMMED[base]
+    module.sharding_group = group
+
+
+def split_layer(attn: nn.Module, mlps, group: Any, gate: Optional[str] = None) -> None:
+    """Tensor-split one decoder layer of the plain kind over ``group`` (lazy
+    weights): ``attn``'s q/k/v projections (and a per-head ``gate``
+    projection) by heads, its ``o_proj`` by its inputs, and each module of
+    ``mlps`` (a dense MLP, a ``SwitchGLU`` of experts, a shared expert) by its
+    width, mlx-lm's split of such layers, modules kept of their classes."""
+    from mlx.nn.layers.distributed import shard_inplace
+
+    names = ("q_proj", "k_proj", "v_proj") + ((gate,) if gate else ())
+    for name in names:
+        shard_inplace(getattr(attn, name), "all-to-sharded", group=group)
+    rows_in(attn.o_proj, group)
+    for mlp in mlps:
+        shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
+        shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
+        rows_in(mlp.down_proj, group)
+
+
+def rows_in(linear: nn.Module, group: Any) -> None:
+    """``linear`` split by its inputs over ``group`` (its outputs are summed
+    over the processes after): a bias stays on process 0 only, added once."""
+    from mlx.nn.layers.distributed import shard_inplace
+
+    shard_inplace(linear, "sharded-to-all", group=group)
+    if group.rank() and "bias" in linear:
+        linear.bias = mx.zeros_like(linear.bias)

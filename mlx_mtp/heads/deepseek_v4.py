@@ -43,6 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import MTPHead
+from .common import rows_in
 from .deepseek_v41 import DeepSeekV41MTP, is_mtp_key, unusable_head  # noqa: F401
 
 MODEL_TYPES = {
@@ -60,6 +61,47 @@ try:
     from ..recurrent.compressed_cache import patch_trunk  # noqa: F401  (loader hook)
 except ImportError:  # no mlx-vlm: nothing of this family loads to be patched
     pass
+
+
+def split_counts(config: Dict[str, Any]) -> List[int]:
+    """What ``shard_trunk`` divides by the number of processes: the attention
+    heads and their output groups (the one KV head is kept whole)."""
+    return [config["num_attention_heads"], config["o_groups"]]
+
+
+def shard_trunk(model: nn.Module, group: Any) -> None:
+    """Tensor-split mlx-vlm's DeepSeek-V4 language model (lazy) over ``group``;
+    ``model.model.layers`` holds the head's block too while this runs.
+
+    Each process keeps whole output groups, as mlx-lm's DeepSeek-V4.1 split
+    does: the heads of ``o_groups / N`` groups (``wq_b``'s rows, ``wo_a``'s
+    groups, ``wo_b``'s columns for them, their ``attn_sink``), and ``1 / N`` of
+    every expert's and the shared expert's width; the attention and the MoE
+    each end with one ``all_sum`` (mlx-vlm's ``sharding_group``). The one KV
+    head, the compressor, the indexer, the router and the hyper-connection
+    mixes stay whole on every process. mlx-vlm 0.7.10's own ``shard`` is not
+    used: it splits every group's heads (``wq_b`` in ``o_groups`` segments) but
+    takes a contiguous run of ``attn_sink``, other heads' sinks where
+    ``o_groups > 1``. Modules stay of their classes (``shard_inplace``), so
+    mlx-vlm's exact-verify projections still see a ``QuantizedLinear``."""
+    from mlx.nn.layers.distributed import shard_inplace
+
+    n, rank = group.size(), group.rank()
+    for layer in model.model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        shard_inplace(attn.wq_b, "all-to-sharded", group=group)
+        shard_inplace(attn.wo_a, lambda path, w: 0, group=group)  # by group
+        rows_in(attn.wo_b, group)
+        attn.n_heads //= n
+        attn.o_groups //= n
+        h = attn.n_heads
+        attn.attn_sink = attn.attn_sink[rank * h : (rank + 1) * h]
+        attn.sharding_group = group
+        ffn.sharding_group = group
+        for mlp in (ffn.switch_mlp, ffn.shared_experts):
+            shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
+            shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
+            rows_in(mlp.down_proj, group)
 
 
 def num_layers(config: Dict[str, Any]) -> int:

@@ -48,6 +48,12 @@ from .wiring import FusedHead
 MODEL_TYPES = {
     "glm5_next": "GLM-5.3-Flash (source of truth: mlx-vlm 0.7.10 glm5_next_mtp)"
 }
+# Over several processes: why ``mlx_mtp.distributed`` refuses it (one line)
+NO_SPLIT = (
+    "mlx-mtp has no tensor split written for its mlx-vlm layers (Kimi-style "
+    "delta attention with a shared low-rank gate, DSA attention with its "
+    "indexer), and mlx-vlm has none"
+)
 
 
 class _Block(nn.Module):

@@ -47,6 +47,12 @@ from .wiring import FusedHead, Wiring
 
 MODEL_TYPES = {"hy_v4": "Hunyuan-V4 (source of truth: mlx-vlm 0.7.10 hy_v4_mtp)"}
 PREFIX = "model.mtp_layers."
+# Over several processes: why ``mlx_mtp.distributed`` refuses it (one line)
+NO_SPLIT = (
+    "mlx-mtp has no tensor split written for its mlx-vlm layers (MLA attention "
+    "with per-head output gates and sinks beside a sparse indexer, fused "
+    "expert projections), and mlx-vlm has none"
+)
 DEFAULT_HIDDEN_TAP = "post"  # after hc_head and the final norm
 
 

@@ -51,6 +51,12 @@ MODEL_TYPES = {
     "qwen4_exp": "Qwen3.8-Flash-Next (source of truth: mlx-vlm 0.7.10 qwen4_exp_mtp)"
 }
 PREFIX = "mtp."
+# Over several processes: why ``mlx_mtp.distributed`` refuses it (one line)
+NO_SPLIT = (
+    "mlx-mtp has no tensor split written for its mlx-vlm layers (gated delta "
+    "nets, QSA sparse attention with its indexer cache, per-layer embeddings), "
+    "and mlx-vlm has none"
+)
 DEFAULT_HIDDEN_TAP = "pre"  # the streams before the trunk's mixer
 
 

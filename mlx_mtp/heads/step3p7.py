@@ -41,6 +41,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import step3p5
 from .base import MTPHead, MultiLayerHead
+from .common import split_layer, summed
 from .step3p5 import HEAD_CONFIG_KEYS, sanitize_block  # noqa: F401  (loader hook)
 
 MODEL_TYPES = {
@@ -90,6 +91,36 @@ def patch_trunk(model: nn.Module) -> None:
 
     attrs = {"make_cache": make_cache, "_mtp_step3p7_rollable": True}
     model.__class__ = type(base.__name__, (base,), attrs)
+
+
+def split_counts(config: Dict[str, Any]) -> List[int]:
+    """What ``shard_trunk`` divides by the number of processes: the query and
+    KV heads of the full and the sliding layers."""
+    text = _text(config)
+    other = text.get("attention_other_setting") or {}
+    keys = ("num_attention_heads", "num_attention_groups")
+    return [text[k] for k in keys] + [other[k] for k in keys if k in other]
+
+
+def shard_trunk(model: nn.Module, group: Any) -> None:
+    """Tensor-split mlx-vlm's Step-3.7 language model (lazy) over ``group``:
+    mlx-lm's Step-3.5 split (``shard``) on mlx-vlm's layers, which have no
+    ``shard`` of their own. Each process keeps ``1 / N`` of the query and KV
+    heads (and of the per-head gate ``g_proj``), ``o_proj``'s inputs for
+    them, and ``1 / N`` of the width of the dense MLP, every expert and the
+    shared expert; the attention and the MLP or MoE each end with one
+    ``all_sum``. The router stays whole. ``model.model.layers`` holds the
+    head's blocks of the trunk's class too while this runs."""
+    n = group.size()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        gate = "g_proj" if attn.use_head_wise_attn_gate else None
+        mlps = (mlp.switch_mlp, mlp.share_expert) if layer.is_moe_layer else (mlp,)
+        split_layer(attn, mlps, group, gate)
+        attn.n_heads //= n
+        attn.n_kv_heads //= n
+        summed(attn, group)
+        summed(mlp, group)
 
 
 def _head_args(args: Any, config: Dict[str, Any], n: int) -> Any:
