@@ -133,6 +133,15 @@ def split_layer(attn: nn.Module, mlps, group: Any, gate: Optional[str] = None) -
     for name in names:
         shard_inplace(getattr(attn, name), "all-to-sharded", group=group)
     rows_in(attn.o_proj, group)
+    split_layer_mlps(mlps, group)
+
+
+def split_layer_mlps(mlps, group: Any) -> None:
+    """Each gated MLP of ``mlps`` (``gate_proj``, ``up_proj``, ``down_proj``:
+    a dense MLP, a ``SwitchGLU`` of experts, a shared expert) split by its
+    width over ``group``; their outputs are summed over the processes after."""
+    from mlx.nn.layers.distributed import shard_inplace
+
     for mlp in mlps:
         shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
         shard_inplace(mlp.up_proj, "all-to-sharded", group=group)

@@ -43,16 +43,54 @@ from mlx_vlm.models.hy_v4.moe import HyV4MoE
 from ..recurrent import hy_v4_cache
 from ..recurrent.hy_v4_cache import head_cache
 from .base import MTPHead
+from .common import rows_in, split_layer_mlps, summed
 from .wiring import FusedHead, Wiring
 
 MODEL_TYPES = {"hy_v4": "Hunyuan-V4 (source of truth: mlx-vlm 0.7.10 hy_v4_mtp)"}
 PREFIX = "model.mtp_layers."
-# Over several processes: why ``mlx_mtp.distributed`` refuses it (one line)
-NO_SPLIT = (
-    "mlx-mtp has no tensor split written for its mlx-vlm layers (MLA attention "
-    "with per-head output gates and sinks beside a sparse indexer, fused "
-    "expert projections), and mlx-vlm has none"
-)
+
+
+def split_counts(config: Dict[str, Any]) -> List[int]:
+    """What ``shard_trunk`` divides by the number of processes: the heads."""
+    return [(config.get("text_config") or config)["num_attention_heads"]]
+
+
+def shard_trunk(model: nn.Module, group: Any) -> None:
+    """Tensor-split mlx-vlm's Hunyuan-V4 language model (lazy) over ``group``:
+    mlx-vlm 0.7.10's DeepSeek-V3.2 split (``deepseek_v32.LanguageModel.shard``,
+    the layers' base) with Hunyuan-V4's own per-head parts. Each process keeps
+    ``1 / N`` of the heads: ``q_b_proj``'s and ``linear_gate``'s rows for them,
+    their ``embed_q`` / ``unembed_out`` and ``learnable_sink_param``,
+    ``o_proj``'s inputs; and ``1 / N`` of the width of the dense MLP, every
+    expert (``gate_up_proj`` in its two halves) and the shared expert. The
+    attention and the MLP or MoE each end with one ``all_sum``. The latent KV
+    (``kv_a_proj_with_mqa``), the indexer and the router stay whole; the
+    head's block (a class of its own) runs whole on every process."""
+    from mlx.nn.layers.distributed import shard_inplace
+
+    n, rank = group.size(), group.rank()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        shard_inplace(attn.q_b_proj, "all-to-sharded", group=group)
+        shard_inplace(attn.linear_gate, "all-to-sharded", group=group)
+        rows_in(attn.o_proj, group)
+        summed(attn.o_proj, group)  # (the attention returns its top-k too)
+        attn.num_heads //= n
+        h = attn.num_heads
+        attn.embed_q.apply(lambda w: w[rank * h : (rank + 1) * h])
+        attn.unembed_out.apply(lambda w: w[rank * h : (rank + 1) * h])
+        sinks = attn.learnable_sink_param
+        attn.learnable_sink_param = sinks[rank * h : (rank + 1) * h]
+        if not hasattr(mlp, "switch_mlp"):  # a dense layer
+            split_layer_mlps((mlp,), group)
+            summed(mlp, group)
+            continue
+        mlp.sharding_group = group  # mlx-vlm's HyV4MoE sums when it has one
+        experts = mlp.switch_mlp
+        shard_inplace(experts.gate_up_proj, "all-to-sharded", segments=2, group=group)
+        rows_in(experts.down_proj, group)
+        if "shared_experts" in mlp:
+            split_layer_mlps((mlp.shared_experts,), group)
 DEFAULT_HIDDEN_TAP = "post"  # after hc_head and the final norm
 
 
