@@ -10,13 +10,13 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import tiny
+from fake_clock import MS, fake_clock
 
 import mlx_mtp
-from mlx_mtp import config, decoder, drafts, probe, round_costs, timing
+from mlx_mtp import config, drafts, probe, round_costs, timing
 from mlx_mtp.adaptive import AcceptanceHistory, CostAwareDraft, Costs
 from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.ngram import Lookup
@@ -24,7 +24,6 @@ from mlx_mtp.round_costs import LOOKUP, MIN_SAMPLES, RoundCosts
 from mlx_mtp.speculative import speculative_generate_step
 
 FREE = Costs([1.0] * 5, [0.0] * 4)
-MS = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,31 +44,6 @@ def store_free_probe(model):
     draft = {d.key: [0.0] * 4 for d in model.drafters}
     costs = {"verify": [1.0] * 5, "draft": draft, "step_ms": 1.0, "seconds": 0.1}
     timing.write_entry([], {**probe.probe_key(model), "costs": costs})
-
-
-def fake_clock(monkeypatch, model, per_token=True):
-    """The loop's clock advances only by the trunk's forwards: one ms per
-    token a forward reads (``per_token``), else one ms whatever it reads.
-    A plain step's ms is counted when its token is read, as the loop waits
-    for it (a step run ahead computes while the round before it ends)."""
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(
-        decoder, "time", types.SimpleNamespace(perf_counter=lambda: clock.now)
-    )
-    forward, read = model.target.forward, decoder._Ahead.read
-
-    def timed(tokens, cache, pieces=None, **kw):
-        if tokens.shape[1] > 1:
-            clock.now += (tokens.shape[1] if per_token else 1) * MS
-        return forward(tokens, cache, pieces, **kw)
-
-    def waited(ahead):
-        clock.now += MS
-        return read(ahead)
-
-    monkeypatch.setattr(model.target, "forward", timed)
-    monkeypatch.setattr(decoder._Ahead, "read", waited)
-    return clock
 
 
 class Stubborn(CostAwareDraft):
