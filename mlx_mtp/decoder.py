@@ -208,10 +208,8 @@ class Decoder(DraftView):
 
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
         """Let ``streams`` leave; with ``extract`` each gets its caches back.
-        What the rounds measured of the costs is stored for later runs."""
-        fix = getattr(self.model, "_round_costs", None)
-        if fix is not None:
-            fix.save()
+        (What the rounds measured of the costs is stored off the requests'
+        path: ``round_costs.store``.)"""
         if not self.batched:  # its caches never left it
             if self.ahead is not None:  # the trunk read one token past its history
                 if self.ahead.undo is not None:

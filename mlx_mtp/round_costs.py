@@ -36,12 +36,16 @@ of one stream (alone, or a served batch of one) are timed as they run
   rounds.
 
 The samples are stored in the probe's entry in ``costs.json``
-(``timing.COSTS_FILE``), under its key (the machine, its BLAS and the
-libraries preloaded, the model's files and their stamp: a new key is
-probed afresh and starts without samples), when a stream leaves the
-loop; a later process starts from them. Long contexts (``timing.costs_at``)
-and several processes (``mlx.launch``: every rank drafts alike) are not
-corrected, nor anything under ``MLX_MTP_COSTS=prior``.
+(``timing.COSTS_FILE``, atomically: a temporary file renamed), under its
+key (the machine, its BLAS and the libraries preloaded, the model's files
+and their stamp: a new key is probed afresh and starts without samples),
+off the requests' path (``store``): at the end of a one-shot generation
+(``speculative_generate_step``, ``batch_generate``), and by a server when
+idle, at most every ``serve.engine.STORE_EVERY`` seconds, and when it
+stops; a later process starts from them. Long contexts
+(``timing.costs_at``) and several processes (``mlx.launch``: every rank
+drafts alike) are not corrected, nor anything under
+``MLX_MTP_COSTS=prior``.
 """
 
 import statistics
@@ -64,6 +68,22 @@ LOOKUP = "lookup"  # the lookups' samples (a drafter's are under its key)
 # (seconds, unit): ``unit`` None while this process has no unit of its own
 # (the time is read against the best unit known when it is used)
 Sample = Tuple[float, Optional[float]]
+
+
+def of(model) -> Optional["RoundCosts"]:
+    """``model``'s corrections in this process (set by the probe), if any."""
+    return getattr(model, "_round_costs", None)
+
+
+def store(model) -> None:
+    """Store ``model``'s corrections, where the rounds added to them since
+    they were last stored (atomically: ``config.write_entries``). Called off
+    the requests' path: at a one-shot generation's end, by a server when
+    idle (at most every ``serve.engine.STORE_EVERY`` seconds) and at its
+    close."""
+    fix = of(model)
+    if fix is not None:
+        fix.save()
 
 
 def corrected(stored: Callable[[int], float], samples: Dict[int, List[float]]):

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import tiny
@@ -354,3 +355,84 @@ def test_a_served_stream_alone_corrects_too(folder, measuring, monkeypatch):
     (entry,) = json.loads(measuring.read_text())
     rows = entry["rounds"]["sources"][model.drafters[0].key]
     assert len(rows) >= MIN_SAMPLES and all(w >= 2 and r >= w for w, r in rows)
+
+
+# -- where the corrections are stored --------------------------------------------
+
+
+def served(model, tokenizer, monkeypatch, every):
+    """A live server on ``model`` storing its corrections at most every
+    ``every`` seconds when idle; and a list of the costs file's writes."""
+    from live_server import LiveServer
+
+    from mlx_mtp.serve import ServeConfig, engine
+
+    monkeypatch.setattr(engine, "STORE_EVERY", every)
+    writes, write = [], config.write_entries
+
+    def counted(file, data):
+        writes.append(file.name)
+        write(file, data)
+
+    monkeypatch.setattr(config, "write_entries", counted)
+    return LiveServer(model, tokenizer, "mtp", ServeConfig()), writes
+
+
+def ask(server, i):
+    body = {"prompt": tiny.random_prompt(20 + 3 * i, seed=70 + i),
+            "max_tokens": 24, "temperature": 0, "draft_source": "mtp"}  # fmt: skip
+    status, _ = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200
+
+
+def test_a_server_stores_the_corrections_at_close_not_per_request(
+    folder, measuring, monkeypatch
+):
+    """Requests whose rounds correct the costs write nothing on their way
+    (no file I/O on a request's path, nor between requests within
+    ``STORE_EVERY``); the server's close stores them once, for a later
+    process."""
+    model, tokenizer = mlx_mtp.load(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    server, writes = served(model, tokenizer, monkeypatch, every=3600.0)
+    try:
+        for i in range(3):
+            ask(server, i)
+            server.wait_idle()
+        assert probe.corrections(model).dirty  # the rounds corrected the costs
+        assert writes == []
+        (entry,) = json.loads(measuring.read_text())
+        assert "rounds" not in entry
+    finally:
+        server.close()
+    assert writes == [timing.COSTS_FILE]
+    (entry,) = json.loads(measuring.read_text())
+    rows = entry["rounds"]["sources"][model.drafters[0].key]
+    assert len(rows) >= MIN_SAMPLES
+    # a later process starts from them (the probe said a round costs 1 step)
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(1) > 1.5
+    assert not list(measuring.parent.glob(".*.tmp"))  # nothing half-written left
+
+
+def test_an_idle_server_stores_the_corrections(folder, measuring, monkeypatch):
+    """Idle past ``STORE_EVERY`` (here at once), the server stores what the
+    rounds corrected before its close, once."""
+    model, tokenizer = mlx_mtp.load(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    server, writes = served(model, tokenizer, monkeypatch, every=0.0)
+    try:
+        ask(server, 0)
+        deadline = time.monotonic() + 30
+        while not writes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writes == [timing.COSTS_FILE]
+        (entry,) = json.loads(measuring.read_text())
+        assert entry["rounds"]["sources"][model.drafters[0].key]
+        time.sleep(0.2)
+        assert writes == [timing.COSTS_FILE]  # nothing new: nothing written
+    finally:
+        server.close()
+    assert writes == [timing.COSTS_FILE]
+
