@@ -436,3 +436,105 @@ def test_an_idle_server_stores_the_corrections(folder, measuring, monkeypatch):
         server.close()
     assert writes == [timing.COSTS_FILE]
 
+
+# -- a batch's rounds ------------------------------------------------------------
+
+
+def drafting_rounds_of(response):
+    """The rounds in which a batch's streams drafted (each stream's count)."""
+    return [(s.drafted_at or [0])[0] for s in response.mtp_stats]
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    """A target and a DFlash drafter that never agrees with it."""
+    import tiny_dflash as td
+
+    root = tmp_path_factory.mktemp("rounds-dflash")
+    target = td.build_target(root / "target", "qwen3", 6)
+    tiny.write_tokenizer(target)
+    return target, td.build_drafter(root / "dflash", [1, 4], 6, agreeable=False, seed=3)
+
+
+def test_a_batch_whose_drafts_are_dear_stops_and_a_new_process_starts_there(
+    dflash, measuring, monkeypatch
+):
+    """Four streams (``batch_generate``: the server's rounds) of a drafter
+    whose drafts pay by the stored costs and the default guess (it never
+    agrees, so its ``K`` stays at its first ramp), where a verify
+    over ``K + 1`` tokens a stream costs ``K + 1`` plain rounds: the batch
+    policy measures ``MIN_SAMPLES`` rounds of its drafts, stops drafting but
+    for rare exploring rounds, and its rounds are stored per batch size and
+    ``K`` (in plain rounds of the batch). A new process (a model loaded
+    afresh, its policy new) starts from them: its batch drafts only the
+    exploring rounds. Both answer as plain decoding does."""
+    prompts = [tiny.random_prompt(20 + 3 * i, seed=80 + i) for i in range(4)]
+    kw = dict(max_tokens=48, return_token_ids=True)
+    target, drafter = dflash
+    tokenizer = mlx_mtp.load(target)[1]
+    plain = mlx_mtp.load_model(target)  # (its plain rounds: a policy of its own)
+    want = mlx_mtp.batch_generate(plain, tokenizer, prompts, mtp=False, **kw)
+    model = mlx_mtp.load_model(target, draft=drafter)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    got = mlx_mtp.batch_generate(model, tokenizer, prompts, draft_source="dflash", **kw)
+    assert got.token_ids == want.token_ids
+    first = drafting_rounds_of(got)
+    explored = 48 // 16  # at most one exploring round in ``explore`` (16)
+    assert all(MIN_SAMPLES <= n <= MIN_SAMPLES + explored for n in first)
+    (entry,) = json.loads(measuring.read_text())
+    batch = entry["rounds"]["batch"]
+    assert batch["units"]["4"] == pytest.approx(MS)
+    rows = batch["sources"][model.drafters[0].key]
+    dear = [r for b, k, r in rows if (b, k) == (4, 2)]  # a verify of 3 a stream
+    assert len(dear) >= MIN_SAMPLES and dear == pytest.approx([3.0] * len(dear))
+
+    later = mlx_mtp.load_model(target, draft=drafter)  # a new process's
+    fake_clock(monkeypatch, later)
+    again = mlx_mtp.batch_generate(later, tokenizer, prompts, draft_source="dflash", **kw)
+    assert again.token_ids == want.token_ids
+    assert all(n <= explored for n in drafting_rounds_of(again))
+    assert sum(drafting_rounds_of(again)) < sum(first)
+
+
+def test_batch_rounds_are_stored_and_read_back_in_plain_rounds():
+    """A batch's rounds are kept against its own plain rounds at its size
+    (not a single stream's plain step), and read back as seconds at this
+    process's unit, or the stored one."""
+    fix = RoundCosts(probe_unit=MS)
+    for _ in range(MIN_SAMPLES):
+        fix.record_batch("head", 4, 2, 9 * MS)  # before any plain round
+    for _ in range(round_costs.UNIT_MIN):
+        fix.record_batch_plain(4, 3 * MS)
+    assert fix.batch_seed("head", 4) == {
+        0: [3 * MS] * MIN_SAMPLES, 2: pytest.approx([9 * MS] * MIN_SAMPLES)
+    }
+    assert fix.batch_seed("head", 8) is None  # another size: nothing measured
+    assert fix.batch_seed("other", 4) is None
+    again = RoundCosts(json.loads(json.dumps(fix.to_dict())))
+    assert again.batch_unit(4) == pytest.approx(3 * MS)
+    assert again.batch_seed("head", 4)[2] == pytest.approx([9 * MS] * MIN_SAMPLES)
+    # against this process's plain rounds (here twice as fast)
+    assert again.batch_seed("head", 4, MS)[2] == pytest.approx([3 * MS] * MIN_SAMPLES)
+    for bad in ({"batch": {"sources": {"head": [[4, "x", 1]]}}}, {"batch": 3}):
+        assert RoundCosts(bad).batch_seed("head", 4) is None
+
+
+def test_a_seeded_policy_keeps_what_it_measured():
+    """Seeds fill only the lengths measured fewer than ``MIN_SAMPLES``
+    times; the rounds this process measured stay."""
+    from mlx_mtp.batch_policy import BatchDraftLength
+
+    policy = BatchDraftLength()
+    for _ in range(MIN_SAMPLES):
+        policy.record(4, 0, 1.0)
+    policy.record(4, 2, 5.0)
+    policy.seed(4, {0: [2.0] * MIN_SAMPLES, 2: [3.0] * MIN_SAMPLES})
+    assert list(policy.samples[4][0]) == [1.0] * MIN_SAMPLES
+    assert list(policy.samples[4][2]) == [3.0] * MIN_SAMPLES + [5.0]
+    # by them two drafts kept at 0.6 do not pay (unseeded, the policy would
+    # measure them first: fewer than ``MIN_SAMPLES`` rounds)
+    assert policy.choose(4, [[0.6, 0.6]] * 4, [2] * 4) == 0
+    fresh = BatchDraftLength()
+    fresh.record(4, 2, 5.0)
+    assert fresh.choose(4, [[0.6, 0.6]] * 4, [2] * 4) == 2
