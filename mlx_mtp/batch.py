@@ -27,6 +27,7 @@ from .generate import request_from
 from .loader import MTPModel
 from .prompts import context_length, encode_prompt, fit_prompt
 from .request import GenerationRequest
+from .round_costs import store
 from .sampling import Sampler
 from .scheduler import Job, Scheduler
 from .stats import MTPStats
@@ -146,7 +147,10 @@ def batch_generate(
     for j in jobs if return_logprobs else ():
         j.stream.logprobs = Logprobs()
     batch.waiting.extend(jobs)
-    _run(batch, n, verbose, return_prompt_caches)
+    try:
+        _run(batch, n, verbose, return_prompt_caches)
+    finally:
+        store(model)  # what its rounds corrected, for later runs
     return _response(batch, jobs, tokenizer, verbose, return_prompt_caches,
                      return_token_ids, return_logprobs)  # fmt: skip
 

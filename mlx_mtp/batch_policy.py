@@ -16,7 +16,9 @@ So the round's ``K`` is the one with the most expected tokens per second:
 
 The largest ``K`` is measured first, then ``K = 0``, until each has
 ``MIN_SAMPLES`` rounds (a first round at a new shape is slow: one sample is
-no evidence); a batch size not seen yet starts from the nearest one's times.
+no evidence); a batch size not seen yet starts from the nearest one's times,
+or from what earlier processes measured at it (``seed``: the rounds'
+corrections stored with the probe's costs, ``round_costs``).
 Every ``explore`` rounds one length is measured again (contexts grow, the
 machine's load changes): the one most overdue, each as often as keeps its
 expected loss (the time its round takes beyond what the chosen length needs
@@ -35,7 +37,7 @@ the largest ``K`` is not measured for it: only exploring rounds draft then.
 
 import statistics
 from collections import deque
-from typing import Deque, Dict, List, Sequence
+from typing import Deque, Dict, List, Sequence, Set, Tuple
 
 from .adaptive import expected_tokens
 
@@ -58,6 +60,8 @@ class BatchDraftLength:
         self.chosen: Dict[int, int] = {}  # K -> rounds that drafted K
         self.again = False  # an exploring plain round asks for a second
         self.last: Dict[int, int] = {}  # K -> the round it was last chosen
+        # (batch source, batch size) already seeded (``seed``; the decoder's)
+        self.seeded: Set[Tuple[str, int]] = set()
 
     def times(self, batch: int) -> Dict[int, Deque[float]]:
         """Round times per K at ``batch`` streams; a batch size not seen yet
@@ -127,6 +131,17 @@ class BatchDraftLength:
     def _take(self, k: int) -> int:
         self.last[k] = self.rounds
         return k
+
+    def seed(self, batch: int, times: Dict[int, List[float]]) -> None:
+        """Start from ``times`` (per K, seconds) at ``batch`` streams where
+        fewer than ``MIN_SAMPLES`` rounds are measured: what earlier rounds
+        of this batch's sources measured, stored (``round_costs``). Rounds
+        measured later push them out, as they push out older rounds."""
+        table = self.samples.setdefault(batch, {})
+        for k, seconds in times.items():
+            have = table.get(k, ())
+            if len(have) < MIN_SAMPLES:
+                table[k] = deque(list(seconds) + list(have), maxlen=self.window)
 
     def record(self, batch: int, k: int, seconds: float) -> None:
         self.chosen[k] = self.chosen.get(k, 0) + 1

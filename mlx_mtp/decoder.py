@@ -38,7 +38,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import rounds, timing
+from . import round_costs, rounds, timing
 from .batch_cache import RaggedKVCache, batchable, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
@@ -208,10 +208,8 @@ class Decoder(DraftView):
 
     def remove(self, streams: List[Stream], extract: bool = True) -> None:
         """Let ``streams`` leave; with ``extract`` each gets its caches back.
-        What the rounds measured of the costs is stored for later runs."""
-        fix = getattr(self.model, "_round_costs", None)
-        if fix is not None:
-            fix.save()
+        (What the rounds measured of the costs is stored off the requests'
+        path: ``round_costs.store``.)"""
         if not self.batched:  # its caches never left it
             if self.ahead is not None:  # the trunk read one token past its history
                 if self.ahead.undo is not None:
@@ -474,6 +472,9 @@ class Decoder(DraftView):
         # a round widened by lookup drafts is no sample of the drafters' K
         if self.policy is not None and max(map(len, drafts)) <= k:
             self.policy.record(len(streams), k, seconds)
+            fix, key = self._batch_corrections()
+            if fix is not None and k and any(drafts):
+                fix.record_batch(key, len(streams), k, seconds)
         if len(streams) == 1 and drafts[0]:
             self._correct(streams[0], plans[0], 1 + len(drafts[0]), seconds)
         for s in streams:
@@ -483,7 +484,7 @@ class Decoder(DraftView):
     def _corrections(self, s: Stream):
         """The model's round-time corrections (``round_costs``), where they
         apply to ``s``: at a short context, costs measured here."""
-        fix = getattr(self.model, "_round_costs", None)
+        fix = round_costs.of(self.model)
         # (its history: in a batch its own caches are the batch's)
         if fix is None or timing.context_bucket(len(s.history)) is not None:
             return None
@@ -541,7 +542,39 @@ class Decoder(DraftView):
             counts = [min(s.source.count(), c) for s, c in zip(self.streams, caps)]
             return max(counts, default=0)
         rates = [s.source.rates() for s in self.streams]
+        self._seed()
         return self.policy.choose(len(self.streams), rates, caps)
+
+    def _batch_corrections(self):
+        """The model's round-time corrections (``round_costs``) where they
+        apply to the batch's rounds (every stream at a short context), and
+        the batch's source: the keys (``Drafter.key``) of the drafters its
+        streams draft from; (None, None) where none applies or none drafts."""
+        fix = round_costs.of(self.model)
+        if fix is None or any(
+            timing.context_bucket(len(s.history)) is not None for s in self.streams
+        ):
+            return None, None
+        keys = {d.name: d.key for d in self.model.drafters}
+        found = {keys[n] for s in self.streams for n in s.source.drafters if n in keys}
+        if not found:
+            return None, None
+        return fix, "+".join(sorted(found))
+
+    def _seed(self) -> None:
+        """A batch size this process's policy has not measured yet starts from
+        what earlier rounds of the same sources measured, stored
+        (``RoundCosts.batch_seed``): once per batch source and size."""
+        fix, key = self._batch_corrections()
+        n = len(self.streams)
+        if fix is None or (key, n) in self.policy.seeded:
+            return
+        self.policy.seeded.add((key, n))
+        plain = self.policy.samples.get(n, {}).get(0, ())
+        unit = statistics.median(plain) if len(plain) >= TIMED_MIN else None
+        times = fix.batch_seed(key, n, unit)
+        if times is not None:
+            self.policy.seed(n, times)
 
     def _may_run_ahead(self) -> bool:
         """Whether a round without drafts may start the next before its tokens
@@ -607,6 +640,9 @@ class Decoder(DraftView):
         # (``add`` reads a round's end alone: no sample)
         if self.policy is not None and start_next and not (cold and self.ahead):
             self.policy.record(n, 0, seconds)
+            fix, _ = self._batch_corrections()
+            if fix is not None and not cold:
+                fix.record_batch_plain(n, seconds)
         if start_next and n == 1:
             self.plain_seconds[cold].append(seconds)
             fix = self._corrections(streams[0])

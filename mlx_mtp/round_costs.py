@@ -7,7 +7,7 @@ small model a round is mostly that work; a probe taken on a loaded machine
 can be off either way; and a stored cost stays what it was. So the rounds
 of one stream (alone, or a served batch of one) are timed as they run
 (``Decoder.step``), and their times correct the costs the probe (or
-``tune``) stored:
+``tune``) stored (a batch's rounds: below):
 
 - the unit is a plain step as the loop runs it: the median of this
   process's latest plain rounds run ahead (``UNIT_MIN`` of them at least);
@@ -35,13 +35,30 @@ of one stream (alone, or a served batch of one) are timed as they run
   not lower a drafter's), unless its stored costs are ``tune``'s whole
   rounds.
 
+A batch's rounds (the batch policy's, ``batch_policy.BatchDraftLength``,
+which picks each round's ``K`` by expected tokens per measured second at
+its batch size) are kept too, as that policy keys them: per batch source
+(the drafters its streams draft from, by ``Drafter.key``), batch size and
+``K``, in units of a plain round of as many streams (this process's, run
+ahead; before ``UNIT_MIN`` of them, the unit stored), the latest
+``PER_WIDTH`` of each. A policy that meets a batch size of a source for the
+first time in a process starts from them (``batch_seed``: each ``K``
+measured ``MIN_SAMPLES`` times, against its own plain rounds where it has
+them), so that a batch whose drafts cost more than they bring does not
+measure them again at a loss in every new process; the rounds it measures
+push the seeds out.
+
 The samples are stored in the probe's entry in ``costs.json``
-(``timing.COSTS_FILE``), under its key (the machine, its BLAS and the
-libraries preloaded, the model's files and their stamp: a new key is
-probed afresh and starts without samples), when a stream leaves the
-loop; a later process starts from them. Long contexts (``timing.costs_at``)
-and several processes (``mlx.launch``: every rank drafts alike) are not
-corrected, nor anything under ``MLX_MTP_COSTS=prior``.
+(``timing.COSTS_FILE``, atomically: a temporary file renamed), under its
+key (the machine, its BLAS and the libraries preloaded, the model's files
+and their stamp: a new key is probed afresh and starts without samples),
+off the requests' path (``store``): at the end of a one-shot generation
+(``speculative_generate_step``, ``batch_generate``), and by a server when
+idle, at most every ``serve.engine.STORE_EVERY`` seconds, and when it
+stops; a later process starts from them. Long contexts
+(``timing.costs_at``) and several processes (``mlx.launch``: every rank
+drafts alike) are not corrected, nor anything under
+``MLX_MTP_COSTS=prior``.
 """
 
 import statistics
@@ -64,6 +81,22 @@ LOOKUP = "lookup"  # the lookups' samples (a drafter's are under its key)
 # (seconds, unit): ``unit`` None while this process has no unit of its own
 # (the time is read against the best unit known when it is used)
 Sample = Tuple[float, Optional[float]]
+
+
+def of(model) -> Optional["RoundCosts"]:
+    """``model``'s corrections in this process (set by the probe), if any."""
+    return getattr(model, "_round_costs", None)
+
+
+def store(model) -> None:
+    """Store ``model``'s corrections, where the rounds added to them since
+    they were last stored (atomically: ``config.write_entries``). Called off
+    the requests' path: at a one-shot generation's end, by a server when
+    idle (at most every ``serve.engine.STORE_EVERY`` seconds) and at its
+    close."""
+    fix = of(model)
+    if fix is not None:
+        fix.save()
 
 
 def corrected(stored: Callable[[int], float], samples: Dict[int, List[float]]):
@@ -120,6 +153,13 @@ class RoundCosts:
         self.corrected: Callable[[Any], Any] = lambda drafter: None
         self.save: Callable[[], None] = lambda: None
         self.seen: Dict[str, Dict[int, float]] = {}  # as last passed on
+        # a batch's rounds (the batch policy's, ``batch_policy``): per batch
+        # size its plain rounds run ahead (seconds), and per batch source
+        # (``Decoder``: the drafters its streams draft from) and (streams, K)
+        # its drafted rounds
+        self.batch_plain: Dict[int, Deque[float]] = {}
+        self.stored_batch_units: Dict[int, float] = {}
+        self.batch: Dict[str, Dict[Tuple[int, int], Deque[Sample]]] = {}
         stored = stored or {}
         try:
             unit = stored.get("unit")
@@ -129,12 +169,27 @@ class RoundCosts:
                 for w, r in rows:
                     if int(w) >= 2 and float(r) > 0:
                         self._kept(str(key), int(w)).append((float(r), 1.0))
+            batch = stored.get("batch") or {}
+            for b, u in (batch.get("units") or {}).items():
+                if int(b) >= 1 and float(u) > 0:
+                    self.stored_batch_units[int(b)] = float(u)
+            for key, rows in (batch.get("sources") or {}).items():
+                for b, k, r in rows:
+                    if int(b) >= 1 and int(k) >= 1 and float(r) > 0:
+                        kept = self._batch_kept(str(key), int(b), int(k))
+                        kept.append((float(r), 1.0))
         except (AttributeError, TypeError, ValueError):
             self.samples.clear()  # damaged: the rounds start anew
+            self.batch.clear()
+            self.stored_batch_units.clear()
 
     def _kept(self, key: str, width: int) -> Deque[Sample]:
         widths = self.samples.setdefault(key, {})
         return widths.setdefault(width, deque(maxlen=PER_WIDTH))
+
+    def _batch_kept(self, key: str, streams: int, k: int) -> Deque[Sample]:
+        shapes = self.batch.setdefault(key, {})
+        return shapes.setdefault((streams, k), deque(maxlen=PER_WIDTH))
 
     def unit(self) -> Optional[float]:
         """A plain step's seconds: this process's, else the stored one."""
@@ -172,6 +227,65 @@ class RoundCosts:
             return False
         seen[width] = now
         return True
+
+    # -- a batch's rounds ----------------------------------------------------
+
+    def batch_unit(self, streams: int) -> Optional[float]:
+        """A plain round's seconds at ``streams`` streams: this process's
+        (the median of its latest, run ahead), else the stored one; where
+        neither is, the nearest batch size's (as the batch policy borrows
+        the nearest one's times)."""
+        own = {b: statistics.median(p) for b, p in self.batch_plain.items()
+               if len(p) >= UNIT_MIN}  # fmt: skip
+        units = {**self.stored_batch_units, **own}
+        if not units:
+            return None
+        return units[min(units, key=lambda b: (abs(b - streams), b))]
+
+    def record_batch_plain(self, streams: int, seconds: float) -> None:
+        """A plain round of ``streams`` streams run ahead (the batch policy's
+        sample of ``K = 0``)."""
+        plain = self.batch_plain.setdefault(streams, deque(maxlen=UNIT_WINDOW))
+        plain.append(seconds)
+
+    def record_batch(self, key: str, streams: int, k: int, seconds: float) -> None:
+        """A round of ``streams`` streams whose drafts (from ``key``, the
+        batch's drafters) the batch policy measured at ``K = k``."""
+        plain = self.batch_plain.get(streams, ())
+        unit = statistics.median(plain) if len(plain) >= UNIT_MIN else None
+        self._batch_kept(key, streams, k).append((seconds, unit))  # (None: later)
+        self.dirty = True
+
+    def batch_relative(self, key: str) -> Dict[Tuple[int, int], List[float]]:
+        """``key``'s batch rounds per (streams, K), in plain rounds of as
+        many streams."""
+        out: Dict[Tuple[int, int], List[float]] = {}
+        for (b, k), kept in self.batch.get(key, {}).items():
+            unit = self.batch_unit(b)
+            for s, u in kept:
+                u = u if u is not None else unit
+                if u:
+                    out.setdefault((b, k), []).append(s / u)
+        return out
+
+    def batch_seed(
+        self, key: str, streams: int, unit: Optional[float] = None
+    ) -> Optional[Dict[int, List[float]]]:
+        """What a batch policy (``BatchDraftLength.seed``) starts from at
+        ``streams`` streams of ``key``'s drafts: per K measured
+        ``MIN_SAMPLES`` times (in this or an earlier process), its rounds'
+        seconds against a plain round of ``unit`` seconds (None: this
+        process's, else the stored one), and the plain round's; None where
+        nothing was measured."""
+        unit = unit or self.batch_unit(streams)
+        found = {
+            k: [r * unit for r in rs]
+            for (b, k), rs in self.batch_relative(key).items()
+            if b == streams and len(rs) >= MIN_SAMPLES
+        }
+        if not found or not unit:
+            return None
+        return {0: [unit] * MIN_SAMPLES, **found}
 
     def relative(self, key: str) -> Dict[int, List[float]]:
         """``key``'s samples per width, in plain steps."""
@@ -216,7 +330,18 @@ class RoundCosts:
             key: [[w, round(r, 4)] for w, rs in self.relative(key).items() for r in rs]
             for key in self.samples
         }
+        units = {b: self.batch_unit(b) for b in set(self.batch_plain) | set(self.stored_batch_units)
+                 | {b for shapes in self.batch.values() for b, _ in shapes}}  # fmt: skip
+        batch = {
+            key: [[b, k, round(r, 4)] for (b, k), rs in self.batch_relative(key).items()
+                  for r in rs]
+            for key in self.batch
+        }  # fmt: skip
         return {
             "unit": round(unit, 6) if unit else self.stored_unit,
             "sources": {k: v for k, v in sources.items() if v},
+            "batch": {
+                "units": {str(b): round(u, 6) for b, u in sorted(units.items()) if u},
+                "sources": {k: v for k, v in batch.items() if v},
+            },
         }

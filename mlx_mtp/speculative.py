@@ -21,6 +21,7 @@ from .defaults import DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_STEP
 from .drafts import NoDrafts, as_source
 from .kv import KVSettings
 from .prompt import as_prompt
+from .round_costs import store
 from .sampling import ExactMatchVerifier
 from .stats import MTPStats
 from .stream import Stream, start_stream
@@ -130,3 +131,4 @@ def speculative_generate_step(
                 yield t, i < stream.accepted
     finally:  # a consumer that stops reading: the step under way is taken back
         decoder.remove([stream])
+        store(model)  # what its rounds corrected, for later runs

@@ -147,21 +147,29 @@ def test_served_streams_ramp_up_and_give_a_drafter_up(target):
         assert stats.drafted <= RAMP * give_up
 
 
-def test_the_server_starts_requests_where_earlier_ones_left_a_drafter(target):
+def test_the_server_starts_requests_where_earlier_ones_left_a_drafter(
+    target, monkeypatch
+):
     """A server keeps what each drafter's drafts were worth per depth
     (``AcceptanceHistory``): once a drafter that never agrees has been tested
     enough, later requests start at its measured zero (no ramp from the
     default guess), so only the batch's exploring rounds draft, and the
     answers are plain decoding's; ``/health`` shows where the next request
-    starts."""
+    starts. The batch policy's round times are a fake clock's, where a
+    verify costs a plain step whatever its width (the memory-bound case,
+    where drafts pay): the first requests draft, and are tested, on any
+    machine (on the wall clock of a loaded one, drafted rounds could look
+    dear, be drafted less, and leave the drafter untested)."""
     import json
 
+    from fake_clock import fake_clock
     from live_server import LiveServer
 
     from mlx_mtp.adaptive import HISTORY_MIN_TESTS
     from mlx_mtp.serve import ServeConfig
 
     model = attach(*target, agreeable=False)
+    fake_clock(monkeypatch, model, per_token=False)
     tiny.write_tokenizer(target[0])
     tokenizer = mlx_mtp.load(target[0])[1]
     server = LiveServer(model, tokenizer, "dflash", ServeConfig())

@@ -10,13 +10,14 @@ import json
 import os
 import subprocess
 import sys
-import types
+import time
 
 import pytest
 import tiny
+from fake_clock import MS, fake_clock
 
 import mlx_mtp
-from mlx_mtp import config, decoder, drafts, probe, round_costs, timing
+from mlx_mtp import config, drafts, probe, round_costs, timing
 from mlx_mtp.adaptive import AcceptanceHistory, CostAwareDraft, Costs
 from mlx_mtp.drafts import LookupDrafts, ModelDrafts, NoDrafts, make_source
 from mlx_mtp.ngram import Lookup
@@ -24,7 +25,6 @@ from mlx_mtp.round_costs import LOOKUP, MIN_SAMPLES, RoundCosts
 from mlx_mtp.speculative import speculative_generate_step
 
 FREE = Costs([1.0] * 5, [0.0] * 4)
-MS = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,31 +45,6 @@ def store_free_probe(model):
     draft = {d.key: [0.0] * 4 for d in model.drafters}
     costs = {"verify": [1.0] * 5, "draft": draft, "step_ms": 1.0, "seconds": 0.1}
     timing.write_entry([], {**probe.probe_key(model), "costs": costs})
-
-
-def fake_clock(monkeypatch, model, per_token=True):
-    """The loop's clock advances only by the trunk's forwards: one ms per
-    token a forward reads (``per_token``), else one ms whatever it reads.
-    A plain step's ms is counted when its token is read, as the loop waits
-    for it (a step run ahead computes while the round before it ends)."""
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(
-        decoder, "time", types.SimpleNamespace(perf_counter=lambda: clock.now)
-    )
-    forward, read = model.target.forward, decoder._Ahead.read
-
-    def timed(tokens, cache, pieces=None, **kw):
-        if tokens.shape[1] > 1:
-            clock.now += (tokens.shape[1] if per_token else 1) * MS
-        return forward(tokens, cache, pieces, **kw)
-
-    def waited(ahead):
-        clock.now += MS
-        return read(ahead)
-
-    monkeypatch.setattr(model.target, "forward", timed)
-    monkeypatch.setattr(decoder._Ahead, "read", waited)
-    return clock
 
 
 class Stubborn(CostAwareDraft):
@@ -380,3 +355,186 @@ def test_a_served_stream_alone_corrects_too(folder, measuring, monkeypatch):
     (entry,) = json.loads(measuring.read_text())
     rows = entry["rounds"]["sources"][model.drafters[0].key]
     assert len(rows) >= MIN_SAMPLES and all(w >= 2 and r >= w for w, r in rows)
+
+
+# -- where the corrections are stored --------------------------------------------
+
+
+def served(model, tokenizer, monkeypatch, every):
+    """A live server on ``model`` storing its corrections at most every
+    ``every`` seconds when idle; and a list of the costs file's writes."""
+    from live_server import LiveServer
+
+    from mlx_mtp.serve import ServeConfig, engine
+
+    monkeypatch.setattr(engine, "STORE_EVERY", every)
+    writes, write = [], config.write_entries
+
+    def counted(file, data):
+        writes.append(file.name)
+        write(file, data)
+
+    monkeypatch.setattr(config, "write_entries", counted)
+    return LiveServer(model, tokenizer, "mtp", ServeConfig()), writes
+
+
+def ask(server, i):
+    body = {"prompt": tiny.random_prompt(20 + 3 * i, seed=70 + i),
+            "max_tokens": 24, "temperature": 0, "draft_source": "mtp"}  # fmt: skip
+    status, _ = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200
+
+
+def test_a_server_stores_the_corrections_at_close_not_per_request(
+    folder, measuring, monkeypatch
+):
+    """Requests whose rounds correct the costs write nothing on their way
+    (no file I/O on a request's path, nor between requests within
+    ``STORE_EVERY``); the server's close stores them once, for a later
+    process."""
+    model, tokenizer = mlx_mtp.load(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    server, writes = served(model, tokenizer, monkeypatch, every=3600.0)
+    try:
+        for i in range(3):
+            ask(server, i)
+            server.wait_idle()
+        assert probe.corrections(model).dirty  # the rounds corrected the costs
+        assert writes == []
+        (entry,) = json.loads(measuring.read_text())
+        assert "rounds" not in entry
+    finally:
+        server.close()
+    assert writes == [timing.COSTS_FILE]
+    (entry,) = json.loads(measuring.read_text())
+    rows = entry["rounds"]["sources"][model.drafters[0].key]
+    assert len(rows) >= MIN_SAMPLES
+    # a later process starts from them (the probe said a round costs 1 step)
+    assert probe.machine_costs(mlx_mtp.load_model(folder)).round(1) > 1.5
+    assert not list(measuring.parent.glob(".*.tmp"))  # nothing half-written left
+
+
+def test_an_idle_server_stores_the_corrections(folder, measuring, monkeypatch):
+    """Idle past ``STORE_EVERY`` (here at once), the server stores what the
+    rounds corrected before its close, once."""
+    model, tokenizer = mlx_mtp.load(folder)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    server, writes = served(model, tokenizer, monkeypatch, every=0.0)
+    try:
+        ask(server, 0)
+        deadline = time.monotonic() + 30
+        while not writes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writes == [timing.COSTS_FILE]
+        (entry,) = json.loads(measuring.read_text())
+        assert entry["rounds"]["sources"][model.drafters[0].key]
+        time.sleep(0.2)
+        assert writes == [timing.COSTS_FILE]  # nothing new: nothing written
+    finally:
+        server.close()
+    assert writes == [timing.COSTS_FILE]
+
+
+# -- a batch's rounds ------------------------------------------------------------
+
+
+def drafting_rounds_of(response):
+    """The rounds in which a batch's streams drafted (each stream's count)."""
+    return [(s.drafted_at or [0])[0] for s in response.mtp_stats]
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    """A target and a DFlash drafter that never agrees with it."""
+    import tiny_dflash as td
+
+    root = tmp_path_factory.mktemp("rounds-dflash")
+    target = td.build_target(root / "target", "qwen3", 6)
+    tiny.write_tokenizer(target)
+    return target, td.build_drafter(root / "dflash", [1, 4], 6, agreeable=False, seed=3)
+
+
+def test_a_batch_whose_drafts_are_dear_stops_and_a_new_process_starts_there(
+    dflash, measuring, monkeypatch
+):
+    """Four streams (``batch_generate``: the server's rounds) of a drafter
+    whose drafts pay by the stored costs and the default guess (it never
+    agrees, so its ``K`` stays at its first ramp), where a verify
+    over ``K + 1`` tokens a stream costs ``K + 1`` plain rounds: the batch
+    policy measures ``MIN_SAMPLES`` rounds of its drafts, stops drafting but
+    for rare exploring rounds, and its rounds are stored per batch size and
+    ``K`` (in plain rounds of the batch). A new process (a model loaded
+    afresh, its policy new) starts from them: its batch drafts only the
+    exploring rounds. Both answer as plain decoding does."""
+    prompts = [tiny.random_prompt(20 + 3 * i, seed=80 + i) for i in range(4)]
+    kw = dict(max_tokens=48, return_token_ids=True)
+    target, drafter = dflash
+    tokenizer = mlx_mtp.load(target)[1]
+    plain = mlx_mtp.load_model(target)  # (its plain rounds: a policy of its own)
+    want = mlx_mtp.batch_generate(plain, tokenizer, prompts, mtp=False, **kw)
+    model = mlx_mtp.load_model(target, draft=drafter)
+    store_free_probe(model)
+    fake_clock(monkeypatch, model)
+    got = mlx_mtp.batch_generate(model, tokenizer, prompts, draft_source="dflash", **kw)
+    assert got.token_ids == want.token_ids
+    first = drafting_rounds_of(got)
+    explored = 48 // 16  # at most one exploring round in ``explore`` (16)
+    assert all(MIN_SAMPLES <= n <= MIN_SAMPLES + explored for n in first)
+    (entry,) = json.loads(measuring.read_text())
+    batch = entry["rounds"]["batch"]
+    assert batch["units"]["4"] == pytest.approx(MS)
+    rows = batch["sources"][model.drafters[0].key]
+    dear = [r for b, k, r in rows if (b, k) == (4, 2)]  # a verify of 3 a stream
+    assert len(dear) >= MIN_SAMPLES and dear == pytest.approx([3.0] * len(dear))
+
+    later = mlx_mtp.load_model(target, draft=drafter)  # a new process's
+    fake_clock(monkeypatch, later)
+    again = mlx_mtp.batch_generate(later, tokenizer, prompts, draft_source="dflash", **kw)
+    assert again.token_ids == want.token_ids
+    assert all(n <= explored for n in drafting_rounds_of(again))
+    assert sum(drafting_rounds_of(again)) < sum(first)
+
+
+def test_batch_rounds_are_stored_and_read_back_in_plain_rounds():
+    """A batch's rounds are kept against its own plain rounds at its size
+    (not a single stream's plain step), and read back as seconds at this
+    process's unit, or the stored one."""
+    fix = RoundCosts(probe_unit=MS)
+    for _ in range(MIN_SAMPLES):
+        fix.record_batch("head", 4, 2, 9 * MS)  # before any plain round
+    for _ in range(round_costs.UNIT_MIN):
+        fix.record_batch_plain(4, 3 * MS)
+    assert fix.batch_seed("head", 4) == {
+        0: [3 * MS] * MIN_SAMPLES, 2: pytest.approx([9 * MS] * MIN_SAMPLES)
+    }
+    assert fix.batch_seed("head", 8) is None  # another size: nothing measured
+    assert fix.batch_seed("other", 4) is None
+    again = RoundCosts(json.loads(json.dumps(fix.to_dict())))
+    assert again.batch_unit(4) == pytest.approx(3 * MS)
+    assert again.batch_seed("head", 4)[2] == pytest.approx([9 * MS] * MIN_SAMPLES)
+    # against this process's plain rounds (here twice as fast)
+    assert again.batch_seed("head", 4, MS)[2] == pytest.approx([3 * MS] * MIN_SAMPLES)
+    for bad in ({"batch": {"sources": {"head": [[4, "x", 1]]}}}, {"batch": 3}):
+        assert RoundCosts(bad).batch_seed("head", 4) is None
+
+
+def test_a_seeded_policy_keeps_what_it_measured():
+    """Seeds fill only the lengths measured fewer than ``MIN_SAMPLES``
+    times; the rounds this process measured stay."""
+    from mlx_mtp.batch_policy import BatchDraftLength
+
+    policy = BatchDraftLength()
+    for _ in range(MIN_SAMPLES):
+        policy.record(4, 0, 1.0)
+    policy.record(4, 2, 5.0)
+    policy.seed(4, {0: [2.0] * MIN_SAMPLES, 2: [3.0] * MIN_SAMPLES})
+    assert list(policy.samples[4][0]) == [1.0] * MIN_SAMPLES
+    assert list(policy.samples[4][2]) == [3.0] * MIN_SAMPLES + [5.0]
+    # by them two drafts kept at 0.6 do not pay (unseeded, the policy would
+    # measure them first: fewer than ``MIN_SAMPLES`` rounds)
+    assert policy.choose(4, [[0.6, 0.6]] * 4, [2] * 4) == 0
+    fresh = BatchDraftLength()
+    fresh.record(4, 2, 5.0)
+    assert fresh.choose(4, [[0.6, 0.6]] * 4, [2] * 4) == 2

@@ -14,7 +14,10 @@ runs too) in a thread. Each turn of its loop
    prompt cache, and its prompt and answer to the lookup memory that later
    requests draft from (``ngram.LookupMemory``). Every drafting round also
    tells ``adaptive.AcceptanceHistory`` what the drafter's drafts were worth:
-   later requests start their acceptance there.
+   later requests start their acceptance there. What the rounds' times
+   corrected of the stored costs (``round_costs``) is written to disk when
+   the engine is idle, at most every ``STORE_EVERY`` seconds, and when it
+   stops.
 
 Models whose caches have no batch form here are served one stream at a time,
 through the same decoder (a batch of one).
@@ -34,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 
+from .. import round_costs
 from ..adaptive import AcceptanceHistory
 from ..batch_policy import BatchDraftLength
 from ..cache import truncatable
@@ -52,6 +56,10 @@ log = logging.getLogger("mlx_mtp.serve")
 
 # When idle, how long the first request waits for others sent with it.
 GATHER = 0.02
+# The rounds' corrections of the costs (``round_costs``) are stored when the
+# engine is idle, at most this often (seconds), and when it stops: never on
+# a request's path.
+STORE_EVERY = 60.0
 
 
 @dataclass
@@ -232,6 +240,7 @@ class Engine(Scheduler):
         self.totals = MTPStats()  # of every request finished (``/health``)
         # what each drafter's drafts were worth so far: where a request's starts
         self.history = AcceptanceHistory()
+        self._stored = time.monotonic()  # the rounds' corrections, last stored
 
     def _disk(self) -> Optional[DiskCache]:
         """The prompt cache's entries on disk, where the config asks for them."""
@@ -369,8 +378,10 @@ class Engine(Scheduler):
 
     def _run(self) -> None:
         while not (self._stopping and not self.busy()):
-            # 1) new requests; cancelled ones go
-            self._take(block=not self.busy())
+            # 1) new requests (when idle, the rounds' corrections are stored
+            # first: ``_store``); cancelled ones go
+            idle = not self.busy()
+            self._take(block=idle, timeout=self._store() if idle else None)
             self._drop_cancelled()
             try:
                 # 2) start requests while there is room
@@ -386,18 +397,35 @@ class Engine(Scheduler):
             except Exception as e:  # a bug must not take the server down
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(f"{type(e).__name__}: {e}")
+        self._store(now=True)
         # MLX leaves a thread's streams to the thread (ml-explore/mlx#4327): left
         # to the process's exit, their teardown aborts it now and then
         # ("terminate called without an active exception", exit 134)
         mx.synchronize()
         mx.clear_streams()
 
-    def _take(self, block: bool) -> None:
-        """Move new requests to ``waiting``; when idle, wait for one, then
-        ``GATHER`` seconds more for others sent with it (their prompts are
-        then read in one forward)."""
+    def _store(self, now: bool = False) -> Optional[float]:
+        """Store what the rounds corrected of the costs (``round_costs``), off
+        the requests' path: called when idle, it stores at most every
+        ``STORE_EVERY`` seconds (``now``: at the engine's end, whatever the
+        time). Returns the seconds until a store is due (None: nothing to
+        store), which the idle engine waits at most before it calls again."""
+        fix = round_costs.of(self.model)
+        if fix is None or not fix.dirty:
+            return None
+        left = self._stored + STORE_EVERY - time.monotonic()
+        if left > 0 and not now:
+            return left
+        fix.save()
+        self._stored = time.monotonic()
+        return None
+
+    def _take(self, block: bool, timeout: Optional[float] = None) -> None:
+        """Move new requests to ``waiting``; when idle, wait for one (for
+        ``timeout`` seconds at most), then ``GATHER`` seconds more for others
+        sent with it (their prompts are then read in one forward)."""
         try:
-            item = self.inbox.get(block=block)
+            item = self.inbox.get(block=block, timeout=timeout if block else None)
             gather = block and item is not None
             while True:
                 if item is not None:
