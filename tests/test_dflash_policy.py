@@ -289,7 +289,7 @@ def _counting(monkeypatch, model):
 
     rounds = [[]]
 
-    def counted(name, call, describe=lambda *a: None):
+    def counted(name, call, describe=lambda *a, out: None):
         def wrapper(*args, **kw):
             out = call(*args, **kw)
             rounds[-1].append((name, describe(*args, out=out)))
