@@ -96,21 +96,35 @@ def cache_length(caches: List[Any]) -> int:
     return 0
 
 
-@dataclass
 class Pending:
     """What one head layer has not read yet: its inputs and their successor tokens.
 
     A head layer at chain position ``i`` reads an input hidden state with the
     token ``t_{i+1}``; the token for the last input is not known yet, so
     ``tokens`` holds one fewer than ``hidden`` (none when ``hidden`` is None).
+    Inputs pushed one round at a time are kept as parts and joined once, when
+    read: a drafter that reads late (``drafter.PENDING_LIMIT``) copies its
+    queue once, not once per round.
     """
 
-    hidden: Optional[mx.array] = None  # [B, m, D]
-    tokens: List[int] = field(default_factory=list)  # m - 1
+    def __init__(self, hidden: Optional[mx.array] = None, tokens=()):
+        self._parts: List[mx.array] = [] if hidden is None else [hidden]
+        self.tokens: List[int] = list(tokens)  # m - 1
+
+    @property
+    def hidden(self) -> Optional[mx.array]:
+        """``[B, m, D]``, or None when nothing waits."""
+        if len(self._parts) > 1:
+            self._parts = [mx.concatenate(self._parts, axis=1)]
+        return self._parts[0] if self._parts else None
+
+    @hidden.setter
+    def hidden(self, value: Optional[mx.array]) -> None:
+        self._parts = [] if value is None else [value]
 
     @property
     def size(self) -> int:
-        return 0 if self.hidden is None else self.hidden.shape[1]
+        return sum(p.shape[1] for p in self._parts)
 
     def push(self, hidden: mx.array, read: List[int]) -> None:
         """Queue inputs made while reading ``read``, the successors of the inputs before.
@@ -118,10 +132,10 @@ class Pending:
         Each token read completes the previous input (the first completes the
         last one queued); the last new input stays incomplete.
         """
-        if self.hidden is None:
-            self.hidden, self.tokens = hidden, list(read[1:])
+        if not self._parts:
+            self._parts, self.tokens = [hidden], list(read[1:])
         else:
-            self.hidden = mx.concatenate([self.hidden, hidden], axis=1)
+            self._parts.append(hidden)
             self.tokens.extend(read)
 
     def keep_first(self, n: int) -> None:

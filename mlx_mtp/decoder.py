@@ -68,7 +68,9 @@ class _Ahead:
 
     def __init__(self, model, trunk, streams, inputs: mx.array, pending, undo=None):
         self.undo: Optional[Snapshot] = undo
-        self.logits, self.taps = model.target.forward(inputs.reshape(-1, 1), trunk)
+        self.logits, self.taps = model.target.forward(
+            inputs.reshape(-1, 1), trunk, keep_layers=rounds.keeps_layers(model, streams)
+        )
         self.tokens = mx.concatenate(
             [
                 s.verifier.sample(self.logits[b, -1:], s.history, p).reshape(1)
@@ -320,7 +322,12 @@ class Decoder(DraftView):
         width = max(map(len, tokens))
         pads = [width - len(t) for t in tokens]
         padded = [t + [0] * p for t, p in zip(tokens, pads)]
-        _, taps = model.target.forward(mx.array(padded), self.trunk, pieces=pieces)
+        _, taps = model.target.forward(
+            mx.array(padded),
+            self.trunk,
+            pieces=pieces,
+            keep_layers=rounds.keeps_layers(model, self.streams),
+        )
         if any(pads):
             self.rollback(self.trunk, pads)
         fed = []
@@ -332,7 +339,10 @@ class Decoder(DraftView):
             for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
                 if reading[b]:
                     d.observe(s, features[b : b + 1, : len(chunk)], chunk)
-            d.catch_up(self, self.streams)
+            # the prompt's features wait for the drafter's first proposal (one
+            # left out, or never asked, reads none), unless too many wait
+            if d.overdue(self.streams):
+                d.catch_up(self, self.streams)
             fed.append(d)
         if not fed:
             mx.eval([c.state for c in self.trunk])

@@ -37,9 +37,13 @@ from .cache import DraftState
 from .target import Taps
 
 # A drafter layer that has not read for this many positions (rounds without
-# drafts, or deeper than the drafts asked for) catches up, so what waits for it
-# stays small.
-PENDING_LIMIT = 32
+# drafts, or deeper than the drafts asked for, a prompt's features) catches up,
+# so what waits for it stays small. Below it, what waits is read when the
+# drafter is next asked (``propose``): a drafter whose drafts stop paying reads
+# nothing until its next probe round (``adaptive.MAX_PROBE_GAP`` rounds at
+# most, below this), and nothing at all where the generation ends first; one
+# given up reads nothing more.
+PENDING_LIMIT = 256
 
 # (features [1, L, F], L successor tokens) of one stream, or nothing
 Item = Optional[Tuple[mx.array, Any]]
@@ -181,6 +185,15 @@ class Drafter:
         """Stream ``stream`` kept tokens: ``features`` (``[1, m, F]``) are the
         target's at the ``m`` tokens it read, ``read``."""
         self.state(stream).pending[0].push(features, read)
+
+    def forget(self, stream) -> None:
+        """Drop what waits for ``stream``'s state: it no longer reads along
+        (its source gave this drafter up), so it would never be read. (A
+        state that does not follow the trunk starts afresh: ``follow``.)"""
+        state = stream.cache.drafts.get(self.name)
+        if state is not None and any(q.size for q in state.pending):
+            for q in state.pending:
+                q.hidden, q.tokens = None, []
 
     def overdue(self, streams: Sequence[Any]) -> bool:
         """Whether some layer of some stream holds more than ``PENDING_LIMIT``

@@ -37,6 +37,16 @@ def reads_along(drafter, source) -> bool:
     return source is None or drafter.name in source.drafters
 
 
+def keeps_layers(model, streams: Sequence[Stream]) -> bool:
+    """Whether a trunk forward for ``streams`` keeps its tapped layers'
+    outputs: some drafter that reads them reads along with some stream. One
+    given up, or left out, costs a plain step nothing (``Target.forward``)."""
+    return any(
+        d.reads.layers and any(reads_along(d, s.source) for s in streams)
+        for d in model.drafters
+    )
+
+
 def follow(model, cache: StreamCache, source) -> None:
     """Before a generation: each drafter it reads along with that did not
     follow the trunk (a generation before took none of its drafts) starts
@@ -92,7 +102,9 @@ def verify(
         rows.append(mx.concatenate(row) if len(row) > 1 else row[0])
     if width > 1:
         start_verify(caches.trunk)
-    logits, taps = model.target.forward(mx.stack(rows), caches.trunk)
+    logits, taps = model.target.forward(
+        mx.stack(rows), caches.trunk, keep_layers=keeps_layers(model, streams)
+    )
     # the round's one host sync
     emitted = [
         s.verifier.verify(logits[b, : len(d) + 1], d, s.history)
@@ -162,6 +174,9 @@ def settle(
             s.logprobs.record(rows, emitted[b][:m])
     for d in model.drafters:
         reading = [reads_along(d, s.source) for s in streams]
+        for b, s in enumerate(streams):
+            if not reading[b]:  # given up: what waited is never read
+                d.forget(s)
         if not any(reading):
             continue
         features = d.features(taps)

@@ -279,11 +279,20 @@ class Target:
         more than logits, or takes more, overrides this)."""
         return self.model(tokens, cache=cache, **kwargs)
 
-    def forward(self, tokens: mx.array, cache: List[Any], pieces=None, **kwargs):
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: List[Any],
+        pieces=None,
+        keep_layers: bool = True,
+        **kwargs,
+    ):
         """The logits and every tap (``Taps``: the final hidden state, the
         tapped layers' outputs) over ``tokens`` (``[B, T]``); ``pieces[b]``:
         the media row ``b`` reads in place of its placeholder tokens
-        (``prompt.Piece``, at positions within the chunk)."""
+        (``prompt.Piece``, at positions within the chunk). ``keep_layers=False``:
+        no drafter reads the tapped layers this forward, and none is kept
+        (``Taps.layers`` empty)."""
         if pieces is not None and any(pieces):
             self._feed.value = self.input_embeddings(tokens, pieces)
         try:
@@ -292,6 +301,8 @@ class Target:
             self._feed.value = None
         hidden, self._tap.value = self._tap.value, None
         layers = {i: self._taken.pop(i) for i in self.tapped if i in self._taken}
+        if not keep_layers:
+            layers = {}
         if self.layer_view is not None:  # layers of several streams (GLM-5.3)
             layers = {i: self.layer_view(x) for i, x in layers.items()}
         return logits, Taps(hidden, layers)

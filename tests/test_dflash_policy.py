@@ -285,3 +285,92 @@ def test_generate_remembers_a_drafter_across_processes(target, tmp_path, monkeyp
     file.write_text("{damaged")
     assert run_once()[0] == plain  # ignored: starts anew
     assert json.loads(file.read_text())[0]["drafters"][key]["tests"][0] > 0
+
+
+def _counting(monkeypatch, model):
+    """Per decoding round (``Decoder.step``), what it did: trunk forwards by
+    width and whether they kept tapped layers, the drafter's forwards (its
+    context over features, its block), host syncs and graph evaluations.
+    Returns the list of rounds (the first entry: before the first round)."""
+    from mlx_mtp import decoder
+    from mlx_mtp.drafters import dflash
+
+    rounds = [[]]
+
+    def counted(name, call, describe=lambda *a, out: None):
+        def wrapper(*args, **kw):
+            out = call(*args, **kw)
+            rounds[-1].append((name, describe(*args, out=out)))
+            return out
+
+        return wrapper
+
+    target = model.target
+    monkeypatch.setattr(target, "forward", counted(
+        "forward", target.forward,
+        lambda tokens, *a, out: (tokens.shape[1], bool(out[1].layers)),
+    ))  # fmt: skip
+    for cls, name in [(dflash.DFlashModel, "context"), (dflash.DFlashModel, "block")]:
+        monkeypatch.setattr(cls, name, counted(f"drafter.{name}", getattr(cls, name)))
+    for name in ("eval", "async_eval"):
+        monkeypatch.setattr(mx, name, counted(name, getattr(mx, name)))
+    for name in ("item", "tolist"):
+        monkeypatch.setattr(mx.array, name, counted(name, getattr(mx.array, name)))
+    step = decoder.Decoder.step
+
+    def counted_step(self):
+        rounds.append([])
+        return step(self)
+
+    monkeypatch.setattr(decoder.Decoder, "step", counted_step)
+    return rounds
+
+
+def test_a_given_up_drafter_costs_a_plain_step_nothing(target, monkeypatch):
+    """Counted, not timed: a drafter that never agrees reads no prompt
+    features before it is first asked; between its drafting rounds it makes
+    no forward (what waits is read when it is next asked); and once it is
+    given up, each round is the plain loop's round exactly: one trunk forward
+    of one token that keeps no tapped layer, no drafter forward, the same
+    syncs, nothing left waiting for it. Its tokens are plain decoding's."""
+    from mlx_mtp.drafts import NoDrafts
+
+    model = attach(*target, agreeable=False)
+    prompt = tiny.random_prompt(30, seed=11)
+    rounds = _counting(monkeypatch, model)
+    cache = model.make_cache()
+    source = make_source(model, "dflash", None)
+    got = [t for t, _ in speculative_generate_step(
+        prompt, model, max_tokens=600, drafts=source, prompt_cache=cache
+    )]  # fmt: skip
+    drafted, before = rounds[1:], rounds[0]
+    del rounds[:]
+    rounds.append([])
+    plain = [t for t, _ in speculative_generate_step(
+        prompt, model, max_tokens=600, drafts=NoDrafts()
+    )]  # fmt: skip
+    assert got == plain
+    assert source.retired and len(drafted) == len(rounds) - 1 == 600
+
+    def kinds(r):
+        return sorted((name, str(what)) for name, what in r)
+
+    # the prompt: the trunk alone (its one chunk keeps the layers for later)
+    assert [n for n, _ in before if n.startswith("drafter")] == []
+    assert [n for n, _ in before if n == "forward"] == ["forward"]
+    # a drafter forward only where the drafter was asked (a probe or a
+    # drafting round): its pending features, then its block
+    for r in drafted:
+        if ("drafter.block", None) not in r:
+            assert not [n for n, _ in r if n.startswith("drafter")], r
+    asked = [i for i, r in enumerate(drafted) if ("drafter.block", None) in r]
+    assert 0 < len(asked) <= 12
+    # given up: the plain loop's rounds, one for one
+    tail = drafted[asked[-1] + 2 : -1]
+    assert len(tail) > 100
+    steady = kinds(rounds[len(rounds) // 2])
+    assert steady == kinds([("async_eval", None), ("forward", (1, False)),
+                            ("tolist", None)])  # fmt: skip
+    assert all(kinds(r) == steady for r in tail)
+    state = cache.drafts["dflash"]
+    assert all(q.size == 0 for q in state.pending)  # nothing kept for it

@@ -86,10 +86,10 @@ def _randomize(module: nn.Module, seed: int):
     return out
 
 
-def target_weights(seed: int = 0):
+def target_weights(seed: int = 0, config=TARGET):
     from mlx_lm.models import gemma4_text
 
-    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(TARGET))
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
     return _randomize(model, seed)
 
 
@@ -107,8 +107,8 @@ def assistant_weights(seed: int = 1, config=ASSISTANT):
     return weights
 
 
-def build_target(path: Path, seed: int = 0) -> Path:
-    return tiny.save_folder(Path(path), dict(TARGET), target_weights(seed))
+def build_target(path: Path, seed: int = 0, config=TARGET) -> Path:
+    return tiny.save_folder(Path(path), dict(config), target_weights(seed, config))
 
 
 def build_assistant(

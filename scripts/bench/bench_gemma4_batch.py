@@ -34,6 +34,9 @@ preloaded (the header says which it ran with):
 GEMMA4 is a Gemma 4 folder (``gemma4`` or ``gemma4_text``), ASSISTANT its
 assistant's folder (``--mtp``); with the assistant kept beside the model
 (``mlx-mtp convert ASSISTANT --mtp-only --into GEMMA4``) pass ``-`` for it.
+A random bench-sized pair of the published layout, its assistant partly
+agreeing: ``build_bench_model.py OUT --family gemma4 --hidden 1536 --layers
+10`` (GEMMA4 is OUT, ASSISTANT ``OUT-assistant``; docs/performance.md).
 """
 
 import argparse

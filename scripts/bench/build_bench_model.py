@@ -8,13 +8,27 @@ memory-bound regime of docs/performance.md.
 
     python scripts/bench/build_bench_model.py OUT [--family mimo] [--hidden 1024]
         [--layers 8] [--vocab N] [--experts N] [--disagreeable] [--mrope]
-        [--vision]
+        [--vision] [--assistant-hidden N] [--assistant-layers N]
+        [--assistant-attention SCALE]
 
 Families: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (dense or MoE as their
 tiny configs), qwen3_next (MoE, gated delta net), qwen3_5 (dense GDN),
-qwen3_5_moe. ``--vision`` (qwen3_5, qwen3_5_moe; mlx-vlm needed) writes a
-vision-language folder: the language model at the given size, a tiny
-vision tower (decode speed after an image is what it is for).
+qwen3_5_moe, gemma4. ``--vision`` (qwen3_5, qwen3_5_moe; mlx-vlm needed)
+writes a vision-language folder: the language model at the given size, a
+tiny vision tower (decode speed after an image is what it is for).
+
+``gemma4`` writes a Gemma 4 text target (``gemma4_text``, as
+tests/tiny_gemma4.py lays it out: sliding and full attention layers, four
+sliding to one full and the last one full, the last third sharing K/V,
+per-layer inputs) at OUT and its assistant drafter (``gemma4_assistant``, the published separate folder)
+at ``OUT-assistant``, for ``scripts/bench/bench_gemma4_batch.py OUT
+OUT-assistant``. The assistant drafts the token it is given, its attention
+over the target's keys and values weighing in by ``--assistant-attention``
+(tiny_gemma4.partly: some drafts kept, which depends on each stream's
+context); ``--disagreeable``: a random assistant whose drafts are (almost)
+never kept. Its queries read the target's caches, so it has the target's
+head sizes; ``--assistant-hidden`` (default: a quarter of the target's) and
+``--assistant-layers`` (default 4: three sliding, one full) size the rest.
 """
 
 import argparse
@@ -24,6 +38,90 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import tiny  # noqa: E402
 import tiny_hybrid  # noqa: E402
+
+GEMMA4 = "gemma4"
+
+
+def gemma4_configs(args):
+    """The target's and the assistant's configs at the asked size (the
+    tiny ones of tests/tiny_gemma4.py, scaled)."""
+    import tiny_gemma4
+
+    h, n = args.hidden, args.layers
+    head_dim = 128 if h >= 512 else 16
+    heads = max(4, h // 256)
+    kinds = ((["sliding_attention"] * 4 + ["full_attention"]) * (n // 5 + 1))[:n]
+    kinds[-1] = "full_attention"  # as every Gemma 4 (transformers insists)
+    shared = n // 3
+    if "full_attention" not in kinds[: n - shared]:
+        raise SystemExit(f"gemma4: {n} layers hold no full attention layer with K/V")
+    common = dict(
+        num_attention_heads=heads,
+        num_key_value_heads=1 if h >= 512 else 2,
+        head_dim=head_dim,
+        global_head_dim=2 * head_dim,
+        sliding_window=args.window,
+        rope_parameters=tiny_gemma4.ROPE,
+        rms_norm_eps=1e-6,
+    )
+    vocab = args.vocab or tiny.VOCAB
+    target = dict(
+        tiny_gemma4.TARGET,
+        **common,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        hidden_size=h,
+        intermediate_size=args.intermediate or 4 * h,
+        num_hidden_layers=n,
+        num_kv_shared_layers=shared,
+        hidden_size_per_layer_input=max(8, h // 16),
+        layer_types=kinds,
+    )
+    a = args.assistant_hidden or max(32, h // 4)
+    m = args.assistant_layers
+    assistant = dict(
+        tiny_gemma4.PLAIN_ASSISTANT,
+        backbone_hidden_size=h,
+        text_config=dict(
+            common,
+            model_type="gemma4_text",
+            vocab_size=vocab,
+            hidden_size=a,
+            intermediate_size=4 * a,
+            num_hidden_layers=m,
+            layer_types=(["sliding_attention"] * 3 + ["full_attention"])[-m:]
+            if m <= 4
+            else ["sliding_attention"] * (m - 1) + ["full_attention"],
+        ),
+    )
+    return target, assistant
+
+
+def build_gemma4(args):
+    """The Gemma 4 target at ``args.out`` and its assistant beside it."""
+    import mlx.core as mx
+    import tiny_gemma4
+
+    target, assistant = gemma4_configs(args)
+    folder = tiny_gemma4.build_target(args.out, args.seed, target)
+    side = Path(str(args.out) + "-assistant")
+    if args.disagreeable:
+        tiny_gemma4.build_assistant(side, args.seed + 1, assistant)
+    else:
+        tiny_gemma4.build_assistant(
+            side,
+            args.seed + 1,
+            assistant,
+            agree_with=tiny_gemma4.target_weights(args.seed, target),
+            attention=args.assistant_attention,
+        )
+    def count(path):
+        return sum(v.size for v in mx.load(str(path / "model.safetensors")).values())
+
+    print(f"target {count(folder) / 1e6:.0f} M parameters, "
+          f"assistant {count(side) / 1e6:.0f} M", file=sys.stderr)  # fmt: skip
+    print(folder)
+    print(side)
 
 
 def main():
@@ -48,7 +146,20 @@ def main():
         action="store_true",
         help="qwen3_5*: add the mrope_section that mlx-vlm's config needs",
     )
+    ap.add_argument("--window", type=int, default=512, help="gemma4: sliding window")
+    ap.add_argument("--assistant-hidden", type=int, help="gemma4: default hidden / 4")
+    ap.add_argument("--assistant-layers", type=int, default=4)
+    ap.add_argument(
+        "--assistant-attention",
+        type=float,
+        default=2.0,
+        help="gemma4: how much the assistant's attention weighs in (0: it "
+        "drafts the token it is given)",
+    )
     args = ap.parse_args()
+    if args.family == GEMMA4:
+        build_gemma4(args)
+        return
     h = args.hidden
     common = dict(
         hidden_size=h,
