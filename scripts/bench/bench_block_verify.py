@@ -8,8 +8,13 @@ preloaded (the memory-bound regime of docs/performance.md):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
     OPENBLAS_NUM_THREADS=1 python scripts/bench/bench_block_verify.py
+
+``--model M`` another folder; ``--draft-max K --fixed`` drafts K every round
+(longer chains than the default model's head keeps, where the two rules
+differ most); ``--prompts N``, ``--tokens N``, ``--repeats N``.
 """
 
+import argparse
 import json
 import statistics
 import time
@@ -17,10 +22,24 @@ from pathlib import Path
 
 import mlx_mtp
 
-m, tok = mlx_mtp.load()  # the default model
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--model", default=None)
+ap.add_argument("--draft-max", type=int, default=None)
+ap.add_argument("--fixed", action="store_true")
+ap.add_argument("--prompts", type=int, default=4)
+ap.add_argument("--tokens", type=int, default=128)
+ap.add_argument("--repeats", type=int, default=2)
+args = ap.parse_args()
+drafts = {}
+if args.draft_max is not None:
+    drafts["draft_max"] = args.draft_max
+if args.fixed:
+    drafts.update(draft_source="mtp", adaptive_draft=False)
+
+m, tok = mlx_mtp.load(args.model)  # None: the default model
 prompts = json.loads(
     (Path(mlx_mtp.__file__).parent / "bench_prompts.json").read_text()
-)[:4]
+)[: args.prompts]
 msgs = [
     tok.apply_chat_template(
         [{"role": "user", "content": p["prompt"]}],
@@ -32,14 +51,15 @@ msgs = [
 rows = {}
 for r in mlx_mtp.stream_generate(m, tok, msgs[0], 16, temp=0.7, seed=0):
     pass  # warm up
-for rep in range(2):
+for rep in range(args.repeats):
     for i, msg in enumerate(msgs):
         for T in (0.7, 1.0):
             order = ("block", "token") if (rep + i) % 2 == 0 else ("token", "block")
             for v in order:
                 n, first = 0, None
                 for r in mlx_mtp.stream_generate(
-                    m, tok, msg, 128, temp=T, seed=100 * rep + i, verify=v
+                    m, tok, msg, args.tokens, temp=T, seed=100 * rep + i, verify=v,
+                    **drafts,
                 ):
                     n += 1
                     if first is None:
