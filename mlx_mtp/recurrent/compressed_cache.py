@@ -17,13 +17,10 @@ a verify computes what a decode does), so neither can be cut back by its
   adds. ``rollback(n)`` with ``n > 0`` puts the kept arrays back and writes
   the kept rows into them the way a decode of those tokens writes them (the
   same single-row updates: the same rotation, the same arrays).
-- ``RollbackPoolingCache`` (a compressor): the pass's projected rows reach it
-  through mlx-vlm's own hook (``_record_speculative_inputs``, called by
-  ``accumulate_windows``); ``rollback(n)`` keeps the groups the kept tokens
-  closed (each group is pooled from its own rows: those are the groups a
-  decode of the kept tokens pools) and reopens the group they end in with its
-  rows: the partial block a decode that never saw the dropped tokens holds.
-- ``RollbackCacheList`` passes both calls to its caches.
+- a compressor's ``PoolingCache`` and the layer's ``CacheList`` roll back as
+  GLM-5.3's do (``vlm_cache.RollbackPoolingCache``: the groups the kept
+  tokens closed, and the group they end in reopened with its rows;
+  ``vlm_cache.VerifyCacheList``, here ``RollbackCacheList``).
 
 Nothing is recomputed; outside a pass the caches are mlx-vlm's, unchanged.
 ``mark`` / ``restore`` copy the arrays that are written into.
@@ -37,16 +34,8 @@ import mlx.nn as nn
 from mlx_vlm.models.cache import CacheList, PoolingCache, RotatingKVCache
 
 
-def _copy(a: Optional[mx.array]) -> Optional[mx.array]:
-    return None if a is None else mx.array(a)
-
-
-def _open_block(parts: list, lo: int, hi: int, ratio: int) -> mx.array:
-    """Rows ``lo:hi`` of ``parts`` joined, zero-padded to a block of ``ratio``
-    (the buffer's slots past the open rows are never read)."""
-    rows = mx.concatenate([p for p in parts if p is not None], axis=1)[:, lo:hi]
-    pad = mx.zeros((rows.shape[0], ratio - rows.shape[1], rows.shape[2]), rows.dtype)
-    return mx.concatenate([rows, pad], axis=1)
+from .vlm_cache import RollbackPoolingCache, copied
+from .vlm_cache import VerifyCacheList as RollbackCacheList
 
 
 def _check(n: int, verified: int) -> None:
@@ -67,7 +56,7 @@ class RollbackWindowCache(RotatingKVCache):
     def start_verify(self) -> None:
         self._start = (self.keys, self.values, self.offset, self._idx)
         self._rows = []
-        self.keys, self.values = _copy(self.keys), _copy(self.values)
+        self.keys, self.values = copied(self.keys), copied(self.values)
 
     def update_and_fetch(self, keys, values):
         if self._rows is not None:
@@ -93,102 +82,12 @@ class RollbackWindowCache(RotatingKVCache):
         return False
 
     def mark(self) -> tuple:
-        return (_copy(self.keys), _copy(self.values), self.offset, self._idx)
+        return (copied(self.keys), copied(self.values), self.offset, self._idx)
 
     def restore(self, mark: tuple) -> None:
         self._start = self._rows = None
         keys, values, self.offset, self._idx = mark
-        self.keys, self.values = _copy(keys), _copy(values)
-
-
-class RollbackPoolingCache(PoolingCache):
-    """mlx-vlm's ``PoolingCache`` (a compressor's groups and open block) that
-    rolls back a verify pass."""
-
-    _start: Optional[tuple] = None  # (open rows kv, gate, remainder, pooled)
-    _rows: Optional[list] = None  # the (kv, gate) rows the pass projected
-
-    @property
-    def verifying(self) -> bool:
-        return self._start is not None
-
-    def _open(self) -> tuple:
-        r = self.remainder
-        if not r or self.buf_kv is None:
-            return None, None
-        return self.buf_kv[:, :r], self.buf_gate[:, :r]
-
-    def start_verify(self) -> None:
-        self._start = (*self._open(), self.remainder, self.pooled)
-        self._rows = []
-        self.buf_kv, self.buf_gate = _copy(self.buf_kv), _copy(self.buf_gate)
-
-    def _record_speculative_inputs(self, kv, gate):
-        if self._rows is not None:
-            self._rows.append((kv, gate))
-        super()._record_speculative_inputs(kv, gate)
-
-    def rollback(self, n: int) -> None:
-        start, rows = self._start, self._rows
-        self._start = self._rows = None
-        if n == 0:
-            return
-        if start is None:
-            raise RuntimeError(f"cannot roll back {n} tokens outside a verify pass")
-        open_kv, open_gate, remainder, pooled = start
-        verified = sum(kv.shape[1] for kv, _ in rows)
-        _check(n, verified)
-        total = remainder + verified - n
-        groups, self.remainder = divmod(total, self.ratio)
-        had = 0 if pooled is None else pooled.shape[1]
-        self.pooled = pooled if groups == 0 else self.pooled[:, : had + groups]
-        if self.remainder == 0:
-            return  # the next write opens a group: the buffer is not read
-        lo, ratio = groups * self.ratio, self.ratio
-        self.buf_kv = _open_block([open_kv] + [k for k, _ in rows], lo, total, ratio)
-        gates = [open_gate] + [g for _, g in rows]
-        self.buf_gate = _open_block(gates, lo, total, ratio)
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def mark(self) -> tuple:
-        return (_copy(self.buf_kv), _copy(self.buf_gate), self.remainder, self.pooled)
-
-    def restore(self, mark: tuple) -> None:
-        self._start = self._rows = None
-        buf_kv, buf_gate, self.remainder, self.pooled = mark
-        self.buf_kv, self.buf_gate = _copy(buf_kv), _copy(buf_gate)
-
-
-class RollbackCacheList(CacheList):
-    """A compressed layer's caches (window, compressors), rolled back together."""
-
-    @property
-    def offset(self) -> int:
-        return self.caches[0].offset
-
-    @property
-    def verifying(self) -> bool:
-        return self.caches[0].verifying
-
-    def start_verify(self) -> None:
-        for c in self.caches:
-            c.start_verify()
-
-    def rollback(self, n: int) -> None:
-        for c in self.caches:
-            c.rollback(n)
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def mark(self) -> tuple:
-        return tuple(c.mark() for c in self.caches)
-
-    def restore(self, mark: tuple) -> None:
-        for c, m in zip(self.caches, mark):
-            c.restore(m)
+        self.keys, self.values = copied(keys), copied(values)
 
 
 def rollable(cache: Any) -> Any:

@@ -19,25 +19,27 @@ block is pooled from its own keys alone, so those are the arrays a decode that
 never saw the dropped tokens holds (mlx-vlm's ``trim`` drops them all and
 pools them again at the next forward).
 
-``RollbackPoolingCache`` is mlx-vlm's ``PoolingCache`` (GLM-5.3-Flash's DSA
-indexer: pooled summaries of complete ``ratio``-token windows of indexer keys,
-and a buffer of the window under way): between ``start_verify()`` and
-``rollback(n)`` it keeps the buffer it started with and the keys and gates it
-read, and rolls back to the pools the kept tokens complete and the buffer of
-the kept tokens past them (each pool is made of its own window alone, so no
-pool is made again). mlx-vlm's own ``trim`` cannot drop a token once a pool
-exists. ``TrimmablePoolingCache`` (an MTP head's, whose tentative drafts are
-dropped outside a verify pass) keeps the raw keys and gates instead and cuts
-anywhere. ``VerifyCacheList`` is mlx-vlm's ``CacheList`` (a DSA layer's
-latent, indexer validity, pooling and projected-key caches) whose members
-each roll back by their own kind; a key cache is cut to at most the tokens
-the latent keeps (GLM-5.3's projected keys follow the latent on long chunks
-only, and may lag it).
+``RollbackPoolingCache`` is mlx-vlm's ``PoolingCache`` (pooled summaries of
+complete ``ratio``-row groups, and a buffer of the group still open: GLM-5.3-
+Flash's DSA indexer keys, DeepSeek-V4's compressors): the pass's rows reach
+it through mlx-vlm's own hook (``_record_speculative_inputs``, which
+``accumulate_windows`` calls), and ``rollback(n)`` keeps the groups the kept
+tokens closed (each is pooled from its own rows alone, so none is pooled
+again) and reopens the group they end in with its rows: what a decode that
+never saw the dropped tokens holds. mlx-vlm's own ``trim`` cannot drop a
+token once a group exists. ``TrimmablePoolingCache`` (an MTP head's, whose
+tentative drafts are dropped outside a verify pass) keeps the raw keys and
+gates instead and cuts anywhere. ``VerifyCacheList`` is mlx-vlm's
+``CacheList`` whose members each roll back by their own kind (a DSA layer's
+latent, indexer validity, pooling and projected-key caches; a compressed
+layer's window and compressors); a key cache is cut to at most the tokens
+the first member keeps (GLM-5.3's projected keys follow the latent on long
+chunks only, and may lag it).
 
 ``patch_trunk(model)`` makes mlx-vlm's language model hand out all of them.
 """
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,64 +107,80 @@ class RollbackQSACache(QSAKVCache):
         return n
 
 
-class RollbackPoolingCache(PoolingCache):
-    """``PoolingCache`` that rolls a verify pass back to the kept tokens' pools."""
+def copied(a: Optional[mx.array]) -> Optional[mx.array]:
+    """A copy of ``a`` (None stays None) that later writes into ``a`` leave alone."""
+    return None if a is None else mx.array(a)
 
-    _verify = None  # (remainder, buffers, pools) at the start, inputs read
+
+def _open_block(parts: list, lo: int, hi: int, ratio: int) -> mx.array:
+    """Rows ``lo:hi`` of ``parts`` joined, zero-padded to a block of ``ratio``
+    (the buffer's slots past the open rows are never read)."""
+    rows = mx.concatenate([p for p in parts if p is not None], axis=1)[:, lo:hi]
+    pad = mx.zeros((rows.shape[0], ratio - rows.shape[1], rows.shape[2]), rows.dtype)
+    return mx.concatenate([rows, pad], axis=1)
+
+
+class RollbackPoolingCache(PoolingCache):
+    """mlx-vlm's ``PoolingCache`` (pooled groups and the open block) that rolls
+    back a verify pass: GLM-5.3's DSA indexer's, DeepSeek-V4's compressors'."""
+
+    _start: Optional[tuple] = None  # (open rows kv, gate, remainder, pooled)
+    _rows: Optional[list] = None  # the (kv, gate) rows the pass projected
 
     @property
     def verifying(self) -> bool:
-        return self._verify is not None
+        return self._start is not None
+
+    def _open(self) -> tuple:
+        r = self.remainder
+        if not r or self.buf_kv is None:
+            return None, None
+        return self.buf_kv[:, :r], self.buf_gate[:, :r]
 
     def start_verify(self) -> None:
-        bufs = tuple(None if b is None else mx.array(b) for b in self._bufs())
-        self._verify = (self.remainder, bufs, self.offset, [])
+        self._start = (*self._open(), self.remainder, self.pooled)
+        self._rows = []
+        # a decode writes into the buffers: the pass writes into copies
+        self.buf_kv, self.buf_gate = copied(self.buf_kv), copied(self.buf_gate)
 
-    def _bufs(self) -> tuple:
-        return self.buf_kv, self.buf_gate
-
-    def accumulate_windows(self, kv, gate, offset):
-        if self._verify is not None:
-            self._verify[3].append((kv, gate))
-        return super().accumulate_windows(kv, gate, offset)
+    def _record_speculative_inputs(self, kv, gate):
+        # (mlx-vlm's hook: ``accumulate_windows`` hands it every row it reads)
+        if self._rows is not None:
+            self._rows.append((kv, gate))
+        super()._record_speculative_inputs(kv, gate)
 
     def rollback(self, n: int) -> None:
-        kept, self._verify = self._verify, None
+        start, rows = self._start, self._rows
+        self._start = self._rows = None
         if n == 0:
             return
-        if kept is None:
+        if start is None:
             raise RuntimeError(f"cannot roll back {n} tokens outside a verify pass")
-        remainder, bufs, pools, inputs = kept
-        read = sum(kv.shape[1] for kv, _ in inputs)
-        if n >= read:
-            raise ValueError(f"cannot roll back {n} of {read} verified tokens")
-        total = remainder + read - n
-        pools += total // self.ratio
-        self.pooled = None if pools == 0 else mx.contiguous(self.pooled[:, :pools])
-        self.remainder = total % self.ratio
-        new = []
-        for i, old in enumerate(bufs):
-            seq = mx.concatenate(
-                ([old[:, :remainder]] if old is not None else [])
-                + [x[i] for x in inputs],
-                axis=1,
-            )[:, :total]
-            buf = mx.zeros((seq.shape[0], self.ratio, seq.shape[-1]), seq.dtype)
-            if self.remainder:
-                buf[:, : self.remainder] = seq[:, total - self.remainder :]
-            new.append(buf)
-        self.buf_kv, self.buf_gate = new
+        open_kv, open_gate, remainder, pooled = start
+        verified = sum(kv.shape[1] for kv, _ in rows)
+        if n > verified:
+            raise ValueError(f"cannot roll back {n} of {verified} verified tokens")
+        total = remainder + verified - n
+        groups, self.remainder = divmod(total, self.ratio)
+        had = 0 if pooled is None else pooled.shape[1]
+        self.pooled = pooled if groups == 0 else self.pooled[:, : had + groups]
+        if self.remainder == 0:
+            return  # the next write opens a group: the buffer is not read
+        lo, ratio = groups * self.ratio, self.ratio
+        self.buf_kv = _open_block([open_kv] + [k for k, _ in rows], lo, total, ratio)
+        gates = [open_gate] + [g for _, g in rows]
+        self.buf_gate = _open_block(gates, lo, total, ratio)
 
     def is_trimmable(self) -> bool:
         return False
 
     def mark(self) -> tuple:
-        bufs = tuple(None if b is None else mx.array(b) for b in self._bufs())
-        return self.remainder, bufs, self.pooled
+        return (copied(self.buf_kv), copied(self.buf_gate), self.remainder, self.pooled)
 
     def restore(self, mark: tuple) -> None:
-        self._verify = None
-        self.remainder, (self.buf_kv, self.buf_gate), self.pooled = mark
+        self._start = self._rows = None
+        buf_kv, buf_gate, self.remainder, self.pooled = mark
+        self.buf_kv, self.buf_gate = copied(buf_kv), copied(buf_gate)
 
 
 class TrimmablePoolingCache(PoolingCache):
@@ -201,13 +219,19 @@ class TrimmablePoolingCache(PoolingCache):
 
 
 class VerifyCacheList(VLMCacheList):
-    """mlx-vlm's ``CacheList`` whose members each roll back by their own kind:
-    a pooling cache by its own ``rollback`` (a verify pass) or ``trim``; a key
-    cache is cut to at most the tokens the first one (the latent) keeps."""
+    """mlx-vlm's ``CacheList`` whose members each roll back by their own kind
+    (a GLM-5.3 DSA layer's latent, indexer validity, pooling and projected-key
+    caches; a DeepSeek-V4 compressed layer's window and compressors): one with
+    ``rollback`` by it (a verify pass), a key cache cut to at most the tokens
+    the first member (the latent, the window) keeps, any other by ``trim``."""
 
     @property
     def offset(self):
         return self.caches[0].offset
+
+    @property
+    def verifying(self) -> bool:
+        return any(getattr(c, "verifying", False) for c in self.caches)
 
     def start_verify(self) -> None:
         for c in self.caches:
