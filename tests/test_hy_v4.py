@@ -26,10 +26,11 @@ import tiny_hy_v4  # noqa: E402
 from mlx.utils import tree_flatten
 from tiny import random_prompt
 
-from vlm_greedy import mtp_greedy, vlm_greedy  # noqa: E402
+from vlm_greedy import batched_greedy, mtp_greedy, vlm_greedy  # noqa: E402
 import mlx_mtp
+from mlx_mtp import batch_cache
 from mlx_mtp.cache import rollback, start_verify
-from mlx_mtp.recurrent.hy_v4_cache import HyV4CacheList
+from mlx_mtp.recurrent.hy_v4_cache import BatchHyV4CacheList, HyV4CacheList
 
 PROMPT = random_prompt(30, seed=3)  # past the indexer's top-k of 8: sparse
 
@@ -269,6 +270,93 @@ def test_batch_generate_four_ragged_streams_greedy(model, reference):
     for p, ids in zip(prompts, out.token_ids):
         assert list(ids) == vlm_greedy(reference, p, 12)
     assert sum(s.accepted for s in out.mtp_stats) > 0
+    # the streams shared their rounds: fewer batched rounds than theirs
+    assert out.stats.generation_steps < sum(s.rounds for s in out.mtp_stats)
+
+
+# prompt lengths on both sides of the indexer's top-k of 8
+RAGGED = [20, 31, 9, 26, 14, 35, 5, 23]
+LIMITS = [12, 7, 15, 9, 11, 6, 13, 10]
+
+
+@pytest.mark.parametrize("streams", [4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_ragged_streams_decode_batched_as_mlx_vlm_alone(model, reference, streams, k):
+    """4 or 8 streams at different lengths, each leaving at its own limit (and
+    with 8, three joining the running batch) decode in one trunk forward a
+    round, each stream's greedy tokens mlx-vlm's plain ones (exact top-k)."""
+    m, _ = model
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate(RAGGED[:streams])]
+    limits = LIMITS[:streams]
+    join = (5, 6, 7) if streams == 8 else ()
+    got, ss, decoder, rounds, forwards = batched_greedy(
+        m, prompts, limits, [k] * streams, join=join
+    )
+    assert decoder.batched and decoder.peak == streams
+    assert forwards == rounds < sum(s.stats.rounds for s in ss)
+    for i, p in enumerate(prompts):
+        assert got[i] == vlm_greedy(reference, p, limits[i]), f"stream {i}"
+    assert sum(s.stats.accepted for s in ss) > 0
+    assert len({s.stats.accepted for s in ss}) > 1  # ragged acceptance
+
+
+@pytest.mark.parametrize("kept", [[4, 1, 3, 2], [2, 4, 1, 4]])
+def test_batch_rollback_per_stream_equals_decodes_that_never_saw_the_drafts(
+    model, kept
+):
+    """Four streams at different lengths (two below the top-k, two past it)
+    verify 4 tokens each in one forward and keep ``kept[b]``: each stream's
+    extracted latent, rope keys and indexer keys equal those of decoding its
+    kept tokens alone, and the batch decodes on as those do; the head's batch
+    cache likewise."""
+    m, _ = model
+    t = m.target
+    prompts = [random_prompt(n, seed=20 + i) for i, n in enumerate([30, 4, 21, 6])]
+    rows = [[p[-1], 5 + i, 77, 130 - i] for i, p in enumerate(prompts)]
+    singles = []
+    for p in prompts:
+        c = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], c)
+        singles.append(c)
+    batch = [batch_cache.merge(layer) for layer in zip(*singles)]
+    assert all(type(c) is BatchHyV4CacheList for c in batch)
+    start_verify(batch)
+    t.forward(mx.array(rows), batch)
+    batch_cache.rollback(batch, [4 - n for n in kept])
+    refs = []
+    for p, row, n in zip(prompts, rows, kept):
+        ref = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], ref)
+        for tok in row[:n]:
+            t.forward(mx.array([[tok]]), ref)
+        refs.append(ref)
+    for b, ref in enumerate(refs):
+        got = [c.extract(b, HyV4CacheList) for c in batch]
+        assert all(type(c) is HyV4CacheList for c in got)
+        _same(got, ref)
+    a, _ = t.forward(mx.array([[11]] * 4), batch)
+    for b, ref in enumerate(refs):
+        r, _ = t.forward(mx.array([[11]]), ref)
+        np.testing.assert_allclose(np.array(a[b]), np.array(r[0]), atol=1e-5)
+
+    head = m.head
+    L = [len(p) for p in prompts]
+    hs = [mx.random.normal((1, n + 3, 32), key=mx.random.key(b)) for b, n in enumerate(L)]
+    toks = [mx.array(p + [1, 2, 3])[None] for p in prompts]
+    singles = []
+    for h, tk, n in zip(hs, toks, L):
+        hc = head.make_cache()
+        head(h[:, :n], tk[:, :n], hc)
+        singles.append(hc)
+    hb = [batch_cache.merge(layer) for layer in zip(*singles)]
+    head(mx.concatenate([h[:, -3:] for h in hs]), mx.concatenate([tk[:, -3:] for tk in toks]), hb)
+    drop = [3 - min(n, 3) for n in kept]
+    batch_cache.rollback(hb, drop)
+    for b, (h, tk, n) in enumerate(zip(hs, toks, L)):
+        hr = head.make_cache()
+        keep = n + 3 - drop[b]
+        head(h[:, :keep], tk[:, :keep], hr)
+        _same([hb[0].extract(b)], hr)
 
 
 def test_kv_bits_is_refused_in_one_line(folders):

@@ -11,6 +11,7 @@ selection) would be larger than the head; mlx-vlm's drafter is the check.
 import json
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -22,10 +23,19 @@ import tiny_qwen4  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
-from vlm_greedy import mtp_greedy, vlm_greedy  # noqa: E402
+from live_server import LiveServer  # noqa: E402
+from vlm_greedy import batched_greedy, mtp_greedy, vlm_greedy  # noqa: E402
 import mlx_mtp
+from mlx_mtp import batch_cache
+from mlx_mtp.draft_settings import DraftSettings
+from mlx_mtp.serve import ServeConfig
 from mlx_mtp.cache import rollback, start_verify
-from mlx_mtp.recurrent.vlm_cache import RollbackQSACache, VerifyArraysCache
+from mlx_mtp.recurrent.vlm_cache import (
+    BatchArraysCache,
+    RaggedQSACache,
+    RollbackQSACache,
+    VerifyArraysCache,
+)
 
 PROMPT = random_prompt(30, seed=3)  # past the QSA budget: sparse attention
 
@@ -205,6 +215,154 @@ def test_batch_generate_four_streams_greedy(model, reference):
     for p, ids in zip(prompts, out.token_ids):
         assert list(ids) == vlm_greedy(reference, p, 12)
     assert sum(s.accepted for s in out.mtp_stats) > 0
+    # the streams shared their rounds: fewer batched rounds than theirs
+    assert out.stats.generation_steps < sum(s.rounds for s in out.mtp_stats)
+
+
+# prompt lengths on both sides of the QSA budget (8 tokens: 4 blocks of 2)
+RAGGED = [20, 31, 9, 26, 14, 35, 5, 23]
+LIMITS = [12, 7, 15, 9, 11, 6, 13, 10]
+
+
+@pytest.mark.parametrize("streams", [4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_ragged_streams_decode_batched_as_mlx_vlm_alone(model, reference, streams, k):
+    """4 or 8 streams at different lengths, each leaving at its own limit (and
+    with 8, three joining the running batch) decode in one trunk forward a
+    round, each stream's greedy tokens mlx-vlm's plain ones."""
+    m, _ = model
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate(RAGGED[:streams])]
+    limits = LIMITS[:streams]
+    join = (5, 6, 7) if streams == 8 else ()
+    got, ss, decoder, rounds, forwards = batched_greedy(
+        m, prompts, limits, [k] * streams, join=join
+    )
+    assert decoder.batched and decoder.peak == streams
+    assert forwards == rounds < sum(s.stats.rounds for s in ss)
+    for i, p in enumerate(prompts):
+        assert got[i] == vlm_greedy(reference, p, limits[i]), f"stream {i}"
+    assert sum(s.stats.accepted for s in ss) > 0
+    assert len({s.stats.accepted for s in ss}) > 1  # ragged acceptance
+
+
+@pytest.mark.parametrize("kept", [[4, 1, 3, 2], [2, 4, 1, 4]])
+def test_batch_rollback_per_stream_equals_decodes_that_never_saw_the_drafts(
+    model, kept
+):
+    """Four streams at different lengths verify 4 tokens each in one forward
+    and keep ``kept[b]`` of them: each stream's extracted caches (GDN conv and
+    state, the n-gram history and PLE conv, QSA keys, values, indexer keys,
+    positions, block summaries) equal those of decoding its kept tokens alone,
+    and the batch decodes on as those do; the head's batch cache likewise."""
+    m, _ = model
+    t = m.target
+    prompts = [random_prompt(n, seed=20 + i) for i, n in enumerate([30, 12, 21, 17])]
+    rows = [[p[-1], 5 + i, 77, 130 - i] for i, p in enumerate(prompts)]
+    singles = []
+    for p in prompts:
+        c = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], c)
+        singles.append(c)
+    kinds = [type(c) for c in singles[0]]
+    batch = [batch_cache.merge(layer) for layer in zip(*singles)]
+    assert [type(c) for c in batch] == [
+        BatchArraysCache, RaggedQSACache, BatchArraysCache, RaggedQSACache
+    ]  # fmt: skip
+    start_verify(batch)
+    t.forward(mx.array(rows), batch)
+    batch_cache.rollback(batch, [4 - n for n in kept])
+    refs = []
+    for p, row, n in zip(prompts, rows, kept):
+        ref = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], ref)
+        for tok in row[:n]:
+            t.forward(mx.array([[tok]]), ref)
+        refs.append(ref)
+    for b, ref in enumerate(refs):
+        got = [c.extract(b, kind) for c, kind in zip(batch, kinds)]
+        assert [type(c) for c in got] == kinds
+        for c, r in zip(got, ref):
+            for x, y in zip(_state(c), _state(r)):
+                _same(x, y)
+    # the batch reads on from each stream's kept tokens
+    a, _ = t.forward(mx.array([[11]] * 4), batch)
+    for b, ref in enumerate(refs):
+        r, _ = t.forward(mx.array([[11]]), ref)
+        np.testing.assert_allclose(np.array(a[b]), np.array(r[0]), atol=1e-5)
+
+    head = m.head
+    L = [len(p) for p in prompts]
+    hs = [mx.random.normal((1, n + 3, 64), key=mx.random.key(b)) for b, n in enumerate(L)]
+    toks = [mx.array(p + [1, 2, 3])[None] for p in prompts]
+    singles = []
+    for h, tk, n in zip(hs, toks, L):
+        hc = head.make_cache()
+        head(h[:, :n], tk[:, :n], hc)
+        singles.append(hc)
+    hb = [batch_cache.merge(layer) for layer in zip(*singles)]
+    head(mx.concatenate([h[:, -3:] for h in hs]), mx.concatenate([tk[:, -3:] for tk in toks]), hb)
+    drop = [3 - min(n, 3) for n in kept]
+    batch_cache.rollback(hb, drop)
+    for b, (h, tk, n) in enumerate(zip(hs, toks, L)):
+        hr = head.make_cache()
+        keep = n + 3 - drop[b]
+        head(h[:, :keep], tk[:, :keep], hr)
+        for x, y in zip(_state(hb[0].extract(b)), _state(hr[0])):
+            _same(x, y)
+
+
+def _streamed_text(tok, ids):
+    """``ids`` as text, detokenized token by token as the server streams it."""
+    d = tok.detokenizer
+    d.reset()
+    for t in ids:
+        d.add_token(t)
+    d.finalize()
+    return d.text
+
+
+def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, reference):
+    """Four clients at once, each with its own prompt length, draft count and
+    limit: the server decodes them in one batch, and each gets the answer it
+    gets alone without drafts, mlx-vlm's plain greedy tokens."""
+    m, tok = model
+    config = ServeConfig(max_batch=4, prompt_cache_entries=0, lookup_memory_bytes=0,
+                         drafts=DraftSettings(adaptive=False))  # fmt: skip
+    server = LiveServer(m, tok, "qwen4", config)
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate([22, 9, 30, 15])]
+    limits = [20, 16, 24, 18]
+    stop = set(tok.eos_token_ids)
+    try:
+        client = server.client()
+
+        def ask(i, drafts):
+            r = client.completions.create(
+                model="qwen4", prompt=prompts[i], max_tokens=limits[i],
+                temperature=0.0, extra_body={"draft_max": drafts},
+            )  # fmt: skip
+            return r.choices[0].text, r.usage
+
+        plain = [ask(i, 0)[0] for i in range(4)]
+        together = [None] * 4
+        threads = [
+            threading.Thread(
+                target=lambda i=i: together.__setitem__(i, ask(i, [1, 2, 3, 2][i]))
+            )
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        health = server.get("/health")[1]
+    finally:
+        server.close()
+    assert health["batched"] and health["peak_batch"] > 1
+    assert [t for t, _ in together] == plain
+    assert sum(u.mtp["accepted"] for _, u in together) > 0
+    for i, p in enumerate(prompts):
+        ids = vlm_greedy(reference, p, limits[i], stop=stop)
+        assert plain[i] == _streamed_text(tok, [t for t in ids if t not in stop])
 
 
 def test_kv_bits_is_refused_in_one_line(folders):

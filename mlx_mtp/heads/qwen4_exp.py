@@ -42,7 +42,7 @@ from mlx_vlm.models.qwen4_exp.language import (
     Qwen4ExpRMSNorm,
 )
 
-from ..recurrent.vlm_cache import RollbackQSACache
+from ..recurrent.vlm_cache import RollbackQSACache, ragged_qsa
 from ..recurrent.vlm_cache import patch_trunk  # noqa: F401  (the loader's hook)
 from .base import MTPHead
 from .qwen3_next import sanitize_block  # noqa: F401  (fused experts -> switch_mlp)
@@ -97,6 +97,7 @@ class Qwen4ExpMTP(MTPHead):
         )
         self.block = _Block(Qwen4ExpDecoderLayer(one, layer_idx=0))
         self.hyper_connection_mixer = Qwen4ExpGatedResidual(one, use_combine=False)
+        ragged_qsa(self.block)  # a batch's streams, each at its own offset
 
     def fuse(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         if hidden.shape[-1] != self.hc * self.width:
@@ -117,6 +118,8 @@ class Qwen4ExpMTP(MTPHead):
         x = self.fuse(self.embed(tokens), hidden)
         B, L = tokens.shape
         offset = 0 if c is None else c.offset
+        if isinstance(offset, mx.array):  # a batch's streams, one offset each
+            offset = offset.reshape(-1, 1)
         positions = mx.broadcast_to(mx.arange(L, dtype=mx.int32)[None] + offset, (B, L))
         mask = _create_qwen3_5_attention_mask(x, c)
         x = self.block.layers[0](

@@ -1,4 +1,5 @@
-"""Rollback for the caches of language models that mlx-vlm runs (Qwen3.8-Flash-Next).
+"""Rollback for the caches of language models that mlx-vlm runs (Qwen3.8-Flash-Next,
+GLM-5.3-Flash, DeepSeek-V4-Flash).
 
 mlx-vlm 0.7.10's layers write their recurrent caches through two calls of its
 own ``ArraysCache`` (``models/cache.py``): ``update_window(slot, source,
@@ -37,18 +38,33 @@ the first member keeps (GLM-5.3's projected keys follow the latent on long
 chunks only, and may lag it).
 
 ``patch_trunk(model)`` makes mlx-vlm's language model hand out all of them.
+
+Batch forms (``decoder.Decoder``, ``batch_cache.merge``'s ``merge_batch``
+hook): ``BatchArraysCache`` holds every stream's windows and states, each
+stream rolled back to its own last kept token; ``RaggedQSACache`` holds every
+stream's keys and values in one ``batch_cache.RaggedKVCache`` (each stream at
+its own length) and each stream's indexer state (raw keys, positions, block
+summaries) as a single-stream ``RollbackQSACache`` of its own, which mlx-vlm's
+indexer selects on, stream by stream, exactly as it does alone; the
+projections and the attention then run over all streams at once under the
+streams' masks (``RaggedQSAAttention``, put on mlx-vlm's ``Qwen4ExpAttention``
+modules by ``patch_trunk`` and the head).
 """
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache as LMKVCache
+from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.models.cache import ArraysCache as VLMArraysCache
 from mlx_vlm.models.cache import CacheList as VLMCacheList
 from mlx_vlm.models.cache import KVCache as VLMKVCache
 from mlx_vlm.models.cache import PoolingCache
-from mlx_vlm.models.qwen4_exp.language import QSAKVCache
+from mlx_vlm.models.qwen4_exp.language import QSAKVCache, Qwen4ExpAttention
+from mlx_vlm.models.qwen4_exp.qsa_kernel import dispatch_qsa_attention
 
+from ..batch_cache import RaggedKVCache
 from .keep_states import KeepStatesCache
 
 
@@ -92,9 +108,21 @@ class VerifyArraysCache(VLMArraysCache):
         self._verify = None
         self.cache = list(mark)
 
+    # what a fresh slot reads as, where it is not zeros (the n-gram token
+    # history starts as end-of-sequence tokens): a batch fills it so
+    fills: Dict[int, int] = {}
+
+    @staticmethod
+    def merge_batch(caches: Sequence["VerifyArraysCache"]) -> "BatchArraysCache":
+        return BatchArraysCache.merge(caches)
+
 
 class RollbackQSACache(QSAKVCache):
     """``QSAKVCache`` whose ``trim`` keeps the block summaries still complete."""
+
+    @staticmethod
+    def merge_batch(caches: Sequence["RollbackQSACache"]) -> "RaggedQSACache":
+        return RaggedQSACache.merge_streams(caches)
 
     def trim(self, n):
         blocks, ratio = self.index_block_keys, self.index_block_ratio
@@ -280,14 +308,302 @@ def _rollable(cache: Any) -> Any:
 
 def patch_trunk(model: nn.Module) -> None:
     """Make ``model.make_cache`` (mlx-vlm's language model) hand out caches
-    that roll back. Calling it twice changes nothing."""
+    that roll back, and its QSA layers read a batch of ragged streams.
+    Calling it twice changes nothing."""
+    ragged_qsa(model)
     base = type(model)
     if getattr(base, "_mtp_vlm_rollable", False):
         return
 
     def make_cache(self) -> List[Any]:
-        return [_rollable(c) for c in base.make_cache(self)]
+        caches = [_rollable(c) for c in base.make_cache(self)]
+        layers = getattr(getattr(self, "model", None), "layers", ())
+        for c, layer in zip(caches, layers):
+            ple = getattr(layer, "ple", None)
+            if isinstance(c, VerifyArraysCache) and ple is not None:
+                c.fills = {3: int(ple.ple_embedding.eos_token_id)}  # its history
+        return caches
 
     model.__class__ = type(
         base.__name__, (base,), {"make_cache": make_cache, "_mtp_vlm_rollable": True}
     )
+
+
+# -- batch forms: several streams, each at its own length ------------------------
+
+
+def _per_stream(n, size: int) -> List[int]:
+    return [n] * size if isinstance(n, int) else [int(x) for x in n]
+
+
+def _stacked(parts: Sequence[Optional[mx.array]], counts: Sequence[int], fill: int):
+    """Concatenate along the batch axis; a missing part (a stream that has read
+    nothing) is ``count`` rows of ``fill``."""
+    like = next((p for p in parts if p is not None), None)
+    if like is None:
+        return None
+    return mx.concatenate(
+        [
+            mx.full((n, *like.shape[1:]), fill, like.dtype) if p is None else p
+            for p, n in zip(parts, counts)
+        ]
+    )
+
+
+class BatchArraysCache(VerifyArraysCache):
+    """``VerifyArraysCache`` of ``streams`` streams: mlx-vlm's layers write it
+    as they write one stream's (every stream reads the same number of inputs
+    a forward: padding sits after a stream's own tokens), and ``rollback``
+    takes, per stream, its window or state after its own last kept token."""
+
+    def __init__(self, size: int, streams: int = 0, kind: type = VerifyArraysCache):
+        super().__init__(size)
+        self.streams, self.kind = streams, kind
+
+    def rollback(self, n) -> None:
+        kept_slots, self._verify = self._verify, None
+        n = _per_stream(n, self.streams)
+        if not any(n):
+            return
+        if not kept_slots:
+            raise RuntimeError(f"cannot roll back {max(n)} tokens outside a verify pass")
+        counts = {seq.shape[1] - window for seq, window in kept_slots.values()}
+        verified = counts.pop()
+        if counts or max(n) >= verified:
+            raise ValueError(f"cannot roll back {max(n)} of {verified} verified tokens")
+        kept = mx.array([verified - k for k in n], dtype=mx.int32)
+        for slot, (seq, window) in kept_slots.items():
+            ones = [1] * (seq.ndim - 2)
+            if window:  # stream b's window: the ``window`` inputs before its next
+                rows = (kept[:, None] + mx.arange(window)).reshape(-1, window, *ones)
+                self.cache[slot] = mx.take_along_axis(seq, rows, axis=1)
+            else:  # its state after its last kept token
+                rows = (kept - 1).reshape(-1, 1, *ones)
+                self.cache[slot] = mx.take_along_axis(seq, rows, axis=1).squeeze(1)
+
+    @classmethod
+    def merge(cls, caches: Sequence[VerifyArraysCache]) -> "BatchArraysCache":
+        first = caches[0]
+        out = cls(len(first.cache), len(caches), type(first))
+        out.fills = first.fills
+        ones = [1] * len(caches)
+        for i in range(len(out.cache)):
+            parts = [c.cache[i] for c in caches]
+            out.cache[i] = _stacked(parts, ones, out.fills.get(i, 0))
+        return out
+
+    def extend(self, other: "BatchArraysCache") -> None:
+        counts = [self.streams, other.streams]
+        self.cache = [
+            _stacked([a, b], counts, self.fills.get(i, 0))
+            for i, (a, b) in enumerate(zip(self.cache, other.cache))
+        ]
+        self.streams += other.streams
+
+    def filter(self, keep: Sequence[int]) -> None:
+        idx = mx.array(list(keep), dtype=mx.int32)
+        self.cache = [None if c is None or not keep else c[idx] for c in self.cache]
+        self.streams = len(keep)
+
+    def extract(self, b: int, like: Optional[type] = None) -> VerifyArraysCache:
+        """Stream ``b`` as a single-stream cache (of class ``like``, or the
+        class the streams came from)."""
+        c = (like or self.kind)(len(self.cache))
+        c.fills = self.fills
+        c.cache = [None if x is None else mx.contiguous(x[b : b + 1]) for x in self.cache]
+        return c
+
+    @property
+    def state(self) -> List[mx.array]:
+        return [x for x in self.cache if x is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.state)
+
+
+class RaggedQSACache:
+    """QSA caches of several streams, stream ``b`` holding ``lengths[b]`` tokens.
+
+    Keys and values sit in one ``RaggedKVCache`` (each stream writes at its own
+    length, its stale entries past it masked); each stream's indexer state is
+    a ``RollbackQSACache`` of its own (``index[b]``, holding no keys: its
+    ``offset`` follows the stream's length), on which mlx-vlm's indexer
+    selects as it does for the stream alone, and which rolls back by that
+    class's own ``trim`` (complete block summaries kept).
+
+    It has no ``merge``: mlx-vlm's ``Qwen4ExpModel`` reads a first QSA cache
+    with ``extract``, ``merge`` and per-row offsets as its own batch cache and
+    runs each row apart (``merge_streams`` builds this one).
+    """
+
+    def __init__(self, kv: RaggedKVCache, index: List[RollbackQSACache], kind: type):
+        self.kv, self.index, self.kind = kv, index, kind
+
+    @property
+    def lengths(self) -> List[int]:
+        return self.kv.lengths
+
+    @property
+    def offset(self):
+        return self.kv.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.kv.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        out = self.kv.update_and_fetch(keys, values)
+        self._follow()
+        return out
+
+    def _follow(self) -> None:
+        for view, n in zip(self.index, self.kv.lengths):
+            view.offset = n
+
+    def rollback(self, n) -> None:
+        n = _per_stream(n, len(self.index))
+        self.kv.rollback(n)
+        for view, k in zip(self.index, n):
+            if k:
+                view.trim(k)
+        self._follow()
+
+    def trim(self, n: int) -> int:
+        self.rollback(n)
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @classmethod
+    def merge_streams(cls, caches: Sequence[RollbackQSACache]) -> "RaggedQSACache":
+        plain = []
+        for c in caches:
+            p = LMKVCache()
+            if c.keys is not None and c.offset:
+                p.keys, p.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+                p.offset = c.offset
+            plain.append(p)
+        kind = type(caches[0])
+        index = []
+        for c in caches:
+            view = kind()
+            view.offset = c.offset
+            view.index_keys, view.index_position_ids = c.index_keys, c.index_position_ids
+            view.index_block_keys = c.index_block_keys
+            view.index_block_ratio = c.index_block_ratio
+            index.append(view)
+        return cls(RaggedKVCache.merge(plain), index, kind)
+
+    def extend(self, other: "RaggedQSACache") -> None:
+        self.kv.extend(other.kv)
+        self.index = self.index + other.index
+
+    def filter(self, keep: Sequence[int]) -> None:
+        self.kv.filter(keep)
+        self.index = [self.index[i] for i in keep]
+
+    def extract(self, b: int, like: Optional[type] = None) -> RollbackQSACache:
+        """Stream ``b`` as a single-stream cache (its own copy of the keys)."""
+        c = (like or self.kind)()
+        kv, view = self.kv.extract(b), self.index[b]
+        if kv.keys is not None:
+            c.keys, c.values, c.offset = kv.keys, kv.values, kv.offset
+        c.index_keys, c.index_position_ids = view.index_keys, view.index_position_ids
+        c.index_block_keys, c.index_block_ratio = view.index_block_keys, view.index_block_ratio
+        return c
+
+    @property
+    def state(self) -> List[mx.array]:
+        held = [
+            x
+            for v in self.index
+            for x in (v.index_keys, v.index_position_ids, v.index_block_keys)
+            if x is not None
+        ]
+        return self.kv.state + held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.state)
+
+
+class RaggedQSAAttention(Qwen4ExpAttention):
+    """mlx-vlm's ``Qwen4ExpAttention`` that also reads a ``RaggedQSACache``: each
+    stream's blocks are selected on its own indexer state (mlx-vlm's
+    ``select_from_projected``, as alone), then one attention over all streams,
+    each under its own mask (mlx-vlm's ``build_mask`` of its selection, or its
+    causal rows where it selects nothing); where every stream selects, through
+    mlx-vlm's ``dispatch_qsa_attention`` as a stream alone goes."""
+
+    def __call__(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
+        if not isinstance(cache, RaggedQSACache):
+            return super().__call__(x, mask, cache, position_ids, position_embeddings)
+        B, L, _ = x.shape
+        if position_ids is None:
+            offset = mx.array(cache.lengths, dtype=mx.int32)[:, None]
+            position_ids = offset + mx.arange(L, dtype=mx.int32)
+        qk = self.indexer.index_qk_proj(x)
+        selections = [
+            self.indexer.select_from_projected(
+                qk[b : b + 1], view, position_ids[..., b : b + 1, :]
+            )
+            for b, view in enumerate(cache.index)
+        ]
+        starts = list(cache.lengths)
+        queries, keys, values, gate, _ = self._prepare_projected_qkv(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x),
+            cache, position_ids, position_embeddings, None,
+        )  # fmt: skip
+        scale = self.scale
+        if all(s is None for s in selections):  # every stream attends densely
+            out = scaled_dot_product_attention(
+                queries, keys, values, cache=cache, scale=scale, mask=mask
+            )
+        else:
+            width = keys.shape[2]
+
+            def masks():
+                rows = []
+                for s, n in zip(selections, starts):
+                    if s is None:  # its causal rows
+                        ends = n + mx.arange(L) + 1
+                        m = (mx.arange(width) < ends[:, None])[None, None]
+                    else:
+                        m = self.indexer.build_mask(s)
+                        pad = width - m.shape[-1]
+                        if pad:
+                            m = mx.concatenate(
+                                [m, mx.zeros((*m.shape[:-1], pad), mx.bool_)], axis=-1
+                            )
+                    rows.append(m)
+                return mx.concatenate(rows)
+
+            if any(s is None for s in selections):
+                out = scaled_dot_product_attention(
+                    queries, keys, values, cache=cache, scale=scale, mask=masks()
+                )
+            else:
+                out = dispatch_qsa_attention(
+                    queries,
+                    keys,
+                    values,
+                    mx.concatenate([s.selected_blocks for s in selections]),
+                    mx.concatenate([s.query_ends for s in selections]),
+                    cache=cache,
+                    scale=scale,
+                    block_size=self.indexer.compress_ratio,
+                    causal=True,
+                    mask=None,
+                    mask_factory=masks,
+                )
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+def ragged_qsa(model: nn.Module) -> None:
+    """Every ``Qwen4ExpAttention`` of ``model`` becomes a ``RaggedQSAAttention``
+    (its parameters and names unchanged)."""
+    for _, m in model.named_modules():
+        if type(m) is Qwen4ExpAttention:
+            m.__class__ = RaggedQSAAttention
