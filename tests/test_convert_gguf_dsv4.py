@@ -116,19 +116,16 @@ def test_a_folder_of_llama_cpps_files_or_the_model_file_alone(built, tmp_path):
         shutil.copy(f, folder / f.name)
     assert_same_tensors(convert(folder, tmp_path / "a", dtype="float32"), ref)
     model = folder / files["f32"][0].name
-    r = subprocess.run(
-        [*CLI, "convert", str(model), str(tmp_path / "b"), "--dtype", "float32"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    args = ["convert", model, tmp_path / "b", "--dtype", "float32"]
+    assert run_app(args) == 0
     assert_same_tensors(tmp_path / "b", ref)
 
 
 def test_q8_0_and_mxfp4_convert_at_their_own_width(built, tmp_path):
-    """The published precision: FP8 matrices as Q8_0, experts as MXFP4,
-    ``eh_proj`` Q8_0. No precision asked: 8-bit groups of 32 for the trunk
-    (the same model ``-q --q-bits 8`` makes of a checkpoint holding the
-    file's values, bit for bit), the MTP layer at 8 bits too."""
+    """The published precision: FP8 matrices as Q8_0 (the MTP layer's too),
+    experts as MXFP4, ``eh_proj`` Q8_0. No precision asked: 8-bit groups of
+    32 for the trunk and the MTP layer, the same model, bit for bit, as
+    ``-q --q-bits 8`` makes of a checkpoint holding the files' values."""
     config, (trunk, mtp), _, files, _ = built
     said = []
     out = convert(
@@ -139,7 +136,7 @@ def test_q8_0_and_mxfp4_convert_at_their_own_width(built, tmp_path):
     modules = {k: v for k, v in quant.items() if isinstance(v, dict)}
     assert {(v["bits"], v["group_size"]) for v in modules.values()} == {(8, 32)}
     assert any(k.startswith("mtp.0.") for k in modules)  # the MTP layer, at 8 bits
-    same = save_folder(tmp_path / "held", config, tiny_dsv4_gguf.held(trunk), mtp)
+    same = save_folder(tmp_path / "held", config, tiny_dsv4_gguf.held({**trunk, **mtp}))
     ref = convert(same, tmp_path / "ref", quantize=True, q_bits=8, q_group_size=32,
                   dtype=default_gguf_dtype())  # fmt: skip
     assert_same_tensors(out, ref)
@@ -170,12 +167,12 @@ def test_info_names_the_family_and_the_mtp_file(built, capsys):
     assert (got["layers"], got["mtp_layers"]) == (4, 1)
 
 
-def _one_line_failure(args, *wanted):
-    r = subprocess.run([*CLI, "convert", *map(str, args)],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
+def _one_line_failure(capsys, args, *wanted):
+    """``mlx-mtp convert ARGS`` (in this process) fails with one line."""
+    capsys.readouterr()
+    assert run_app(["convert", *args]) != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
     for w in wanted:
         assert w in lines[0], lines[0]
     return lines[0]
@@ -211,33 +208,38 @@ def _rewritten(src: Path, dst: Path, arch=None, drop=(), resize=None) -> Path:
     return dst
 
 
-def test_bad_input_is_one_line(built, tmp_path):
+def test_bad_input_is_one_line(built, tmp_path, capsys):
     _, _, _, files, _ = built
     model, mtp = files["f32"]
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(model, alone / "m.gguf")
-    _one_line_failure([alone / "m.gguf", tmp_path / "o"], "--mtp-gguf", "mtp-")
-    _one_line_failure([mtp, tmp_path / "o"], "only the MTP layer")
-    _one_line_failure([model, tmp_path / "o", "--mtp-gguf", model], "holds no MTP layer")
+    out = tmp_path / "o"
+    r = subprocess.run([*CLI, "convert", str(alone / "m.gguf"), str(out)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--mtp-gguf" in lines[0] and "mtp-" in lines[0]
+    with pytest.raises(MTPError, match="separate mtp-"):  # and from Python
+        convert(alone / "m.gguf", out)
+    fail = _one_line_failure
+    fail(capsys, [mtp, out], "only the MTP layer")
+    fail(capsys, [model, out, "--mtp-gguf", model], "holds no MTP layer")
     other = _rewritten(mtp, tmp_path / "other.gguf", arch="glm-dsa")
-    _one_line_failure([model, tmp_path / "o", "--mtp-gguf", other], "'glm-dsa'")
-    eh = "blk.4.nextn.eh_proj.weight"
+    fail(capsys, [model, out, "--mtp-gguf", other], "'glm-dsa'")
     wide = _rewritten(mtp, tmp_path / "wide.gguf", resize="output.weight")
-    _one_line_failure([model, tmp_path / "o", "--mtp-gguf", wide], "not the same checkpoint")
-    no_eh = _rewritten(mtp, tmp_path / "no-eh.gguf", drop=(eh,))
-    _one_line_failure([model, tmp_path / "o", "--mtp-gguf", no_eh], "nextn.eh_proj")
+    fail(capsys, [model, out, "--mtp-gguf", wide], "not the same checkpoint")
+    no_eh = _rewritten(mtp, tmp_path / "no-eh.gguf", drop=("blk.4.nextn.eh_proj.weight",))
+    fail(capsys, [model, out, "--mtp-gguf", no_eh], "nextn.eh_proj")
     two = tmp_path / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):
         shutil.copy(model, two / name)
-    _one_line_failure([two, tmp_path / "o"], "one model GGUF expected", "a.gguf, b.gguf")
-    assert not (tmp_path / "o").exists()
-    with pytest.raises(MTPError, match="mtp-"):
-        convert(alone / "m.gguf", tmp_path / "o")
+    fail(capsys, [two, out], "one model GGUF expected", "a.gguf, b.gguf")
+    assert not out.exists()
 
 
-def test_a_glm_dsa_gguf_with_shared_indexers_is_refused(tmp_path):
+def test_a_glm_dsa_gguf_with_shared_indexers_is_refused(tmp_path, capsys):
     """GLM-5.x (llama.cpp's ``glm-dsa``, mlx-lm's ``glm_moe_dsa``): a config's
     ``indexer_types`` reach the file as ``attention.indexer.types``; a layer
     that shares another's indexer is more than mlx-lm's class runs."""
@@ -254,7 +256,7 @@ def test_a_glm_dsa_gguf_with_shared_indexers_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    line = _one_line_failure([path, tmp_path / "o"], "glm-dsa", "[1]", "glm_moe_dsa")
+    line = _one_line_failure(capsys, [path, tmp_path / "o"], "glm-dsa", "[1]", "glm_moe_dsa")
     assert "indexer" in line
 
 

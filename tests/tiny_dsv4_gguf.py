@@ -272,23 +272,25 @@ def write_gguf(
     return Path(path)
 
 
-def held(trunk: dict) -> dict:
-    """The trunk's tensors with the values a Q8_0 model file holds (its
-    experts on the MXFP4 grid already: ``build(mxfp4=True)``)."""
+def held(weights: dict) -> dict:
+    """The checkpoint's tensors (trunk and ``mtp.0.*``) with the values Q8_0
+    files hold (the experts on the MXFP4 grid already, ``build(mxfp4=True)``;
+    ``e_proj``/``h_proj`` on Q8_0's, as every file has them)."""
     import gguf
 
     out = {}
-    for name, v in trunk.items():
-        if ".experts." in name or v.dtype == mx.int32:
-            out[name] = v
-            continue
+    for name, v in weights.items():
         g = {}
-        if name.startswith("layers."):
+        rest = name[len("mtp.0.") :] if name.startswith("mtp.0.") else None
+        if ".experts." in name or v.dtype == mx.int32:
+            pass
+        elif rest is not None and not rest.startswith(("hc_head_", "e_proj", "h_proj")):
+            _layer(rest, "blk.0.", np.array(v), g, {})
+        elif name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             _layer(rest, f"blk.{i}.", np.array(v), g, {})
-        else:
+        elif name in ROOT and rest is None:
             g = {ROOT[name]: np.array(v)}
-        ((gname, w),) = g.items()
-        kind = storage(gname, w, gguf.GGMLQuantizationType.Q8_0, "MXFP4")
-        out[name] = mx.array(q8_grid(w)) if kind == "Q" else v
+        kinds = [storage(k, w, gguf.GGMLQuantizationType.Q8_0, "MXFP4") for k, w in g.items()]
+        out[name] = mx.array(q8_grid(np.array(v))) if kinds == ["Q"] else v
     return out
