@@ -23,8 +23,8 @@ QUANT = "Quantization"
 def convert(
     src: str = typer.Argument(
         ...,
-        help="Hugging Face folder, Hub repo id, GGUF file, or a drafter folder "
-        "(DFlash).",
+        help="Hugging Face folder, Hub repo id, GGUF file (or a folder of "
+        "llama.cpp's GGUF files), or a drafter folder (DFlash).",
     ),
     out: Optional[Path] = typer.Argument(
         None, help="MLX folder to write (not with --mtp-only)."
@@ -32,7 +32,8 @@ def convert(
     mtp_gguf: Optional[Path] = typer.Option(
         None,
         "--mtp-gguf",
-        help="A separate GGUF holding the MTP layer.",
+        help="A separate GGUF holding the MTP layer (llama.cpp's mtp-*.gguf; "
+        "found beside a deepseek4 model file when not given).",
         rich_help_panel=MODEL,
     ),
     mtp_only: bool = typer.Option(
@@ -158,9 +159,13 @@ def said_if_interrupted(target: Path):
 
 
 def _is_gguf_file(src: str) -> bool:
+    """A GGUF file, or a folder of llama.cpp's GGUF files (no config.json)."""
     from mlx_mtp.convert.pipeline import is_gguf
 
-    return Path(src).is_file() and is_gguf(Path(src))
+    path = Path(src)
+    if path.is_dir():
+        return not (path / "config.json").exists() and any(path.glob("*.gguf"))
+    return path.is_file() and is_gguf(path)
 
 
 def _summary(path: Path) -> None:

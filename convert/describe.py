@@ -20,6 +20,7 @@ from mlx_mtp.heads import family_for, layers_present
 from mlx_mtp.loader import HEAD_FILE_GLOB, read_config, trained_head_family
 from mlx_mtp.weights import check_safetensors
 
+from .gguf_dsv4 import ARCHS as DSV4
 from .gguf_glm5 import ARCHS as GLM5
 from .gguf_hybrid import ARCHS as HYBRID
 from .gguf_nemotron import ARCHS as NEMOTRON
@@ -168,7 +169,7 @@ def describe_gguf(path: Path) -> ModelInfo:
             trunk[t.tensor_type.name] += 1
             trunk_bytes += int(t.n_bytes)
     arch = meta.arch or "?"
-    archs = {**ARCHS, **HYBRID, **NEMOTRON, **GLM5}
+    archs = {**ARCHS, **HYBRID, **NEMOTRON, **GLM5, **DSV4}
     if arch in archs:
         named = f"{arch} ({archs[arch]})"
     elif arch in REFUSED:  # the family; convert says why it does not convert

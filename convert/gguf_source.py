@@ -22,7 +22,7 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import family_for
 from mlx_mtp.target import find_backbone
 
-from . import gguf_glm5, gguf_hybrid, gguf_nemotron, gguf_step35
+from . import gguf_dsv4, gguf_glm5, gguf_hybrid, gguf_nemotron, gguf_step35
 from .gguf_file import GGUFFile
 from .model import model_classes
 from .quants import read_tensor
@@ -40,18 +40,12 @@ ARCHS = {
     "step35": "step3p5",  # see gguf_step35
 }
 # llama.cpp architectures refused: arch -> (family, why) (llama.cpp
-# 0c1e57098bba43ac29e6e3b677cdceebdd22334f, conversion/{qwen4exp,deepseek}.py)
+# 0c1e57098bba43ac29e6e3b677cdceebdd22334f, conversion/qwen4exp.py)
 REFUSED = {
     "qwen4exp": (
         "qwen4_exp (Qwen3.8-Flash-Next)",
         "llama.cpp's converter drops its MTP layer (Qwen4ExpTextModel, no_mtp), "
         "so the GGUF has no head to keep",
-    ),
-    "deepseek4": (
-        "deepseek_v4 (DeepSeek-V4)",
-        "llama.cpp writes its MTP layers only into a separate --mtp file "
-        "(e_proj and h_proj fused, experts in MXFP4) and mlx-mtp does not read "
-        "deepseek4 GGUFs; its metadata records none of V4.1's shared-KV layout",
     ),
 }
 # mlx-lm's MLA parameter names -> the HF-style names llama.cpp's tables know
@@ -115,15 +109,22 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
         )
     if meta.arch in gguf_glm5.ARCHS:
         return gguf_glm5.build_config(meta, tensor_names)
+    if meta.arch in gguf_dsv4.ARCHS:
+        return gguf_dsv4.build_config(meta, tensor_names)
     if meta.arch in gguf_hybrid.ARCHS:
         return gguf_hybrid.build_config(meta, tensor_names)
     if meta.arch == "step35":
         return gguf_step35.build_config(meta, tensor_names)
     if meta.arch in gguf_nemotron.ARCHS:
         return gguf_nemotron.build_config(meta, tensor_names)
+    if meta.arch == "glm-dsa":
+        _own_indexers(meta)
     if meta.arch not in ARCHS:
         supported = ", ".join(
-            [*ARCHS, *gguf_hybrid.ARCHS, *gguf_nemotron.ARCHS, *gguf_glm5.ARCHS]
+            [
+                *ARCHS, *gguf_hybrid.ARCHS, *gguf_nemotron.ARCHS,
+                *gguf_glm5.ARCHS, *gguf_dsv4.ARCHS,
+            ]  # fmt: skip
         )
         raise MTPError(
             f"unsupported GGUF architecture {meta.arch!r} (supported: {supported})"
@@ -186,6 +187,21 @@ def build_config(meta: Metadata, tensor_names: List[str]) -> Dict[str, Any]:
             config[name] = int(value)
     config["torch_dtype"] = "float16"
     return config
+
+
+def _own_indexers(meta: Metadata) -> None:
+    """A glm-dsa file whose config lists ``indexer_types`` carries them as
+    ``attention.indexer.types`` (True: the layer's own indexer; llama.cpp
+    ``GlmMoeDsaModel.set_gguf_parameters``); a layer that shares one is
+    refused."""
+    kinds = meta.arch_key("attention.indexer.types")
+    if isinstance(kinds, list) and not all(kinds):
+        shared = [i for i, own in enumerate(kinds) if not own]
+        raise MTPError(
+            f"a glm-dsa GGUF whose layers {shared[:4]}{'...' if len(shared) > 4 else ''} "
+            "share another layer's indexer (attention.indexer.types): mlx-lm "
+            "0.32's glm_moe_dsa gives every layer its own, so it cannot run it"
+        )
 
 
 def _dsa_config(meta: Metadata, config: Dict[str, Any]) -> None:
@@ -418,9 +434,14 @@ def read_gguf(path: Path, mtp_gguf: Optional[Path] = None, bar=None) -> Source:
     config = build_config(meta, names_in_file)
     if meta.get("tokenizer.ggml.tokens") is None:
         raise MTPError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
+    if meta.arch in gguf_dsv4.ARCHS and mtp_gguf is None:
+        mtp_gguf = gguf_dsv4.mtp_sibling(path)  # as llama.cpp's downloader pairs them
     mtp_reader = None
     if mtp_gguf is not None:
         mtp_reader = open_gguf(mtp_gguf)
+    if meta.arch in gguf_dsv4.ARCHS:  # read under the checkpoint's own names
+        writer = gguf_tokenizer_writer(path, reader.fields)
+        return gguf_dsv4.read(path, reader, meta, mtp_reader, bar, writer)
     if meta.arch in gguf_glm5.ARCHS:  # read under the checkpoint's own names
         writer = gguf_tokenizer_writer(path, reader.fields)
         return gguf_glm5.read(path, reader, meta, mtp_reader, bar, writer)

@@ -215,11 +215,38 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+# llama.cpp's side files, never a model (its download.cpp, gguf_filename_is_model)
+SIDE_FILES = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+
+
+def gguf_in_folder(folder: Path):
+    """(model GGUF, its ``mtp-`` file or None) of a folder of llama.cpp's
+    files; None where it holds no GGUF. More than one model file is an error."""
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        return None
+    models = [f for f in files if not any(s in f.name for s in SIDE_FILES)]
+    if len(models) != 1:
+        listed = ", ".join(f.name for f in models) or "only side files"
+        raise MTPError(f"{folder}: one model GGUF expected, found {listed}")
+    mtp = [f for f in files if "mtp-" in f.name]
+    exact = [f for f in mtp if f.name == "mtp-" + models[0].name]
+    if len(mtp) > 1 and not exact:
+        listed = ", ".join(f.name for f in mtp)
+        raise MTPError(f"{folder}: more than one MTP GGUF ({listed}); name it with --mtp-gguf")
+    return models[0], (exact or mtp or [None])[0]
+
+
 def open_source(src: PathLike, mtp_gguf: Optional[PathLike] = None, bar=None) -> Source:
     """A Source for a HF folder, a GGUF file, or a Hugging Face Hub repo id."""
     path = Path(src)
     if not path.exists():
         path = resolve(str(src))
+    if path.is_dir() and not (path / "config.json").exists():
+        found = gguf_in_folder(path)
+        if found is not None:  # llama.cpp's files, downloaded side by side
+            model, mtp = found
+            return read_gguf(model, Path(mtp_gguf) if mtp_gguf else mtp, bar)
     if path.is_file():
         if not is_gguf(path):
             raise MTPError(f"{path}: not a GGUF file or a model folder")

@@ -212,8 +212,7 @@ def test_info_names_the_family(built, capsys):
 
 def _bare_gguf(path: Path, arch: str) -> Path:
     """A GGUF as llama.cpp's converter writes ``arch`` by default: metadata,
-    tokenizer, no nextn key and no MTP block (``Qwen4ExpTextModel.no_mtp``;
-    ``DeepseekV4Model`` skips ``mtp.*`` without ``--mtp``)."""
+    tokenizer, no nextn key and no MTP block (``Qwen4ExpTextModel.no_mtp``)."""
     import gguf
     from tiny_plain import _tokenizer_metadata
 
@@ -231,10 +230,7 @@ def _bare_gguf(path: Path, arch: str) -> Path:
 
 @pytest.mark.parametrize(
     "arch,family,why",
-    [
-        ("qwen4exp", "qwen4_exp (Qwen3.8-Flash-Next)", "drops its MTP layer"),
-        ("deepseek4", "deepseek_v4 (DeepSeek-V4)", "separate --mtp file"),
-    ],
+    [("qwen4exp", "qwen4_exp (Qwen3.8-Flash-Next)", "drops its MTP layer")],
 )
 def test_gguf_without_a_head_to_keep_is_refused_saying_why(
     tmp_path, capsys, arch, family, why
