@@ -28,6 +28,7 @@ import mlx_mtp
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.cli.app import run_app
+from mlx_mtp.decoder import Decoder
 from mlx_mtp.speculative import speculative_generate_step
 from mlx_mtp.stats import MTPStats
 
@@ -381,8 +382,12 @@ def test_the_trunk_alone_generates_as_mlx_lm(folders):
 
 
 def test_batch_generate_gives_each_prompt_its_greedy_output(folders, models):
+    """Its caches have no batch form (mlx-lm's forward takes one position for
+    every row: docs/design.md 3a), so a batch decodes its streams one at a
+    time; each gets its greedy output."""
     _, reference = models
     model, tokenizer = mlx_mtp.load(folders()[0])
+    assert not Decoder(model).batched
     prompts = [tiny.random_prompt(12 + 7 * i, seed=10 + i) for i in range(4)]
     got = mlx_mtp.batch_generate(
         model,
