@@ -14,7 +14,6 @@ its greedy output; a chat reuses its cache; ``--kv-bits`` is refused in one
 line; ``info`` counts its layers and ``convert -q`` keeps the head at 8 bits.
 """
 
-import dataclasses
 import json
 
 import mlx.core as mx
@@ -26,19 +25,17 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from test_chat import answer, fresh_answer
-from test_hybrid import CountingTrunk
+from mlx_lm_rounds import assert_states_match, run_with_snapshots, verify_and_roll_back
 from test_speculative import PREFILL, mtp_greedy, reference_greedy
 
 import mlx_mtp
 from mlx_mtp import families
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.batch_cache import BatchCacheList
 from mlx_mtp.cache import cache_offset, rollback, start_verify
 from mlx_mtp.chat import ChatSession
 from mlx_mtp.decoder import Decoder
 from mlx_mtp.sampling import ExactMatchVerifier
-from mlx_mtp.speculative import prefill, speculative_generate_step
-from mlx_mtp.stats import MTPStats
+from mlx_mtp.speculative import prefill
 from mlx_mtp.stream import Stream
 
 
@@ -165,42 +162,8 @@ def assert_same_state(got, ref):
     np.testing.assert_array_equal(window[:, lead:], ref_window)
 
 
-def run_with_snapshots(model, prompt, max_tokens, draft_max):
-    counting = CountingTrunk(model.target)
-    model = dataclasses.replace(model, target=counting)
-    cache = model.make_cache()
-    snapshots, offset, out = [], 0, []
-    stats = MTPStats(trace=[])
-    for tok, _ in speculative_generate_step(
-        prompt,
-        model,
-        max_tokens=max_tokens,
-        drafts=FixedDraft(draft_max),
-        prompt_cache=cache,
-        prefill_step_size=PREFILL,
-        stats=stats,
-    ):
-        if cache.offset != offset:  # a round has settled
-            offset = cache.offset
-            assert not cache.trunk[0].verifying  # nothing kept
-            snapshots.append((offset, _state(cache.trunk)))
-        out.append(tok)
-    prefill_calls = -(-(len(prompt) - 1) // PREFILL)
-    return out, stats, snapshots, counting.calls - prefill_calls
-
-
-def assert_states_match(reference, prompt, out, snapshots):
-    """Each snapshot equals mlx-lm's caches after the same tokens, one at a time."""
-    tokens, cache, done = prompt + out, make_prompt_cache(reference), 0
-    for s in range(0, len(prompt) - 1, PREFILL):  # the same prefill chunks
-        chunk = prompt[s : min(s + PREFILL, len(prompt) - 1)]
-        reference(mx.array(chunk)[None], cache=cache)
-        done += len(chunk)
-    for offset, state in snapshots:
-        for t in tokens[done:offset]:
-            reference(mx.array([[t]]), cache=cache)
-        done = offset
-        assert_same_state(state, _state(cache))
+def check_state(state, ref):
+    assert_same_state(state, _state(ref))
 
 
 @pytest.mark.parametrize("draft_max", [1, 2, 3])
@@ -208,12 +171,14 @@ def test_greedy_identical_and_states_after_every_round(models, draft_max):
     model, reference = models
     prompt = tiny.random_prompt(2 * PREFILL + 5, seed=1)  # several prefill chunks
     expected = reference_greedy(reference, prompt, 40)
-    got, stats, snapshots, forwards = run_with_snapshots(model, prompt, 40, draft_max)
+    got, stats, snapshots, forwards = run_with_snapshots(
+        model, prompt, 40, draft_max, _state
+    )
     assert got == expected
     assert 0 < stats.accepted < stats.drafted  # accepted and rejected drafts
     assert stats.generation_tokens == len(got) == stats.rounds + stats.accepted
     assert forwards == stats.rounds == len(snapshots)  # no replay for a rollback
-    assert_states_match(reference, prompt, got, snapshots)
+    assert_states_match(reference, prompt, got, snapshots, check_state)
 
 
 def test_the_trunk_alone_generates_as_mlx_lm(folders, models):
@@ -232,18 +197,7 @@ def test_the_trunk_alone_generates_as_mlx_lm(folders, models):
 def check_rollback(model, reference, prompt, n, split):
     """Verify 6 tokens (one forward, or two), roll back ``n``: the window and
     offsets are those of mlx-lm's decode of the prompt and the kept tokens."""
-    verified = [7, 8, 9, 10, 11, 12]
-    cache = model.make_cache().trunk
-    model.target(mx.array(prompt)[None], cache)
-    start_verify(cache)
-    model.target(mx.array(verified[:split])[None], cache)
-    if split < len(verified):
-        model.target(mx.array(verified[split:])[None], cache)
-    rollback(cache, n)
-    ref = make_prompt_cache(reference)
-    reference(mx.array(prompt)[None], cache=ref)
-    for t in verified[: len(verified) - n]:
-        reference(mx.array([[t]]), cache=ref)
+    cache, ref = verify_and_roll_back(model, reference, prompt, n, split)
     assert not cache[0].verifying
     assert_same_state(_state(cache), _state(ref))
 
