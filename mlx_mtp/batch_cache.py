@@ -20,11 +20,16 @@ stream picks the window and state after its own last kept token.
 (``kv.QuantizingKVCache`` once it has turned): the same writes, rollback and
 masks, each new position quantized on its own.
 
+``BatchCacheList`` is a layer's caches made of caches (mlx-lm's
+``CacheList``: LongCat-Flash's two attentions) over the batch: each member
+in its own batch form, all rolled back, filtered and extended together.
+
 All build from, and give back, the single-stream caches (``merge``,
 ``extract``), and drop or add streams between rounds (``filter``, ``extend``).
-A drafter's cache of a kind of its own brings its batch form with it
-(``merge_batch``: a Gemma 4 assistant's count of positions read,
-``heads.gemma4_assistant.BatchSharedKV``).
+A cache of a kind of its own brings its batch form with it (``merge_batch``:
+a Gemma 4 assistant's count of positions read,
+``heads.gemma4_assistant.BatchSharedKV``; LongCat-Flash-Ngram's layers'
+``CacheList``s, ``recurrent.ngram_cache.BatchableCacheList``).
 """
 
 from typing import Any, List, Optional, Sequence, Union
@@ -352,6 +357,77 @@ class BatchStatesCache(KeepStatesCache):
             None if x is None else mx.contiguous(x[b : b + 1]) for x in self.cache
         ]
         return c
+
+
+class BatchCacheList:
+    """The caches of one layer made of caches (mlx-lm's ``CacheList``) over the
+    batch's streams: member ``i`` is the batch form (``merge``) of every
+    stream's member ``i``. It reports its first member's per-stream offset and
+    masks, as ``heads.common.OffsetCacheList`` does for one stream."""
+
+    def __init__(self, caches: Sequence[Any], kinds: Sequence[type]):
+        self.caches = list(caches)
+        self.kinds = list(kinds)  # the members' single-stream classes
+
+    def __getitem__(self, i: int) -> Any:
+        return self.caches[i]
+
+    @property
+    def offset(self):
+        return self.caches[0].offset
+
+    @property
+    def lengths(self) -> List[int]:
+        return self.caches[0].lengths
+
+    def make_mask(self, *args, **kwargs):
+        return self.caches[0].make_mask(*args, **kwargs)
+
+    def rollback(self, n: Counts) -> None:
+        for c in self.caches:
+            c.rollback(n)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        self.rollback(n)
+        return n
+
+    @property
+    def state(self):
+        return [x for c in self.caches for x in c.state]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(c, "nbytes", 0) for c in self.caches)
+
+    @classmethod
+    def merge(cls, lists: Sequence[Any]) -> "BatchCacheList":
+        first = lists[0].caches
+        members = [merge([c.caches[i] for c in lists]) for i in range(len(first))]
+        return cls(members, [type(c) for c in first])
+
+    def extend(self, other: "BatchCacheList") -> None:
+        for mine, theirs in zip(self.caches, other.caches):
+            mine.extend(theirs)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        for c in self.caches:
+            c.filter(keep)
+
+    def extract(self, b: int, like: type) -> Any:
+        """Stream ``b`` as a single-stream cache list of class ``like``."""
+        pairs = zip(self.caches, self.kinds)
+        return like(*(extract_stream(c, b, k) for c, k in pairs))
+
+
+def extract_stream(cache: Any, b: int, kind: type) -> Any:
+    """Stream ``b`` of the batch cache ``cache`` as a cache of class ``kind``
+    (the single-stream cache it was merged from)."""
+    if isinstance(cache, RaggedKVCache):
+        return cache.extract(b)
+    return cache.extract(b, kind)
 
 
 def _stack(parts: Sequence[Optional[mx.array]], counts: Sequence[int]):

@@ -39,7 +39,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from . import round_costs, rounds, timing
-from .batch_cache import RaggedKVCache, batchable, merge
+from .batch_cache import RaggedKVCache, batchable, extract_stream, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
 from .cache import Snapshot
@@ -93,12 +93,6 @@ class _Ahead:
         )
         self.tokens = self.tokens[idx]
         mx.async_eval(self.tokens)
-
-
-def _extract(cache, b: int, kind: type):
-    if isinstance(cache, RaggedKVCache):
-        return cache.extract(b)
-    return cache.extract(b, kind)  # a recurrent layer's own cache class
 
 
 def one_ragged(call, items: Sequence[Item], caches: List[Any]):
@@ -233,7 +227,7 @@ class Decoder(DraftView):
         if extract:
             for s, b in zip(streams, gone):
                 s.cache.trunk = [
-                    _extract(c, b, t) for c, t in zip(self._trunk, self.kinds)
+                    extract_stream(c, b, t) for c, t in zip(self._trunk, self.kinds)
                 ]
                 for name, caches in self._drafts.items():
                     s.cache.drafts[name].caches = [c.extract(b) for c in caches]

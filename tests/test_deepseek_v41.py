@@ -11,7 +11,6 @@ forward per round: nothing is replayed); ``batch_generate`` of 4 prompts
 gives each its greedy output; ``--kv-bits`` is refused in one line.
 """
 
-import dataclasses
 import json
 
 import mlx.core as mx
@@ -19,17 +18,15 @@ import numpy as np
 import pytest
 import tiny
 import tiny_v41
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from test_hybrid import CountingTrunk, _first_accepted_draft
+from mlx_lm_rounds import assert_states_match, run_with_snapshots, verify_and_roll_back
+from test_hybrid import _first_accepted_draft
 from test_speculative import PREFILL, mtp_greedy, reference_greedy
 
 import mlx_mtp
-from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
 from mlx_mtp.cli.app import run_app
-from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.stats import MTPStats
+from mlx_mtp.decoder import Decoder
 
 FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
 ATOL = 1e-5
@@ -240,44 +237,13 @@ def assert_same_state(got, ref):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, err_msg=name)
 
 
-def run_with_snapshots(model, prompt, max_tokens, draft_max, stop=()):
-    counting = CountingTrunk(model.target)
-    model = dataclasses.replace(model, target=counting)
-    cache = model.make_cache()
-    snapshots, offset, out = [], 0, []
-    stats = MTPStats(trace=[])
-    for tok, _ in speculative_generate_step(
-        prompt,
-        model,
-        max_tokens=max_tokens,
-        drafts=FixedDraft(draft_max),
-        stop_tokens=stop,
-        prompt_cache=cache,
-        prefill_step_size=PREFILL,
-        stats=stats,
-    ):
-        if cache.offset != offset:  # a round has settled
-            offset = cache.offset
-            assert not any(c.verifying for c in cache.trunk)  # nothing kept
-            snapshots.append((offset, [_state(c) for c in cache.trunk]))
-        out.append(tok)
-    prefill_calls = -(-(len(prompt) - 1) // PREFILL)
-    return out, stats, snapshots, counting.calls - prefill_calls
+def _states(trunk):
+    return [_state(c) for c in trunk]
 
 
-def assert_states_match(reference, prompt, out, snapshots):
-    """Each snapshot equals mlx-lm's caches after the same tokens, one at a time."""
-    tokens, cache, done = prompt + out, make_prompt_cache(reference), 0
-    for s in range(0, len(prompt) - 1, PREFILL):  # the same prefill chunks
-        chunk = prompt[s : min(s + PREFILL, len(prompt) - 1)]
-        reference(mx.array(chunk)[None], cache=cache)
-        done += len(chunk)
-    for offset, states in snapshots:
-        for t in tokens[done:offset]:
-            reference(mx.array([[t]]), cache=cache)
-        done = offset
-        for got, ref in zip(states, cache):
-            assert_same_state(got, _state(ref))
+def check_states(states, ref):
+    for got, r in zip(states, ref):
+        assert_same_state(got, _state(r))
 
 
 @pytest.mark.parametrize("draft_max", [1, 2, 3])
@@ -285,12 +251,14 @@ def test_greedy_identical_and_states_after_every_round(models, draft_max):
     model, reference = models
     prompt = tiny.random_prompt(3 * PREFILL + 5, seed=1)  # several prefill chunks
     expected = reference_greedy(reference, prompt, 40)
-    got, stats, snapshots, forwards = run_with_snapshots(model, prompt, 40, draft_max)
+    got, stats, snapshots, forwards = run_with_snapshots(
+        model, prompt, 40, draft_max, _states
+    )
     assert got == expected
     assert 0 < stats.accepted < stats.drafted  # accepted and rejected drafts
     assert stats.generation_tokens == len(got) == stats.rounds + stats.accepted
     assert forwards == stats.rounds == len(snapshots)  # no replay for a rollback
-    assert_states_match(reference, prompt, got, snapshots)
+    assert_states_match(reference, prompt, got, snapshots, check_states)
 
 
 @pytest.mark.parametrize("draft_max", [1, 2, 3])
@@ -302,14 +270,18 @@ def test_stop_and_max_tokens_inside_a_draft(models, draft_max):
     assert found is not None
     pos, stop = found
     expected = reference_greedy(reference, prompt, 48, stop={stop})
-    got, st, snapshots, _ = run_with_snapshots(model, prompt, 48, draft_max, {stop})
+    got, st, snapshots, _ = run_with_snapshots(
+        model, prompt, 48, draft_max, _states, {stop}
+    )
     assert got == expected and got[-1] == stop and len(got) == pos + 1
     assert st.generation_tokens == len(got) == st.rounds + st.accepted
-    assert_states_match(reference, prompt, got, snapshots)
+    assert_states_match(reference, prompt, got, snapshots, check_states)
     expected = reference_greedy(reference, prompt, pos + 1)
-    got, st, snapshots, _ = run_with_snapshots(model, prompt, pos + 1, draft_max)
+    got, st, snapshots, _ = run_with_snapshots(
+        model, prompt, pos + 1, draft_max, _states
+    )
     assert got == expected and len(got) == pos + 1
-    assert_states_match(reference, prompt, got, snapshots)
+    assert_states_match(reference, prompt, got, snapshots, check_states)
 
 
 # -- rollback --------------------------------------------------------------------
@@ -318,18 +290,7 @@ def test_stop_and_max_tokens_inside_a_draft(models, draft_max):
 def check_rollback(model, reference, prompt, n, split):
     """Verify 6 tokens (one forward, or two), roll back ``n``: every state is
     that of mlx-lm's decode of the prompt and the ``6 - n`` kept tokens."""
-    verified = [7, 8, 9, 10, 11, 12]
-    cache = model.make_cache().trunk
-    model.target(mx.array(prompt)[None], cache)
-    start_verify(cache)
-    model.target(mx.array(verified[:split])[None], cache)
-    if split < len(verified):
-        model.target(mx.array(verified[split:])[None], cache)
-    rollback(cache, n)
-    ref = make_prompt_cache(reference)
-    reference(mx.array(prompt)[None], cache=ref)
-    for t in verified[: len(verified) - n]:
-        reference(mx.array([[t]]), cache=ref)
+    cache, ref = verify_and_roll_back(model, reference, prompt, n, split)
     for c, r in zip(cache, ref):
         assert not c.verifying
         assert_same_state(_state(c), _state(r))
@@ -381,8 +342,12 @@ def test_the_trunk_alone_generates_as_mlx_lm(folders):
 
 
 def test_batch_generate_gives_each_prompt_its_greedy_output(folders, models):
+    """Its caches have no batch form (mlx-lm's forward takes one position for
+    every row: docs/design.md 3a), so a batch decodes its streams one at a
+    time; each gets its greedy output."""
     _, reference = models
     model, tokenizer = mlx_mtp.load(folders()[0])
+    assert not Decoder(model).batched
     prompts = [tiny.random_prompt(12 + 7 * i, seed=10 + i) for i in range(4)]
     got = mlx_mtp.batch_generate(
         model,

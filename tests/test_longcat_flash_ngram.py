@@ -14,7 +14,6 @@ its greedy output; a chat reuses its cache; ``--kv-bits`` is refused in one
 line; ``info`` counts its layers and ``convert -q`` keeps the head at 8 bits.
 """
 
-import dataclasses
 import json
 
 import mlx.core as mx
@@ -26,16 +25,18 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from test_chat import answer, fresh_answer
-from test_hybrid import CountingTrunk
+from mlx_lm_rounds import assert_states_match, run_with_snapshots, verify_and_roll_back
 from test_speculative import PREFILL, mtp_greedy, reference_greedy
 
 import mlx_mtp
 from mlx_mtp import families
-from mlx_mtp.adaptive import FixedDraft
+from mlx_mtp.batch_cache import BatchCacheList
 from mlx_mtp.cache import cache_offset, rollback, start_verify
 from mlx_mtp.chat import ChatSession
-from mlx_mtp.speculative import speculative_generate_step
-from mlx_mtp.stats import MTPStats
+from mlx_mtp.decoder import Decoder
+from mlx_mtp.sampling import ExactMatchVerifier
+from mlx_mtp.speculative import prefill
+from mlx_mtp.stream import Stream
 
 
 @pytest.fixture(scope="module")
@@ -161,42 +162,8 @@ def assert_same_state(got, ref):
     np.testing.assert_array_equal(window[:, lead:], ref_window)
 
 
-def run_with_snapshots(model, prompt, max_tokens, draft_max):
-    counting = CountingTrunk(model.target)
-    model = dataclasses.replace(model, target=counting)
-    cache = model.make_cache()
-    snapshots, offset, out = [], 0, []
-    stats = MTPStats(trace=[])
-    for tok, _ in speculative_generate_step(
-        prompt,
-        model,
-        max_tokens=max_tokens,
-        drafts=FixedDraft(draft_max),
-        prompt_cache=cache,
-        prefill_step_size=PREFILL,
-        stats=stats,
-    ):
-        if cache.offset != offset:  # a round has settled
-            offset = cache.offset
-            assert not cache.trunk[0].verifying  # nothing kept
-            snapshots.append((offset, _state(cache.trunk)))
-        out.append(tok)
-    prefill_calls = -(-(len(prompt) - 1) // PREFILL)
-    return out, stats, snapshots, counting.calls - prefill_calls
-
-
-def assert_states_match(reference, prompt, out, snapshots):
-    """Each snapshot equals mlx-lm's caches after the same tokens, one at a time."""
-    tokens, cache, done = prompt + out, make_prompt_cache(reference), 0
-    for s in range(0, len(prompt) - 1, PREFILL):  # the same prefill chunks
-        chunk = prompt[s : min(s + PREFILL, len(prompt) - 1)]
-        reference(mx.array(chunk)[None], cache=cache)
-        done += len(chunk)
-    for offset, state in snapshots:
-        for t in tokens[done:offset]:
-            reference(mx.array([[t]]), cache=cache)
-        done = offset
-        assert_same_state(state, _state(cache))
+def check_state(state, ref):
+    assert_same_state(state, _state(ref))
 
 
 @pytest.mark.parametrize("draft_max", [1, 2, 3])
@@ -204,12 +171,14 @@ def test_greedy_identical_and_states_after_every_round(models, draft_max):
     model, reference = models
     prompt = tiny.random_prompt(2 * PREFILL + 5, seed=1)  # several prefill chunks
     expected = reference_greedy(reference, prompt, 40)
-    got, stats, snapshots, forwards = run_with_snapshots(model, prompt, 40, draft_max)
+    got, stats, snapshots, forwards = run_with_snapshots(
+        model, prompt, 40, draft_max, _state
+    )
     assert got == expected
     assert 0 < stats.accepted < stats.drafted  # accepted and rejected drafts
     assert stats.generation_tokens == len(got) == stats.rounds + stats.accepted
     assert forwards == stats.rounds == len(snapshots)  # no replay for a rollback
-    assert_states_match(reference, prompt, got, snapshots)
+    assert_states_match(reference, prompt, got, snapshots, check_state)
 
 
 def test_the_trunk_alone_generates_as_mlx_lm(folders, models):
@@ -228,18 +197,7 @@ def test_the_trunk_alone_generates_as_mlx_lm(folders, models):
 def check_rollback(model, reference, prompt, n, split):
     """Verify 6 tokens (one forward, or two), roll back ``n``: the window and
     offsets are those of mlx-lm's decode of the prompt and the kept tokens."""
-    verified = [7, 8, 9, 10, 11, 12]
-    cache = model.make_cache().trunk
-    model.target(mx.array(prompt)[None], cache)
-    start_verify(cache)
-    model.target(mx.array(verified[:split])[None], cache)
-    if split < len(verified):
-        model.target(mx.array(verified[split:])[None], cache)
-    rollback(cache, n)
-    ref = make_prompt_cache(reference)
-    reference(mx.array(prompt)[None], cache=ref)
-    for t in verified[: len(verified) - n]:
-        reference(mx.array([[t]]), cache=ref)
+    cache, ref = verify_and_roll_back(model, reference, prompt, n, split)
     assert not cache[0].verifying
     assert_same_state(_state(cache), _state(ref))
 
@@ -274,24 +232,96 @@ def test_a_snapshot_brings_the_window_back(models):
 # -- batches, chat ---------------------------------------------------------------
 
 
-def test_batch_generate_gives_each_prompt_its_greedy_output(folders, models):
+# different lengths (some shorter than the n-gram window), limits that end them apart
+LENGTHS = [5, 30, 12, 41, 2, 21, 9, 34]
+LIMITS = [10, 16, 7, 18, 12, 9, 15, 13]
+EOS = tiny.special_id("<|im_end|>")
+
+
+@pytest.mark.parametrize("streams, draft_max", [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)])
+def test_batch_generate_on_ragged_streams_is_greedy_and_batched(
+    folders, models, streams, draft_max
+):
+    """4 or 8 prompts of different lengths (8: at most 5 at once, so streams
+    leave at their limits and waiting ones join): one trunk forward a round
+    for all streams (``BatchCacheList``, the window's ``BatchStatesCache``),
+    and each prompt's tokens are mlx-lm's greedy alone, with the drafts it
+    drafts and keeps alone at that depth."""
     _, reference = models
     model, tokenizer = mlx_mtp.load(folders[0])
-    prompts = [tiny.random_prompt(12 + 7 * i, seed=10 + i) for i in range(4)]
+    assert Decoder(model).batched
+    prompts = [tiny.random_prompt(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
+    prompts, limits = prompts[:streams], LIMITS[:streams]
     got = mlx_mtp.batch_generate(
-        model,
-        tokenizer,
-        prompts,
-        max_tokens=16,
-        return_token_ids=True,
-        draft_max=2,
-        adaptive_draft=False,
+        model, tokenizer, prompts, max_tokens=limits, return_token_ids=True,
+        draft_max=draft_max, adaptive_draft=False, draft_source="mtp",
+        completion_batch_size=5, prefill_step_size=PREFILL,
+    )  # fmt: skip
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        want = reference_greedy(reference, p, n, stop=(EOS,))
+        assert got.token_ids[i] == [t for t in want if t != EOS], i
+        _, alone, _ = mtp_greedy(model, p, n, draft_max, stop=(EOS,))
+        stats = got.mtp_stats[i]
+        assert (stats.drafted, stats.accepted) == (alone.drafted, alone.accepted), i
+    assert 0 < sum(s.accepted for s in got.mtp_stats) < sum(
+        s.drafted for s in got.mtp_stats
     )
-    want = [reference_greedy(reference, p, 16) for p in prompts]
-    eos = tiny.special_id("<|im_end|>")
-    want = [w[: w.index(eos)] if eos in w else w for w in want]  # eos not kept
-    assert got.token_ids == want
-    assert sum(s.accepted for s in got.mtp_stats) > 0
+    # the streams shared their rounds' forwards (one stream at a time would
+    # take a batch round per stream round; the first alone decodes 4 at once)
+    assert got.stats.generation_steps <= sum(s.rounds for s in got.mtp_stats) - 3
+
+
+def _batch_state(caches):
+    """``_state``, and each attention's keys and values up to its offset."""
+    arrays = [
+        np.array(x[..., : cache_offset(c), :])
+        for c in caches[1:]
+        for m in c.caches
+        for x in (m.keys, m.values)
+    ]
+    return _state(caches), arrays
+
+
+def test_a_batch_rolls_each_stream_back_by_its_own_count(models):
+    """Streams at their own lengths verify ragged drafts in one forward and
+    keep different counts of them: each stream's caches, taken out of the
+    batch, are those of mlx-lm's decode of its prompt and kept tokens."""
+    model, reference = models
+    prompts = [tiny.random_prompt(n, seed=30 + i) for i, n in enumerate([17, 2, 9, 25])]
+    drafts = [[7, 8, 9, 10], [11, 12], [13, 14, 15], [16]]
+    keep = [1, 2, 0, 1]  # each stream keeps all its verified tokens but these
+    streams = [_prefilled(model, p) for p in prompts]  # each read to its last token
+    verified = [p[-1:] + d for p, d in zip(prompts, drafts)]
+    batch = Decoder(model)
+    batch.add(streams)
+    trunk = batch.trunk
+    assert isinstance(trunk[1], BatchCacheList)
+    assert trunk[1].lengths == [len(p) - 1 for p in prompts]
+    start_verify(trunk)
+    width = max(map(len, verified))
+    padded = [v + [0] * (width - len(v)) for v in verified]
+    model.target.forward(mx.array(padded), trunk)
+    batch.rollback(trunk, [width - len(v) + k for v, k in zip(verified, keep)])
+    batch.remove(streams)
+    for s, p, v, k in zip(streams, prompts, verified, keep):
+        ref = make_prompt_cache(reference)
+        reference(mx.array(p[:-1])[None], cache=ref)
+        for t in v[: len(v) - k]:
+            reference(mx.array([[t]]), cache=ref)
+        (got, keys), (want, ref_keys) = _batch_state(s.cache.trunk), _batch_state(ref)
+        assert not s.cache.trunk[0].verifying
+        assert_same_state(got, want)
+        assert len(keys) == len(ref_keys) > 0
+        for a, b in zip(keys, ref_keys):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _prefilled(model, prompt):
+    cache = model.make_cache()
+    prefill(model, cache, prompt, PREFILL, True)
+    s = Stream(list(prompt), cache, ExactMatchVerifier(), 8)
+    s.source = None
+    return s
 
 
 def test_chat_reuses_its_cache(folders):

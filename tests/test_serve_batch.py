@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tiny
 import tiny_hybrid
+import tiny_ngram
 import tiny_own_layout
 import tiny_recurrent
 from live_server import LiveServer
@@ -56,6 +57,8 @@ def folders(tmp_path_factory):
         if kind not in built:
             if kind == "multi":
                 built[kind] = build_multilayer(root / kind)[0]
+            elif kind == "longcat_flash_ngram":
+                built[kind] = tiny_ngram.build_folder(root / kind)
             elif kind in tiny_hybrid.MODEL_TYPES:
                 built[kind] = tiny_hybrid.build_folder(root / kind, kind)[0]
             elif kind in tiny_recurrent.MODEL_TYPES:
@@ -117,6 +120,57 @@ def test_eight_clients_at_once_get_their_answers_alone(folders, family, draft):
         if draft == "fixed":  # ragged acceptance happened
             accepted = {u.mtp["accepted"] for _, u in together}
             assert len(accepted) > 2 and sum(u.mtp["drafted"] for _, u in together)
+    finally:
+        server.close()
+
+
+def test_ngram_clients_at_once_get_plain_greedy_answers(folders):
+    """LongCat-Flash-Ngram served batched (its layers' ``CacheList``s and its
+    n-gram window have batch forms): clients at once, with different depths
+    and limits, each get mlx-lm's plain greedy answer to its prompt."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from test_speculative import reference_greedy
+
+    family = "longcat_flash_ngram"
+    full, trunk = folders(family)
+    model, tokenizer = mlx_mtp.load(full)
+    reference, _ = mlx_lm_load_model(trunk)
+    n = 5
+    config = ServeConfig(max_batch=n, prompt_cache_entries=0, lookup_memory_bytes=0,
+                         drafts=DraftSettings(adaptive=False))  # fmt: skip
+    server = LiveServer(model, tokenizer, family, config)
+    try:
+        client = server.client()
+        assert server.get("/health")[1]["batched"] is True
+        limits, depths = [14, 22, 10, 18, 16], [3, 1, 2, 3, 0]
+
+        def ask(i, prompt):
+            r = client.completions.create(
+                model=family, prompt=prompt, max_tokens=limits[i],
+                extra_body={"draft_max": depths[i]},
+            )  # fmt: skip
+            return r.choices[0].text, r.usage
+
+        prompts = _prompts()[:n]
+        together = [None] * n
+        threads = [
+            threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, ask(i, p)))
+            for i, p in enumerate(prompts)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i, (p, (text, usage)) in enumerate(zip(prompts, together)):
+            ids = tokenizer.encode(p)
+            tokens = reference_greedy(reference, ids, limits[i])
+            # plain decoding's text (the server's detokenizer) of mlx-lm's tokens
+            plain = list(stream_generate(model, tokenizer, ids, limits[i], draft_max=0))
+            assert [r.token for r in plain] == tokens, i
+            assert text == "".join(r.text for r in plain), i
+            assert usage.mtp["rounds"] + usage.mtp["accepted"] == len(tokens)
+        assert sum(u.mtp["accepted"] for _, u in together) > 0
+        assert server.get("/health")[1]["peak_batch"] > 1
     finally:
         server.close()
 

@@ -14,6 +14,14 @@ stream). The window is held at its full ``n - 1`` tokens, zeros before the
 first token, so that the kept sequence is ``n - 1`` tokens longer than the
 pass however short the history: mlx-lm's hash shifts zeros in for tokens
 that are not there, so the ids, and the output, are the same.
+
+Batches: the window of each stream is a row of a ``BatchStatesCache`` (its
+own history: the hash reads only its row), rolled back per stream; the
+layers' ``CacheList``s are ``BatchableCacheList``s, whose batch form
+(``batch_cache.BatchCacheList``) holds each attention's ``RaggedKVCache``:
+mlx-lm's layers read the per-stream offsets and masks unchanged (RoPE takes
+one offset per stream, the mask comes from the first layer's first cache).
+So the trunk runs every stream in one forward.
 """
 
 from typing import Any, Optional
@@ -21,7 +29,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..heads.common import rollback_caches
+from ..batch_cache import BatchCacheList
+from ..heads.common import OffsetCacheList, rollback_caches
 from .keep_states import KeepStatesCache, install
 
 
@@ -45,12 +54,35 @@ class KeepNgramContext:
         return out
 
 
+class BatchableCacheList(OffsetCacheList):
+    """An ``OffsetCacheList`` with a batch form (``merge_batch``): LongCat-Flash's
+    attention layers take ragged batch caches as they take ``KVCache``s."""
+
+    @classmethod
+    def merge_batch(cls, caches) -> BatchCacheList:
+        return BatchCacheList.merge(caches)
+
+
 def patch_trunk(model: nn.Module) -> None:
-    """Give a LongCat-Flash-Ngram model caches that roll back: its two-attention
-    layers' ``CacheList``s report an offset (``rollback_caches``), its n-gram
-    window is a ``KeepStatesCache``. Calling it twice changes nothing."""
+    """Give a LongCat-Flash-Ngram model caches that roll back and batch: its
+    two-attention layers' ``CacheList``s report an offset (``rollback_caches``)
+    and merge into a batch (``BatchableCacheList``), its n-gram window is a
+    ``KeepStatesCache``. Calling it twice changes nothing."""
     rollback_caches(model)
     install(model, [_ngram(model)], KeepNgramContext, KeepStatesCache)
+    base = type(model)
+    if getattr(base, "_batches_lists", False):
+        return
+
+    def make_cache(self) -> list:
+        return [
+            BatchableCacheList(*c.caches) if type(c) is OffsetCacheList else c
+            for c in base.make_cache(self)
+        ]
+
+    model.__class__ = type(
+        base.__name__, (base,), {"make_cache": make_cache, "_batches_lists": True}
+    )
 
 
 def _ngram(model: nn.Module) -> nn.Module:
