@@ -44,7 +44,7 @@ from .recurrent.keep_states import KeepStatesCache
 Counts = Union[int, Sequence[int]]
 
 
-def _per_stream(n: Counts, size: int) -> List[int]:
+def per_stream(n: Counts, size: int) -> List[int]:
     return [n] * size if isinstance(n, int) else [int(x) for x in n]
 
 
@@ -167,7 +167,7 @@ class RaggedKVCache:
 
     def rollback(self, n: Counts) -> None:
         """Drop the last ``n`` tokens (one count per stream, or one for all)."""
-        n = _per_stream(n, len(self.lengths))
+        n = per_stream(n, len(self.lengths))
         self.lengths = [length - k for length, k in zip(self.lengths, n)]
         if min(self.lengths) < 0:
             raise ValueError("rolled back past the start of a stream")
@@ -316,7 +316,7 @@ class BatchStatesCache(KeepStatesCache):
 
     def rollback(self, n: Counts) -> None:
         kept_slots, self._verify = self._verify, None
-        n = _per_stream(n, self.streams)
+        n = per_stream(n, self.streams)
         if not kept_slots or not any(n):
             return
         counts = {seq.shape[1] - window for seq, window in kept_slots.values()}
@@ -448,7 +448,8 @@ def batchable(caches: Sequence[Any]) -> bool:
     return all(
         type(c) is KVCache
         or isinstance(c, (QuantizingKVCache, KeepStatesCache))
-        or hasattr(c, "merge_batch")
+        # (a cache made of caches has one where each of its members has)
+        or (hasattr(c, "merge_batch") and batchable(getattr(c, "caches", ())))
         for c in caches
     )
 

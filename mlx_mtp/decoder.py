@@ -42,7 +42,7 @@ from . import round_costs, rounds, timing
 from .batch_cache import RaggedKVCache, batchable, extract_stream, merge
 from .batch_cache import rollback as batch_rollback
 from .batch_policy import BatchDraftLength
-from .cache import Snapshot
+from .cache import Snapshot, start_verify
 from .cache import rollback as own_rollback
 from .drafter import DraftView, Item
 from .kv import KVSettings, QuantizingKVCache, quantizes_later, width_limit
@@ -316,6 +316,9 @@ class Decoder(DraftView):
         width = max(map(len, tokens))
         pads = [width - len(t) for t in tokens]
         padded = [t + [0] * p for t, p in zip(tokens, pads)]
+        within = any(pads) and not self._attention()  # (``_exact_chunks``)
+        if within:
+            start_verify(self.trunk)
         _, taps = model.target.forward(
             mx.array(padded),
             self.trunk,
@@ -372,6 +375,8 @@ class Decoder(DraftView):
         a segment is read over two chunks: its embeddings are the same)."""
         want = [min(m, step) for m in left]
         media = prompts is not None and any(p.segments for p in prompts)
+        if self._exact_chunks():
+            return [p.take(r, w) for p, r, w in zip(prompts, read, want)] if media else want
         if not self._attention():
             n = min(want)
             if media:
@@ -590,6 +595,14 @@ class Decoder(DraftView):
             and self.agree is None
             and all(hasattr(s.verifier, "sample") for s in self.streams)
         )
+
+    def _exact_chunks(self) -> bool:
+        """Whether the trunk's batch caches read each stream's prompt in the
+        chunks it reads alone, right-padded to the longest and the padding
+        rolled back as after a verify pass (``exact_chunks``: their numbers
+        depend on where a chunk ends, as DeepSeek-V4's compressor pools a
+        group with the one before it within a chunk)."""
+        return self.batched and any(getattr(c, "exact_chunks", False) for c in self._trunk)
 
     def _attention(self) -> bool:
         """Whether every trunk cache is a batched attention cache, which takes

@@ -275,6 +275,104 @@ def test_batch_generate_four_streams_greedy(model, vlm_model):
     assert sum(s.accepted for s in out.mtp_stats) > 0
 
 
+_GREEDY: dict = {}
+
+
+def _greedy(vlm_model, prompt, n):
+    key = (tuple(prompt), n)
+    if key not in _GREEDY:
+        _GREEDY[key] = vlm_greedy(vlm_model, prompt, n)
+    return _GREEDY[key]
+
+
+@pytest.mark.parametrize("streams", [4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_ragged_streams_decode_in_one_forward_a_round(model, vlm_model, streams, k):
+    """Streams of different prompt lengths and limits (they leave mid-batch)
+    at a fixed draft count: each gets mlx-vlm's plain greedy tokens, and
+    every round's drafts of all its streams are verified in one trunk
+    forward (fewer forwards than the streams' rounds together, as wide as
+    the batch)."""
+    m, tok = model
+    prompts = [random_prompt(9 + 4 * i, seed=20 + i) for i in range(streams)]
+    limits = [6 + (5 * i) % 11 for i in range(streams)]
+    widths = []
+    forward = m.target.forward
+
+    def counting(inputs, caches, **kw):
+        widths.append(inputs.shape[0])
+        return forward(inputs, caches, **kw)
+
+    m.target.forward = counting
+    try:
+        out = mlx_mtp.batch_generate(
+            m, tok, prompts, max_tokens=limits, return_token_ids=True,
+            temp=0.0, draft_max=k, adaptive_draft=False,
+        )  # fmt: skip
+    finally:
+        m.target.forward = forward
+    for p, ids, n in zip(prompts, out.token_ids, limits):
+        assert list(ids) == _greedy(vlm_model, p, n)
+    assert sum(s.accepted for s in out.mtp_stats) > 0
+    assert max(widths) == streams
+    assert len(widths) < sum(s.rounds for s in out.mtp_stats)
+
+
+def _decoded(t, prompt, tokens):
+    """A single-stream cache that read ``prompt`` and then ``tokens`` one at a time."""
+    cache = t.make_cache()
+    t.forward(mx.array(prompt[:-1])[None], cache)
+    logits = None
+    for tok in [prompt[-1], *tokens]:
+        logits, _ = t.forward(mx.array([[tok]]), cache)
+    return cache, logits
+
+
+def test_batch_rollback_per_stream_equals_a_decode_without_the_drafts(model):
+    """Three streams at their own lengths verify 4 tokens in one forward and
+    keep 4, 3 and 1 of them: each stream's extracted caches (the window's
+    slots and rotation, each compressor's pools and open rows) equal those of
+    a decode that read the kept tokens alone; then one stream leaves, a new
+    one joins, and the next forward gives each the logits it gets alone."""
+    from mlx_mtp.batch_cache import merge
+    from mlx_mtp.batch_cache import rollback as batch_rollback
+
+    m, _ = model
+    t = m.target
+    prompts = [random_prompt(n, seed=40 + n) for n in (13, 30, 22)]
+    verified = [[5, 77, 130, 9], [9, 8, 7, 6], [60, 61, 62, 63]]
+    keep = [4, 3, 1]
+    singles = [_decoded(t, p, [])[0] for p in prompts]
+    kinds = [type(c) for c in singles[0]]
+    batch = [merge(layer) for layer in zip(*singles)]
+    start_verify(batch)
+    t.forward(mx.array(verified), batch)
+    batch_rollback(batch, [4 - n for n in keep])
+    for b, (p, v, n) in enumerate(zip(prompts, verified, keep)):
+        mine = [c.extract(b, kind) for c, kind in zip(batch, kinds)]
+        ref, _ = _decoded(t, p, v[:n])
+        for c, r in zip(mine, ref):
+            a, want = _state(c), _state(r)
+            assert len(a) == len(want)
+            for x, y in zip(a, want):
+                _same(x, y)
+    # stream 1 leaves, a fresh one joins; one more token each
+    for c in batch:
+        c.filter([2, 0])
+    new = random_prompt(17, seed=77)
+    for c, x in zip(batch, _decoded(t, new, [])[0]):
+        c.extend(merge([x]))
+    got, _ = t.forward(mx.array([[3], [4], [5]]), batch)
+    alone = [
+        (prompts[2], verified[2][:1] + [3]),
+        (prompts[0], verified[0][:4] + [4]),
+        (new, [5]),
+    ]
+    for row, (p, toks) in enumerate(alone):
+        _, want = _decoded(t, p, toks)
+        np.testing.assert_allclose(np.array(got[row]), np.array(want[0]), atol=1e-5)
+
+
 def test_kv_bits_is_refused_in_one_line(folders):
     r = subprocess.run(
         [sys.executable, "-m", "mlx_mtp", "generate", "--model", str(folders[0]),
@@ -393,11 +491,11 @@ def test_convert_q4_keeps_the_head_at_8_bits_and_info_says_so(folders, tmp_path)
     assert q.target.backbone.layers[0].attn.wq_a.bits == 4
 
 
-def test_served_streams_take_turns_and_answer_as_alone(folders):
-    """Through the server: three clients at once get the answers each gets
-    alone (the caches have no batch form: streams take turns), with drafts
-    accepted; a follow-up request reuses the prompt cache the first turn left
-    and answers as a fresh decode does."""
+def test_served_batch_answers_as_alone(folders):
+    """Through the server: three clients at once, decoded in one batch, get
+    the answers each gets alone, with drafts accepted; a follow-up request
+    reuses the prompt cache the first turn left and answers as a fresh
+    decode does."""
     import threading
 
     from live_server import LiveServer
@@ -411,7 +509,7 @@ def test_served_streams_take_turns_and_answer_as_alone(folders):
     server = LiveServer(m, tok, "deepseek_v4", config)
     try:
         client = server.client()
-        assert server.get("/health")[1]["batched"] is False
+        assert server.get("/health")[1]["batched"] is True
 
         def ask(prompt, n=16):
             r = client.completions.create(

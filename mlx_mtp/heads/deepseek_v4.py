@@ -58,6 +58,7 @@ TRUNK_LAYER_PREFIX = "layers.0."
 # (``info``) or its head's names needs no mlx-vlm, and a command that does
 # says so in one line first (``vlm_text.require``)
 try:
+    from ..recurrent.compressed_cache import WindowedKVCache
     from ..recurrent.compressed_cache import patch_trunk  # noqa: F401  (loader hook)
 except ImportError:  # no mlx-vlm: nothing of this family loads to be patched
     pass
@@ -125,10 +126,8 @@ class DeepSeekV4MTP(DeepSeekV41MTP):
         super().__init__(args, DeepseekV4Block(one, layer_idx=0), hc_head=True)
 
     def make_cache(self) -> List[Any]:
-        from mlx_vlm.models.cache import KVCache
-
         # every row kept (the mask applies the window), so tentative rows trim away
-        return [KVCache()]
+        return [WindowedKVCache()]
 
     def states(self, hidden: mx.array, tokens: mx.array, cache: Optional[List[Any]]):
         from mlx_vlm.models.base import create_attention_mask

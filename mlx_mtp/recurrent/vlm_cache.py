@@ -58,13 +58,14 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache as LMKVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.models.cache import ArraysCache as VLMArraysCache
+from mlx_vlm.models.cache import BatchPoolingCache
 from mlx_vlm.models.cache import CacheList as VLMCacheList
 from mlx_vlm.models.cache import KVCache as VLMKVCache
 from mlx_vlm.models.cache import PoolingCache
 from mlx_vlm.models.qwen4_exp.language import QSAKVCache, Qwen4ExpAttention
 from mlx_vlm.models.qwen4_exp.qsa_kernel import dispatch_qsa_attention
 
-from ..batch_cache import RaggedKVCache
+from ..batch_cache import Counts, RaggedKVCache, merge, per_stream
 from .keep_states import KeepStatesCache
 
 
@@ -210,6 +211,91 @@ class RollbackPoolingCache(PoolingCache):
         buf_kv, buf_gate, self.remainder, self.pooled = mark
         self.buf_kv, self.buf_gate = copied(buf_kv), copied(buf_gate)
 
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> "BatchRollbackPoolingCache":
+        return BatchRollbackPoolingCache.merge(caches)
+
+
+class BatchRollbackPoolingCache(BatchPoolingCache):
+    """``RollbackPoolingCache`` of several streams (mlx-vlm's ``BatchPoolingCache``:
+    each stream's pooled count, open rows and position of its own), each
+    stream rolled back by its own count after a verify pass: its groups the
+    kept tokens closed, the group they end in reopened with its rows. Pools
+    written past a stream's count are masked (``make_mask``) and overwritten
+    by its next pool."""
+
+    _start: Optional[tuple] = None  # (open rows kv, gate, remainders, pools, read)
+    _rows: Optional[list] = None
+
+    @property
+    def verifying(self) -> bool:
+        return self._start is not None
+
+    def start_verify(self) -> None:
+        self._start = (
+            copied(self.buf_kv),
+            copied(self.buf_gate),
+            list(self.remainder),
+            list(self._pool_lengths),
+            list(self._processed),
+        )
+        self._rows = []
+
+    def _record_speculative_inputs(self, kv, gate):
+        if self._rows is not None:
+            self._rows.append((kv, gate))
+        super()._record_speculative_inputs(kv, gate)
+
+    def rollback(self, n: Counts) -> None:
+        start, rows = self._start, self._rows
+        self._start = self._rows = None
+        n = per_stream(n, self.batch_size)
+        if not any(n):
+            return
+        if start is None:
+            raise RuntimeError(f"cannot roll back {max(n)} tokens outside a verify pass")
+        open_kv, open_gate, remainders, pools, read = start
+        verified = sum(kv.shape[1] for kv, _ in rows)
+        if max(n) > verified:
+            raise ValueError(f"cannot roll back {max(n)} of {verified} verified tokens")
+        ratio, kvs, gates = self.ratio, [], []
+        for b, (k, r) in enumerate(zip(n, remainders)):
+            total = r + verified - k
+            groups, self.remainder[b] = divmod(total, ratio)
+            self._pool_lengths[b] = pools[b] + groups
+            self._processed[b] = read[b] + verified - k
+            lo = groups * ratio
+            for out, old, new in ((kvs, open_kv, 0), (gates, open_gate, 1)):
+                parts = [] if old is None else [old[b : b + 1, :r]]
+                parts += [x[new][b : b + 1] for x in rows]
+                out.append(_open_block(parts, lo, total, ratio))
+        self.buf_kv, self.buf_gate = mx.concatenate(kvs), mx.concatenate(gates)
+        width = max(self._pool_lengths)
+        self.pooled = None if width == 0 else mx.contiguous(self.pooled[:, :width])
+
+    def make_mask(self, L: int = 1, offset=0):
+        # (mlx-vlm 0.7.10's adds an int offset twice where ``L > 1``)
+        if L > 1 and not isinstance(offset, mx.array):
+            offset = mx.full((self.batch_size,), offset, dtype=mx.int32)
+        return super().make_mask(L, offset)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def filter(self, keep: Sequence[int]) -> None:
+        if keep:
+            return super().filter(mx.array(list(keep), dtype=mx.int32))
+        self.buf_kv = self.buf_gate = self.pooled = None
+        self.remainder, self._pool_lengths, self._lengths = [], [], []
+        self._processed, self.left_padding = [], []
+
+    def extract(self, b: int, kind: type = RollbackPoolingCache) -> RollbackPoolingCache:
+        one = super().extract(b)
+        c = kind(self.ratio)
+        c.pooled, c.remainder = one.pooled, one.remainder
+        c.buf_kv, c.buf_gate = one.buf_kv, one.buf_gate
+        return c
+
 
 class TrimmablePoolingCache(PoolingCache):
     """``PoolingCache`` that keeps every key and gate it read, so that ``trim``
@@ -292,6 +378,59 @@ class VerifyCacheList(VLMCacheList):
                 c.restore(m)
             else:
                 c.trim(c.offset - m)
+
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> "BatchCacheList":
+        """(``batch_cache.batchable`` asks every member for a batch form.)"""
+        members = [merge(layer) for layer in zip(*(c.caches for c in caches))]
+        return BatchCacheList([type(c) for c in caches[0].caches], *members)
+
+
+class BatchCacheList(VLMCacheList):
+    """A ``VerifyCacheList`` of several streams: each member in its batch form
+    (``kinds``: the members' own classes, which ``extract`` gives back)."""
+
+    def __init__(self, kinds: List[type], *caches: Any):
+        super().__init__(*caches)
+        self.kinds = kinds
+
+    @property
+    def offset(self):
+        return self.caches[0].offset
+
+    @property
+    def verifying(self) -> bool:
+        return any(c.verifying for c in self.caches)
+
+    def start_verify(self) -> None:
+        for c in self.caches:
+            c.start_verify()
+
+    def rollback(self, n: Counts) -> None:
+        for c in self.caches:
+            c.rollback(n)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def extend(self, other: "BatchCacheList") -> None:
+        for c, o in zip(self.caches, other.caches):
+            c.extend(o)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        for c in self.caches:
+            c.filter(keep)
+
+    def extract(self, b: int, kind: type = VerifyCacheList) -> VerifyCacheList:
+        return kind(*(c.extract(b, k) for c, k in zip(self.caches, self.kinds)))
+
+    @property
+    def state(self) -> list:
+        return [c.state for c in self.caches]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
 
 
 def _rollable(cache: Any) -> Any:
