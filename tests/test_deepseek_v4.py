@@ -175,12 +175,17 @@ def _state(c):
     return [*c.state, c.remainder]  # open rows (kv, gate), pooled groups
 
 
-def _same(a, b):
+def _same(a, b, atol=0.0):
+    """Equal arrays (``atol``: rows a batched forward computed, which round
+    apart from a single stream's by float32's last bits)."""
     if not isinstance(a, mx.array):
         assert a == b
         return
     assert b is not None and a.shape == b.shape and a.dtype == b.dtype
-    np.testing.assert_array_equal(np.array(a), np.array(b))
+    if atol:
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=0, atol=atol)
+    else:
+        np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
 @pytest.mark.parametrize("length", [30, 127])  # groups of 4 close; of 128 too
@@ -355,7 +360,7 @@ def test_batch_rollback_per_stream_equals_a_decode_without_the_drafts(model):
             a, want = _state(c), _state(r)
             assert len(a) == len(want)
             for x, y in zip(a, want):
-                _same(x, y)
+                _same(x, y, atol=1e-5)
     # stream 1 leaves, a fresh one joins; one more token each
     for c in batch:
         c.filter([2, 0])
