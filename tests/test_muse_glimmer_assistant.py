@@ -157,3 +157,47 @@ def test_refuses_what_does_not_fit(target, tmp_path):
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )  # fmt: skip
     assert "the assistant's layers are all sliding_attention" in refusal(target, full)
+
+
+def invoke(*args):
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: through the CLI (the chat template's prompt, 16 tokens, 3 "
+    "drafts a round) the 16th token differs from plain (204 for 153); the API "
+    "greedy test above holds; not yet known to be a near-tie or a bug",
+)
+def test_the_cli_drafts_with_it_describes_it_and_converts_it(tmp_path):
+    target = tm.build_target(tmp_path / "target", agreeable=True)
+    folder = tm.build_assistant(tmp_path / "a", LAYERS, layers=3, window=5, agreeable=True)
+
+    def generate(*args):
+        out = invoke("generate", "-m", target, "-p", "hello there", "-n", 16, "--json",
+                     "--fixed-draft", "--draft-max", 3, *args)  # fmt: skip
+        return json.loads(out.stdout)
+
+    bare = generate()
+    alone = generate("--draft", folder, "--draft-source", "muse_glimmer")
+    assert set(alone["stats"]["by_source"]) == {"muse_glimmer"}
+    assert alone["stats"]["by_source"]["muse_glimmer"]["drafted"] > 0
+    assert alone["tokens"] == bare["tokens"]
+    shown = invoke("info", folder).stdout
+    assert "MuseGlimmerAssistantModel (Muse Glimmer's DFlash assistant (Meta))" in shown
+    info = json.loads(invoke("info", folder, "--json").stdout)
+    assert info["drafter"]["sliding_window"] == 5
+    assert info["drafter"]["target_layer_ids"] == LAYERS
+    out = tmp_path / "q8"
+    invoke("convert", folder, out, "-q", "--q-bits", "8")
+    tokens = tiny.random_prompt(12, seed=1)
+    got = np.array(mlx_mtp.draft_logits(mlx_mtp.load_model(target, draft=out), tokens))
+    want = np.array(mlx_mtp.draft_logits(mlx_mtp.load_model(target, draft=folder), tokens))
+    # the same drafter, at a coarser grid
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.95
