@@ -22,8 +22,22 @@ from .kv import QuantizingKVCache, RollingKVCache, cuttable
 
 
 def can_rollback(caches: List[Any]) -> bool:
-    """Whether every cache in ``caches`` can drop its last tokens."""
-    return all(hasattr(c, "rollback") or c.is_trimmable() for c in caches)
+    """Whether every cache in ``caches`` can always drop its last tokens.
+
+    A sliding-window ``RotatingKVCache`` (mlx-lm's or mlx-vlm's) cannot,
+    though a fresh one says it can: ``is_trimmable`` holds only until it
+    wraps, and past that its ``trim`` leaves the dropped keys in its buffer,
+    where the next one-token step attends to them (``rollback_caches`` gives
+    such layers a plain cache)."""
+    return all(
+        hasattr(c, "rollback") or (not _wraps(c) and c.is_trimmable()) for c in caches
+    )
+
+
+def _wraps(c: Any) -> bool:
+    """Whether ``c`` is a ``RotatingKVCache`` (by class name: mlx-vlm has its
+    own, which this module does not import), which cannot trim once wrapped."""
+    return any(k.__name__ == "RotatingKVCache" for k in type(c).__mro__)
 
 
 def start_verify(caches: List[Any]) -> None:

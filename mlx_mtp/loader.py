@@ -395,6 +395,8 @@ def _attach_head(model, trunk, family, config, head_weights, path: Path, mtp):
     head = _build_head(model, trunk, family, config, head_weights)
     if hasattr(family, "patch_trunk"):  # e.g. teach GDN layers to roll back
         family.patch_trunk(model)
+    if not can_rollback(trunk.make_cache()):  # sliding-window caches made plain
+        rollback_caches(model)
     if not can_rollback(trunk.make_cache()):
         return (
             None,

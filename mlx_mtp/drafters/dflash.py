@@ -205,8 +205,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.args = args
         dim = args.hidden_size
-        self.fc = nn.Linear(len(args.target_layer_ids) * dim, dim, bias=False)
-        self.hidden_norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
+        self.add_projection(args)
         self.layers = [
             self.layer_class(args, t == "sliding_attention") for t in args.layer_types
         ]
@@ -219,9 +218,20 @@ class DFlashModel(nn.Module):
             args.max_position_embeddings,
         )
 
+    def add_projection(self, args: DFlashArgs) -> None:
+        """The modules that take the tapped layers' outputs to one hidden
+        state (a kind whose checkpoint names them otherwise overrides this
+        and ``project``)."""
+        dim = args.hidden_size
+        self.fc = nn.Linear(len(args.target_layer_ids) * dim, dim, bias=False)
+        self.hidden_norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
+
+    def project(self, features: mx.array) -> mx.array:
+        return self.hidden_norm(self.fc(features))
+
     def context(self, features: mx.array, caches: List[Any]) -> mx.array:
         """Each layer's cache reads ``features`` (``[B, L, n_taps * D]``)."""
-        h = self.hidden_norm(self.fc(features))
+        h = self.project(features)
         for layer, c in zip(self.layers, caches):
             layer.self_attn.context(h, self.rope, c)
         return h
