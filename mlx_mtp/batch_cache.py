@@ -448,8 +448,15 @@ def batchable(caches: Sequence[Any]) -> bool:
     return all(
         type(c) is KVCache
         or isinstance(c, (QuantizingKVCache, KeepStatesCache))
-        # (a cache made of caches has one where each of its members has)
-        or (hasattr(c, "merge_batch") and batchable(getattr(c, "caches", ())))
+        # (a cache made of caches has one where each of its members has, or
+        # where its own ``merge_batch`` makes theirs: ``merges_members``)
+        or (
+            hasattr(c, "merge_batch")
+            and (
+                getattr(c, "merges_members", False)
+                or batchable(getattr(c, "caches", ()))
+            )
+        )
         for c in caches
     )
 

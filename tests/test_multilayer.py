@@ -64,12 +64,15 @@ def fresh_layer_states(model, processed, cache):
         first = cache.start[j]
         last = first + head.layer_cache(cache.head, j)[0].offset - 1  # last read
         c = head.layer(j).make_cache()
+        fresh.append(c)
+        if last < first:  # nothing read yet (a head that defers its reads)
+            x = mx.zeros_like(x)
+            continue
         # inputs: layer j - 1's output at i - 1 (the trunk's h_i for layer 0)
         shift = 0 if j == 0 else 1
         inputs = x[:, first - shift : last + 1 - shift]
         tokens = mx.array(processed[first + 1 : last + 2])[None]
         _, out = head.layer(j)(inputs, tokens, c)
-        fresh.append(c)
         # the next layer reads this layer's outputs from position ``first``
         x = mx.concatenate([mx.zeros_like(x[:, :first]), out], axis=1)
     return fresh

@@ -101,7 +101,9 @@ def test_greedy_identical_and_layer_caches_exact(models, family, draft_max):
     fresh = fresh_layer_states(model, processed, cache)
     for j in range(LAYERS):
         layer_caches = model.head.layer_cache(cache.head, j)
-        assert layer_caches[0].offset > 0
+        # the layers that drafted have read; a deeper one defers its reads
+        # until it is asked or holds ``drafter.PENDING_LIMIT`` states
+        assert layer_caches[0].offset > 0 or j >= draft_max
         assert_states_close(layer_caches, fresh[j])
 
 

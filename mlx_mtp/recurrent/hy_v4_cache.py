@@ -37,6 +37,10 @@ from ..batch_cache import RaggedKVCache
 class HyV4CacheList(CacheList):
     """mlx-vlm's ``CacheList`` reporting its latent cache's offset and mask."""
 
+    # its ``merge_batch`` makes its members' batch forms itself
+    # (``BatchHyV4CacheList``): ``batch_cache.batchable`` need not ask them
+    merges_members = True
+
     @property
     def offset(self) -> int:
         return self.caches[0].offset
