@@ -333,9 +333,17 @@ class Decoder(DraftView):
             if not any(reading):
                 continue
             features = d.features(taps)
+            if d.reads_last:
+                # it would read the last prompt feature alone, which costs the
+                # whole forward: the trunk's layers whose outputs no cache
+                # keeps (Gemma 4's K/V-sharing ones) then run over every
+                # position. It holds placeholders, and the round that reads the
+                # prompt's last token makes the features it drafts from.
+                features = mx.zeros(features.shape, features.dtype)
             for b, (s, chunk) in enumerate(zip(self.streams, tokens)):
                 if reading[b]:
                     d.observe(s, features[b : b + 1, : len(chunk)], chunk)
+                    s.blind = s.blind or d.reads_last
             # the prompt's features wait for the drafter's first proposal (one
             # left out, or never asked, reads none), unless too many wait
             if d.overdue(self.streams):
@@ -419,7 +427,7 @@ class Decoder(DraftView):
 
     def cap(self, s: Stream) -> int:
         """The most drafter drafts stream ``s`` may take this round."""
-        if not self.model.drafters:
+        if not self.model.drafters or s.blind:
             return 0
         return max(0, min(s.source.bound(), self.width(s) - 1))
 
@@ -457,6 +465,8 @@ class Decoder(DraftView):
                 tic = time.perf_counter()  # the timing is no part of the round
         # 1) the round's draft length, and each stream's plan
         caps = [self.cap(s) for s in streams]
+        for s in streams:  # this round's forward makes the features they lack
+            s.blind = False
         k, self.next_k = (
             self._choose(caps) if self.next_k is None else self.next_k,
             None,

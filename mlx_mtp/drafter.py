@@ -126,6 +126,12 @@ class Drafter:
     boundable = True
     # a digest of the checkpoint it was loaded from (set by the registry)
     checkpoint: Optional[str] = None
+    # whether it reads the target's features at the last input of a call
+    # alone, keeping nothing per position (a Gemma 4 assistant): a prompt's
+    # features are then not computed for it (``Decoder.prefill``), and its
+    # stream's first round, which reads the prompt's last token, drafts
+    # nothing (``Stream.blind``)
+    reads_last = False
 
     @property
     def key(self) -> str:

@@ -72,6 +72,9 @@ class Stream:
     # the context class (``timing.context_bucket``) whose costs its source has
     costed_at: Optional[int] = None
     segments: Tuple[Segment, ...] = ()
+    # a drafter of it that reads its last input alone (``Drafter.reads_last``)
+    # holds none of the prompt's features: its next round drafts nothing
+    blind: bool = False
 
     @property
     def remaining(self) -> int:

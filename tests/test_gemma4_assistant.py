@@ -120,10 +120,35 @@ def test_stops_and_limits_inside_drafts(folders, reference):
         assert got == greedy(reference, PROMPT, 30, {stop}) and got[-1] == stop
 
 
+def test_the_prompt_features_wait_as_placeholders(folders, reference):
+    """The assistant reads the trunk's hidden state at its last input alone
+    (``Drafter.reads_last``): the prompt's features wait as zeros, so the
+    trunk's layers that no cache keeps need not run over the prompt, and the
+    first round, which reads the prompt's last token, drafts nothing; the
+    round after drafts from the features that round made."""
+    model = mlx_mtp.load_model(folders["target"], mtp=folders["agreeable"])
+    assert [d.reads_last for d in model.drafters] == [True]
+    cache = model.make_cache()
+    got = list(
+        speculative_generate_step(
+            PROMPT, model, max_tokens=1, prompt_cache=cache, drafts=FixedDraft(3)
+        )
+    )
+    assert [t for t, _ in got] == greedy(reference, PROMPT, 1)
+    waiting = np.array(cache.drafts["mtp"].pending[0].hidden)
+    assert waiting.shape[1] == len(PROMPT)  # the prompt's, and its last token's
+    assert not waiting[:, :-1].any() and waiting[:, -1].any()
+    assert run(model, PROMPT, 2, FixedDraft(3))[1].drafted == 0
+    got, stats = run(model, PROMPT, 3, FixedDraft(3))
+    assert got == greedy(reference, PROMPT, 3) and stats.drafted == 1
+
+
 def test_sampling_is_exact(folders, reference):
-    """The first two tokens of seeded generations whose first round drafts
-    follow mlx-lm's model sampled alone (total variation bound as for MTP
-    heads), for both ways of drafting."""
+    """The first two tokens of seeded generations whose second token is
+    drafted follow mlx-lm's model sampled alone (total variation bound as for
+    MTP heads), for both ways of drafting. (The first round reads the
+    prompt's last token and drafts nothing: the assistant drafts from the
+    features that round makes, ``Drafter.reads_last``.)"""
     model = mlx_mtp.load_model(folders["target"], mtp=folders["agreeable"])
     prompt, temp, top_k, n = PROMPT[:30], 1.0, 4, 300
     p = first_two_tokens(reference, prompt, temp, top_k)
@@ -133,7 +158,7 @@ def test_sampling_is_exact(folders, reference):
             config = SamplingConfig(
                 temp=temp, top_k=top_k, seed=seed, draft_sampling=draft_sampling
             )
-            return run(model, prompt, 2, FixedDraft(2), config=config)
+            return run(model, prompt, 3, FixedDraft(2), config=config)
 
         stats = seeded_first_two(p, n, generate)
         assert sum(s.drafted for s in stats) >= n
@@ -439,7 +464,8 @@ def test_batch_generate_with_the_batchs_own_draft_length(folders, reference):
 def test_batch_sampling_is_exact(folders, reference):
     """Seeded batches (each stream its own seed) of one prompt beside others
     of other lengths: the first two tokens of the prompt's streams, whose
-    first round drafts, follow mlx-lm's model sampled alone."""
+    second token is drafted (their first round drafts nothing), follow
+    mlx-lm's model sampled alone."""
     model, tokenizer = mlx_mtp.load(folders["target"], mtp=folders["partly"])
     prompt, temp, top_k, n = PROMPT[:30], 1.0, 4, 300
     p = first_two_tokens(reference, prompt, temp, top_k)
@@ -448,7 +474,7 @@ def test_batch_sampling_is_exact(folders, reference):
     runs = []
     for call in range(n // per):
         out = _batch(
-            model, tokenizer, [prompt] * per + others, 2, temp=temp, top_k=top_k,
+            model, tokenizer, [prompt] * per + others, 3, temp=temp, top_k=top_k,
             seed=call * (per + 2), draft_max=2, adaptive_draft=False,
             draft_source="mtp",
         )  # fmt: skip

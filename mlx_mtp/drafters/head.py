@@ -32,6 +32,7 @@ class HeadDrafter(Drafter):
             layers=tuple(getattr(head, "reads_layers", ())),
             kv=hasattr(head.make_cache()[0], "link"),
         )
+        self.reads_last = bool(getattr(head, "reads_last_input", False))
 
     @property
     def num_layers(self) -> int:

@@ -215,6 +215,9 @@ class Gemma4Assistant(MTPHead):
     OWN = ("model", "pre_projection", "post_projection", "masked_embedding", "lm_head")
     zero_first_embedding = False
     takes_draft_vocab = False  # its output head is its own (E2B/E4B: clustered)
+    # it reads the trunk's hidden state at its last input alone (``states``):
+    # a prompt's are not computed for it (``Drafter.reads_last``)
+    reads_last_input = True
 
     def __init__(self, config: Dict[str, Any], kv_layers: Dict[str, int]):
         super().__init__()
