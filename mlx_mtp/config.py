@@ -187,9 +187,13 @@ def model_identity(model) -> Dict[str, Any]:
     if model.path is None:
         return {"weights": weights_dtype(model)}
     files = {}
-    for folder in {model.path, model.head_dir or model.path}:
+    # a head in a folder of its own (a Gemma 4 assistant's) has files of the
+    # same names as the model's (``model.safetensors``): they are listed under
+    # its folder's name, so that neither hides the other
+    for folder in sorted({model.path, model.head_dir or model.path}):
+        where = "" if folder == model.path else f"{folder.name}/"
         for f in sorted(folder.glob("*.safetensors")):
-            files[f.name] = f.stat().st_size
+            files[where + f.name] = f.stat().st_size
     config = (model.path / "config.json").read_bytes()
     return {
         "config": hashlib.sha256(config).hexdigest()[:16],

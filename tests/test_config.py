@@ -69,6 +69,28 @@ def test_store_tuned_replaces_the_entry_of_the_same_machine(tmp_path, monkeypatc
         config.store_tuned(headed({}), ENTRY)
 
 
+def test_the_identity_lists_a_head_folder_of_its_own(tmp_path, monkeypatch):
+    """A head beside the model in a folder of its own, with a file of the
+    same name (a Gemma 4 assistant's ``model.safetensors``): both are listed,
+    the same way in every process (the costs stored under it are found)."""
+    model_dir, head_dir = tmp_path / "model", tmp_path / "model-assistant"
+    for folder, size in ((model_dir, 300), (head_dir, 20)):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"0" * size)
+        (folder / "config.json").write_text("{}")
+    model = SimpleNamespace(
+        head=object(), head_config={}, path=model_dir, head_dir=head_dir, config={}
+    )
+    monkeypatch.setattr(config, "weights_dtype", lambda model: "float32")
+    identity = config.model_identity(model)
+    assert identity["files"] == {
+        "model.safetensors": 300,
+        "model-assistant/model.safetensors": 20,
+    }
+    alone = SimpleNamespace(**{**vars(model), "head_dir": model_dir})
+    assert config.model_identity(alone)["files"] == {"model.safetensors": 300}
+
+
 def test_the_notice_follows_the_machine(monkeypatch):
     monkeypatch.setattr(config, "compute_bound", lambda: True)
     assert "cannot gain speed" in config.cannot_gain_notice()
