@@ -370,9 +370,9 @@ def served(model, tokenizer, monkeypatch, every):
     monkeypatch.setattr(engine, "STORE_EVERY", every)
     writes, write = [], config.write_entries
 
-    def counted(file, data):
-        writes.append(file.name)
+    def counted(file, data):  # (counted once written: a test reads it then)
         write(file, data)
+        writes.append(file.name)
 
     monkeypatch.setattr(config, "write_entries", counted)
     return LiveServer(model, tokenizer, "mtp", ServeConfig()), writes
