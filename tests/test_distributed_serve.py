@@ -232,7 +232,8 @@ def test_pipeline_over_mlx_launch_answers_as_one_process(tiny_folders, alone):
     proc = launch(2, serve_cmd(folder, port, "--sharding", "pipeline"))
     out, info, [(code, _, err)] = run_cluster([proc], port)
     assert out == alone(folder)
-    # every rank ended 0; mlx.launch itself dies of the Ctrl-C (a traceback)
+    # every rank ended 0, or 130 where mlx.launch passed the Ctrl-C on; it
+    # dies of the Ctrl-C itself (a traceback)
     assert code in (0, -signal.SIGINT) and not launcher_problems(err, True), err
     assert any(out["together", 2])  # four streams, each with text
     c = info["cluster"]
