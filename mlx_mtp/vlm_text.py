@@ -202,7 +202,11 @@ class VLMTextTarget(Target):
             # a cache of caches (hy_v4's ``CacheList``) counts by its first member
             offset = c.offset if hasattr(c, "offset") else cache_offset(c)
             if offset is None:  # a recurrent layer first (GLM-5.3): the first that counts
-                offset = cache_length(cache)
+                # (a batch's, per stream: ``glm5_cache.BatchDSACache``)
+                ragged = [
+                    c.lengths for c in cache if isinstance(getattr(c, "lengths", None), list)
+                ]
+                offset = mx.array(ragged[0], mx.int32) if ragged else cache_length(cache)
         if isinstance(offset, mx.array):
             offset = offset.reshape(-1, 1)
         return (mx.arange(T, dtype=mx.int32)[None] + offset) * mx.ones(

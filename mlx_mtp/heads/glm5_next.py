@@ -40,8 +40,9 @@ import mlx.nn as nn
 from mlx_vlm.models.cache import KVCache
 from mlx_vlm.models.glm5_next.language import Glm5NextAttention, Glm5NextMoE
 
-from ..recurrent.vlm_cache import TrimmablePoolingCache, VerifyCacheList
-from ..recurrent.vlm_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.glm5_cache import DSACacheList, RaggedDSAAttention
+from ..recurrent.glm5_cache import patch_trunk  # noqa: F401  (the loader's hook)
+from ..recurrent.vlm_cache import TrimmablePoolingCache
 from .base import zero_position_0
 from .wiring import FusedHead
 
@@ -61,7 +62,8 @@ class _Block(nn.Module):
 
     def __init__(self, args: Any):
         super().__init__()
-        self.self_attn = Glm5NextAttention(args, args.num_hidden_layers - 1)
+        # (mlx-vlm's, reading a batch of ragged streams too: ``glm5_cache``)
+        self.self_attn = RaggedDSAAttention(args, args.num_hidden_layers - 1)
         self.mlp = Glm5NextMoE(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(
@@ -104,7 +106,7 @@ class Glm5NextMTP(FusedHead):
     def make_cache(self) -> List[Any]:
         kpool = self.block.self_attn.indexer.index_kpool
         return [
-            VerifyCacheList(
+            DSACacheList(
                 KVCache(), KVCache(), TrimmablePoolingCache(kpool), KVCache()
             )
         ]
