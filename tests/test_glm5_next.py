@@ -25,11 +25,15 @@ import tiny_glm5  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
-from vlm_greedy import mtp_greedy, vlm_greedy  # noqa: E402
+from vlm_greedy import batched_greedy, mtp_greedy, vlm_greedy  # noqa: E402
 import mlx_mtp
+from mlx_mtp import batch_cache
 from mlx_mtp.adaptive import FixedDraft
 from mlx_mtp.cache import rollback, start_verify
+from mlx_mtp.draft_settings import DraftSettings
+from mlx_mtp.recurrent.glm5_cache import BatchDSACache, DSACacheList
 from mlx_mtp.recurrent.vlm_cache import (
+    BatchArraysCache,
     RollbackPoolingCache,
     TrimmablePoolingCache,
     VerifyArraysCache,
@@ -72,13 +76,14 @@ def test_loads_through_mlx_vlm_with_its_head(model):
     assert names and not any(".layers.4." in k for k in names)
     caches = m.make_cache().trunk
     assert [type(c) for c in caches] == [
-        VerifyArraysCache, VerifyCacheList, VerifyArraysCache, VerifyCacheList
+        VerifyArraysCache, DSACacheList, VerifyArraysCache, DSACacheList
     ]
     # layer 1 has its own indexer (latent, validity, pools, projected keys);
     # layer 3 shares its selection (latent, projected keys)
     assert [type(c) for c in caches[1].caches][2] is RollbackPoolingCache
     assert len(caches[3].caches) == 2
     (head_cache,) = m.head.make_cache()
+    assert isinstance(head_cache, DSACacheList)
     assert isinstance(head_cache.caches[2], TrimmablePoolingCache)
 
 
@@ -304,42 +309,169 @@ def _streamed(tok, ids):
     return d.text
 
 
-def test_a_served_batch_answers_each_client_as_alone(model, reference):
+# prompt lengths on both sides of the indexer's 8 keys (2 pools of 4) and of
+# DECODE_BLOCK_SIZE (a prompt chunk past 8 tokens takes the projected keys)
+RAGGED = [20, 31, 9, 26, 14, 35, 5, 23]
+LIMITS = [12, 7, 15, 9, 11, 6, 13, 10]
+
+
+@pytest.mark.parametrize("streams", [4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_ragged_streams_decode_batched_as_mlx_vlm_alone(model, reference, streams, k):
+    """4 or 8 streams at different lengths, each leaving at its own limit (and
+    with 8, three joining the running batch) decode in one trunk forward a
+    round, each stream's greedy tokens mlx-vlm's plain ones."""
+    m, _ = model
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate(RAGGED[:streams])]
+    limits = LIMITS[:streams]
+    join = (5, 6, 7) if streams == 8 else ()
+    got, ss, decoder, rounds, forwards = batched_greedy(
+        m, prompts, limits, [k] * streams, join=join
+    )
+    assert decoder.batched and decoder.peak == streams
+    assert [type(c) for c in decoder.trunk] == [
+        BatchArraysCache, BatchDSACache, BatchArraysCache, BatchDSACache
+    ]  # fmt: skip
+    assert forwards == rounds < sum(s.stats.rounds for s in ss)
+    for i, p in enumerate(prompts):
+        assert got[i] == vlm_greedy(reference, p, limits[i]), f"stream {i}"
+    assert sum(s.stats.accepted for s in ss) > 0
+    assert len({s.stats.accepted for s in ss}) > 1  # ragged acceptance
+
+
+def _exact(a, b):
+    """``_same``, and whether ``a`` and ``b`` agree to the last bit."""
+    _same(a, b)
+    return a is None or bool(np.array_equal(np.array(a), np.array(b)))
+
+
+@pytest.mark.parametrize("kept", [[4, 1, 3, 2], [2, 4, 1, 4]])
+def test_batch_rollback_per_stream_equals_decodes_that_never_saw_the_drafts(
+    model, kept
+):
+    """Four streams at different lengths verify 4 tokens each in one forward
+    and keep ``kept[b]`` of them: each stream's extracted caches (delta
+    attention's conv window and state; DSA's latent, indexer validity, pooled
+    keys, the window under way, projected keys) equal those of decoding its
+    kept tokens alone, and the batch decodes on as those do; the head's batch
+    cache likewise. The prompts leave 2, 3, 0 and 1 keys in the indexer's
+    window of 4: the verified tokens close a pool, which the kept ones keep or
+    drop. Float32, within 1e-5 (on MLX's CPU backend every array agrees to
+    the last bit): the batch's projections and MoE are matmuls over 4 rows
+    where a decode's are over 1, which a backend may sum in another order;
+    the pooling caches' rows, copied, are checked to the last bit."""
+    m, t = model[0], model[0].target
+    prompts = [random_prompt(n, seed=20 + i) for i, n in enumerate([31, 12, 21, 18])]
+    rows = [[p[-1], 5 + i, 77, 130 - i] for i, p in enumerate(prompts)]
+    singles = []
+    for p in prompts:
+        c = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], c)
+        singles.append(c)
+    kinds = [type(c) for c in singles[0]]
+    batch = [batch_cache.merge(layer) for layer in zip(*singles)]
+    assert [type(c) for c in batch] == [
+        BatchArraysCache, BatchDSACache, BatchArraysCache, BatchDSACache
+    ]  # fmt: skip
+    start_verify(batch)
+    t.forward(mx.array(rows), batch)
+    batch_cache.rollback(batch, [4 - n for n in kept])
+    assert batch[1].lengths == [len(p) - 1 + n for p, n in zip(prompts, kept)]
+    refs = []
+    for p, row, n in zip(prompts, rows, kept):
+        ref = t.make_cache()
+        t.forward(mx.array(p[:-1])[None], ref)
+        for tok in row[:n]:
+            t.forward(mx.array([[tok]]), ref)
+        refs.append(ref)
+    for b, ref in enumerate(refs):
+        got = [c.extract(b, kind) for c, kind in zip(batch, kinds)]
+        assert [type(c) for c in got] == kinds
+        for c, r in zip(got, ref):
+            for x, y in zip(_arrays(c), _arrays(r), strict=True):
+                _exact(x, y)
+        # the pools and the window under way: copied rows, to the last bit
+        pools, want = got[1].caches[2], ref[1].caches[2]
+        assert pools.remainder == want.remainder
+        assert all(_exact(x, y) for x, y in zip(pools.state, want.state))
+    # the batch reads on from each stream's kept tokens
+    a, _ = t.forward(mx.array([[11]] * 4), batch)
+    for b, ref in enumerate(refs):
+        r, _ = t.forward(mx.array([[11]]), ref)
+        np.testing.assert_allclose(np.array(a[b]), np.array(r[0]), atol=1e-5)
+
+    head = m.head
+    L = [len(p) for p in prompts]
+    hs = [mx.random.normal((1, n + 3, 32), key=mx.random.key(b)) for b, n in enumerate(L)]
+    toks = [mx.array(p + [1, 2, 3])[None] for p in prompts]
+    singles = []
+    for h, tk, n in zip(hs, toks, L):
+        hc = head.make_cache()
+        head(h[:, :n], tk[:, :n], hc)
+        singles.append(hc)
+    hb = [batch_cache.merge(layer) for layer in zip(*singles)]
+    assert type(hb[0]) is BatchDSACache
+    head(
+        mx.concatenate([h[:, -3:] for h in hs]),
+        mx.concatenate([tk[:, -3:] for tk in toks]),
+        hb,
+    )
+    drop = [3 - min(n, 3) for n in kept]
+    batch_cache.rollback(hb, drop)
+    for b, (h, tk, n) in enumerate(zip(hs, toks, L)):
+        hr = head.make_cache()
+        keep = n + 3 - drop[b]
+        head(h[:, :keep], tk[:, :keep], hr)
+        for x, y in zip(_arrays(hb[0].extract(b)), _arrays(hr[0]), strict=True):
+            _same(x, y)
+
+
+def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, reference):
+    """Four clients at once, each with its own prompt length, draft count and
+    limit: the server decodes them in one batch, and each gets the answer it
+    gets alone without drafts, mlx-vlm's plain greedy tokens."""
     from live_server import LiveServer
 
     from mlx_mtp.serve import ServeConfig
 
     m, tok = model
-    server = LiveServer(m, tok, "glm5_next", ServeConfig(max_batch=4))
-    prompts = [f"Q{i}: " + "abcdefgh"[: i + 2] * (i + 2) for i in range(4)]
+    config = ServeConfig(max_batch=4, prompt_cache_entries=0, lookup_memory_bytes=0,
+                         drafts=DraftSettings(adaptive=False))  # fmt: skip
+    server = LiveServer(m, tok, "glm5_next", config)
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate([22, 9, 30, 15])]
+    limits = [14, 10, 16, 12]
+    stop = set(tok.eos_token_ids)
     try:
         client = server.client()
-        # its caches have no batch form: the engine takes the streams in turn
-        assert server.get("/health")[1]["batched"] is False
 
-        def ask(prompt):
+        def ask(i, drafts):
             r = client.completions.create(
-                model="glm5_next", prompt=prompt, max_tokens=12,
-                extra_body={"draft_max": 2},
+                model="glm5_next", prompt=prompts[i], max_tokens=limits[i],
+                temperature=0.0, extra_body={"draft_max": drafts},
             )  # fmt: skip
             return r.choices[0].text, r.usage
 
-        alone = [ask(p) for p in prompts]
-        together = [None] * len(prompts)
+        plain = [ask(i, 0)[0] for i in range(4)]
+        together = [None] * 4
         threads = [
-            threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, ask(p)))
-            for i, p in enumerate(prompts)
+            threading.Thread(
+                target=lambda i=i: together.__setitem__(i, ask(i, [1, 2, 3, 2][i]))
+            )
+            for i in range(4)
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
-        assert [t for t, _ in together] == [t for t, _ in alone]
-        for (text, _), p in zip(alone, prompts):
-            assert text == _streamed(tok, vlm_greedy(reference, tok.encode(p), 12))
-        assert sum(u.mtp["accepted"] for _, u in together) > 0
+        health = server.get("/health")[1]
     finally:
         server.close()
+    assert health["batched"] and health["peak_batch"] > 1
+    assert [t for t, _ in together] == plain
+    assert sum(u.mtp["accepted"] for _, u in together) > 0
+    for i, p in enumerate(prompts):
+        ids = vlm_greedy(reference, p, limits[i], stop=stop)
+        assert plain[i] == _streamed(tok, [t for t in ids if t not in stop])
 
 
 @pytest.fixture(scope="module")
