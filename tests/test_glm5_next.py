@@ -161,6 +161,8 @@ def _arrays(c):
     if isinstance(c, (RollbackPoolingCache, TrimmablePoolingCache)):
         assert not getattr(c, "verifying", False)
         return [*c.state, mx.array(c.remainder)]
+    if c.keys is None:  # (projected keys a stream never wrote)
+        return [None, None]
     return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
 
 
@@ -424,6 +426,47 @@ def test_batch_rollback_per_stream_equals_decodes_that_never_saw_the_drafts(
         head(h[:, :keep], tk[:, :keep], hr)
         for x, y in zip(_arrays(hb[0].extract(b)), _arrays(hr[0]), strict=True):
             _same(x, y)
+
+
+def test_a_padded_prompt_chunk_in_a_batch_reads_as_each_stream_alone(model):
+    """Four streams read prompt chunks of 12, 9, 5 and 10 tokens in one forward,
+    right-padded to 12 and the padding rolled back (as the decoder reads
+    ragged prompts: ``exact_chunks``): chunks past ``DECODE_BLOCK_SIZE`` take
+    the projected keys stream by stream. Each stream's caches equal those of
+    reading its chunk alone (the projected keys a padded stream of 5 tokens
+    would not write alone taken back), and its logits at its chunk's tokens
+    match. Not to the last bit for that stream (its logits within about
+    2e-7, the next layer's latent 1e-7 on MLX's CPU backend): the batch's
+    width of 12 takes it through mlx-vlm's projected-keys attention where
+    its 5 tokens alone take the latent's, the same sums in another order
+    (the forward cannot tell its padding from its tokens)."""
+    t = model[0].target
+    heads = [random_prompt(n, seed=60 + i) for i, n in enumerate([7, 14, 10, 3])]
+    chunks = [random_prompt(n, seed=70 + i) for i, n in enumerate([12, 9, 5, 10])]
+    singles, refs, want = [], [], []
+    for h, c in zip(heads, chunks):
+        a, r = t.make_cache(), t.make_cache()
+        t.forward(mx.array(h)[None], a)
+        t.forward(mx.array(h)[None], r)
+        logits, _ = t.forward(mx.array(c)[None], r)
+        singles.append(a)
+        refs.append(r)
+        want.append(logits)
+    kinds = [type(c) for c in singles[0]]
+    batch = [batch_cache.merge(layer) for layer in zip(*singles)]
+    width = max(map(len, chunks))
+    pads = [width - len(c) for c in chunks]
+    start_verify(batch)
+    got, _ = t.forward(mx.array([c + [0] * p for c, p in zip(chunks, pads)]), batch)
+    batch_cache.rollback(batch, pads)
+    for b, (ref, c) in enumerate(zip(refs, chunks)):
+        np.testing.assert_allclose(
+            np.array(got[b, : len(c)]), np.array(want[b][0]), atol=1e-4
+        )
+        mine = [x.extract(b, kind) for x, kind in zip(batch, kinds)]
+        for x, y in zip(mine, ref):
+            for u, v in zip(_arrays(x), _arrays(y), strict=True):
+                _same(u, v)
 
 
 def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, reference):

@@ -89,6 +89,9 @@ class BatchDSACache:
 
     def __init__(self, latent: RaggedKVCache, rest: List[list], kind: type):
         self.latent, self.rest, self.kind = latent, rest, kind
+        # the last forward's width and each stream's projected keys before it,
+        # where it wrote them (a chunk past ``DECODE_BLOCK_SIZE``)
+        self.wrote: Optional[tuple] = None
 
     @property
     def lengths(self) -> List[int]:
@@ -110,6 +113,12 @@ class BatchDSACache:
     def rollback(self, n: Counts) -> None:
         n = per_stream(n, len(self.rest))
         self.latent.rollback(n)
+        wrote, self.wrote = self.wrote, None
+        if wrote is not None:  # a stream whose kept tokens alone take the
+            width, before = wrote  # latent's path never writes projected keys
+            for members, k, m in zip(self.rest, n, before):
+                if width - k <= DECODE_BLOCK_SIZE and members[-1].offset > m:
+                    members[-1].trim(members[-1].offset - m)
         for members, k, keep in zip(self.rest, n, self.latent.lengths):
             for c in members:
                 if hasattr(c, "rollback"):  # (called with 0 too: it lets go)
@@ -195,11 +204,18 @@ class RaggedDSAAttention(Glm5NextAttention):
                     for b, (m, n) in enumerate(zip(cache.rest, starts))
                 ]
             )
+        cache.wrote = None
         if L <= DECODE_BLOCK_SIZE and not self.training:
             out, topk = self._attend(
                 q, latent, new_latent, topk, cache.latent, None, last_only
             )
         else:  # stream by stream, with its projected keys, as alone
+            # (a right-padded stream whose own tokens take the latent's path
+            # alone has the keys written here taken back: ``rollback``)
+            # (a module in training mode takes this path at any width, alone
+            # too: the head's block, which nothing sets to eval mode)
+            if not self.training:
+                cache.wrote = (L, [m[-1].offset for m in cache.rest])
             parts = [
                 self._attend(
                     q[b : b + 1],
