@@ -40,8 +40,9 @@ def draft_source(
     ``ngram.LookupMemory`` of earlier requests, ``history`` its
     ``adaptive.AcceptanceHistory``), costed by this machine's measured costs
     (``probe.machine_costs``). Without ``draft_max`` each drafter drafts at
-    most its own bound (``make_source``)."""
-    if not drafts.mtp:
+    most its own bound (``make_source``); ``draft_max`` 0 drafts nothing,
+    prompt lookup included (plain decoding, as ``mtp`` False)."""
+    if not drafts.mtp or drafts.draft_max == 0:
         return make_source(model, "mtp", 0)
     return make_source(
         model, drafts.source, drafts.draft_max, drafts.adaptive, batched,

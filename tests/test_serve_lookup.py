@@ -46,6 +46,16 @@ def test_every_source_gives_the_plain_greedy_answer(server):
     assert usage.mtp["drafted"] == usage.mtp["lookup_drafted"]  # the head is off
 
 
+def test_draft_max_0_drafts_nothing_from_any_source(server):
+    """A request's ``draft_max`` 0 is plain decoding: prompt lookup, which a
+    repeated block would draft from, is off too, whatever the source."""
+    plain, _ = ask(server, PROMPTS[0], draft_max=0, draft_source="mtp")
+    for source in ("ngram", "auto"):
+        text, usage = ask(server, PROMPTS[0], draft_max=0, draft_source=source)
+        assert text == plain, source
+        assert usage.mtp["drafted"] == 0 and usage.mtp["lookup_drafted"] == 0, source
+
+
 def test_streams_of_every_source_decode_together(server):
     alone = {
         (i, s): ask(server, p, draft_source=s)[0]
