@@ -25,7 +25,7 @@ import tiny_glm5  # noqa: E402
 from tiny import random_prompt
 from mlx.utils import tree_flatten
 
-from vlm_greedy import batched_greedy, mtp_greedy, vlm_greedy  # noqa: E402
+from vlm_greedy import batched_greedy, mtp_greedy, streamed_text, vlm_greedy  # noqa: E402
 import mlx_mtp
 from mlx_mtp import batch_cache
 from mlx_mtp.adaptive import FixedDraft
@@ -301,16 +301,6 @@ def test_info_lists_the_family_its_layers_and_source():
     assert r.returncode == 0 and "glm5_next" in r.stdout
 
 
-def _streamed(tok, ids):
-    """The text a stream of ``ids`` reads as (what the server sends)."""
-    d = tok.detokenizer
-    d.reset()
-    for t in ids:
-        d.add_token(t)
-    d.finalize()
-    return d.text
-
-
 # prompt lengths on both sides of the indexer's 8 keys (2 pools of 4) and of
 # DECODE_BLOCK_SIZE (a prompt chunk past 8 tokens takes the projected keys)
 RAGGED = [20, 31, 9, 26, 14, 35, 5, 23]
@@ -514,7 +504,7 @@ def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, refer
     assert sum(u.mtp["accepted"] for _, u in together) > 0
     for i, p in enumerate(prompts):
         ids = vlm_greedy(reference, p, limits[i], stop=stop)
-        assert plain[i] == _streamed(tok, [t for t in ids if t not in stop])
+        assert plain[i] == streamed_text(tok, [t for t in ids if t not in stop])
 
 
 @pytest.fixture(scope="module")

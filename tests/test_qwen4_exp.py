@@ -24,7 +24,7 @@ from tiny import random_prompt
 from mlx.utils import tree_flatten
 
 from live_server import LiveServer  # noqa: E402
-from vlm_greedy import batched_greedy, mtp_greedy, vlm_greedy  # noqa: E402
+from vlm_greedy import batched_greedy, mtp_greedy, streamed_text, vlm_greedy  # noqa: E402
 import mlx_mtp
 from mlx_mtp import batch_cache
 from mlx_mtp.draft_settings import DraftSettings
@@ -311,16 +311,6 @@ def test_batch_rollback_per_stream_equals_decodes_that_never_saw_the_drafts(
             _same(x, y)
 
 
-def _streamed_text(tok, ids):
-    """``ids`` as text, detokenized token by token as the server streams it."""
-    d = tok.detokenizer
-    d.reset()
-    for t in ids:
-        d.add_token(t)
-    d.finalize()
-    return d.text
-
-
 def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, reference):
     """Four clients at once, each with its own prompt length, draft count and
     limit: the server decodes them in one batch, and each gets the answer it
@@ -362,7 +352,7 @@ def test_served_batch_answers_concurrent_requests_as_plain_decoding(model, refer
     assert sum(u.mtp["accepted"] for _, u in together) > 0
     for i, p in enumerate(prompts):
         ids = vlm_greedy(reference, p, limits[i], stop=stop)
-        assert plain[i] == _streamed_text(tok, [t for t in ids if t not in stop])
+        assert plain[i] == streamed_text(tok, [t for t in ids if t not in stop])
 
 
 def test_kv_bits_is_refused_in_one_line(folders):

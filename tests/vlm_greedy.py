@@ -78,3 +78,13 @@ def batched_greedy(m, prompts, limits, drafts, join=(), join_at=1):
     finally:
         m.target.forward = forward
     return [out[id(s)] for s in streams], streams, decoder, rounds, forwards[0]
+
+
+def streamed_text(tok, ids):
+    """``ids`` as text, detokenized token by token as the server streams it."""
+    d = tok.detokenizer
+    d.reset()
+    for t in ids:
+        d.add_token(t)
+    d.finalize()
+    return d.text
